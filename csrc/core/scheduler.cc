@@ -1,0 +1,323 @@
+#include "octavo/scheduler.h"
+
+#include <algorithm>
+
+#include "octavo/status.h"
+
+namespace octavo {
+
+void SchedulerConfig::validate() const {
+  OCTAVO_CHECK(num_blocks >= 2, "num_blocks must be at least 2 (block 0 is reserved), got " << num_blocks);
+  OCTAVO_CHECK(block_size >= 1 && block_size <= 1024, "block_size must be in [1, 1024], got " << block_size);
+  OCTAVO_CHECK(max_model_len >= 2, "max_model_len must be at least 2, got " << max_model_len);
+  OCTAVO_CHECK(max_num_seqs >= 1, "max_num_seqs must be positive, got " << max_num_seqs);
+  OCTAVO_CHECK(max_num_batched_tokens >= 1, "max_num_batched_tokens must be positive, got " << max_num_batched_tokens);
+  OCTAVO_CHECK(enable_chunked_prefill || max_num_batched_tokens >= max_model_len,
+               "without chunked prefill max_num_batched_tokens (" << max_num_batched_tokens
+                   << ") must be at least max_model_len (" << max_model_len << ") so that every prompt fits one step");
+  OCTAVO_CHECK(max_num_partial_prefills >= 0, "max_num_partial_prefills must be >= 0, got " << max_num_partial_prefills);
+  OCTAVO_CHECK(long_prefill_token_threshold >= 0,
+               "long_prefill_token_threshold must be >= 0, got " << long_prefill_token_threshold);
+  OCTAVO_CHECK(num_lookahead_tokens >= 0, "num_lookahead_tokens must be >= 0, got " << num_lookahead_tokens);
+}
+
+namespace {
+
+SchedulerConfig validated(const SchedulerConfig& config) {
+  config.validate();
+  return config;
+}
+
+// Priority order (lower first), then arrival; used to keep the waiting queue sorted and to pick
+// the preemption victim under the priority policy.
+bool served_before(const Request* a, const Request* b) {
+  if (a->params().priority != b->params().priority) return a->params().priority < b->params().priority;
+  return a->arrival_seq() < b->arrival_seq();
+}
+
+bool still_prefilling(const Request& r) { return r.num_computed_tokens < r.num_tokens(); }
+
+}  // namespace
+
+Scheduler::Scheduler(const SchedulerConfig& config)
+    : config_(validated(config)),
+      kv_(config.num_blocks, config.block_size, config.max_model_len, config.enable_prefix_caching) {
+  // Reserve once so that the buffers Python views do not move between steps.
+  const size_t max_reqs = static_cast<size_t>(config.max_num_seqs);
+  const size_t max_tokens = static_cast<size_t>(config.max_num_batched_tokens);
+  const size_t max_width = static_cast<size_t>(kv_.num_blocks_for(config.max_model_len));
+  output_.req_handles.reserve(max_reqs);
+  output_.num_scheduled_tokens.reserve(max_reqs);
+  output_.num_computed_tokens.reserve(max_reqs);
+  output_.is_new.reserve(max_reqs);
+  output_.query_start_loc.reserve(max_reqs + 1);
+  output_.seq_lens.reserve(max_reqs);
+  output_.logits_indices.reserve(max_reqs);
+  output_.block_table.reserve(max_reqs * max_width);
+  output_.input_ids.reserve(max_tokens);
+  output_.positions.reserve(max_tokens);
+  output_.slot_mapping.reserve(max_tokens);
+  running_.reserve(max_reqs);
+  scheduled_.reserve(max_reqs);
+}
+
+int64_t Scheduler::add_request(RequestParams params) {
+  const int prompt_len = static_cast<int>(params.prompt_token_ids.size());
+  const std::string& id = params.request_id;
+  OCTAVO_CHECK(prompt_len >= 1, "request '" << id << "' has an empty prompt");
+  OCTAVO_CHECK(handle_of_.find(id) == handle_of_.end(), "request id '" << id << "' is already in use");
+  OCTAVO_CHECK(params.max_tokens >= 1, "max_tokens must be at least 1, got " << params.max_tokens);
+  OCTAVO_CHECK(params.min_tokens >= 0 && params.min_tokens <= params.max_tokens,
+               "min_tokens must be in [0, max_tokens=" << params.max_tokens << "], got " << params.min_tokens);
+  OCTAVO_CHECK(prompt_len < config_.max_model_len,
+               "request '" << id << "': the prompt has " << prompt_len << " tokens, which leaves no room to generate "
+                           << "within max_model_len=" << config_.max_model_len);
+  // The last generated token is never fed back, so its KV slot is never needed.
+  const int64_t max_len = std::min<int64_t>(static_cast<int64_t>(prompt_len) + params.max_tokens, config_.max_model_len);
+  const int blocks_needed = kv_.num_blocks_for(static_cast<int>(max_len) - 1 + config_.num_lookahead_tokens);
+  OCTAVO_CHECK(blocks_needed <= kv_.pool().num_usable_blocks(),
+               "request '" << id << "' needs up to " << blocks_needed << " KV blocks (" << max_len
+                           << " tokens) but the whole pool has " << kv_.pool().num_usable_blocks()
+                           << "; lower max_tokens or give the KV cache more memory");
+  const int64_t handle = next_handle_++;
+  auto request = std::make_unique<Request>(std::move(params), handle, handle);
+  Request* raw = request.get();
+  handle_of_.emplace(raw->request_id(), handle);
+  requests_.emplace(handle, std::move(request));
+  enqueue_waiting(raw, /*at_front=*/false);
+  return handle;
+}
+
+void Scheduler::enqueue_waiting(Request* request, bool at_front) {
+  if (config_.policy == SchedulingPolicy::kPriority) {
+    waiting_.insert(std::upper_bound(waiting_.begin(), waiting_.end(), request, served_before), request);
+  } else if (at_front) {
+    waiting_.push_front(request);
+  } else {
+    waiting_.push_back(request);
+  }
+}
+
+const Request* Scheduler::find(int64_t handle) const {
+  auto it = requests_.find(handle);
+  return it == requests_.end() ? nullptr : it->second.get();
+}
+
+const Request* Scheduler::find(const std::string& id) const {
+  auto it = handle_of_.find(id);
+  return it == handle_of_.end() ? nullptr : find(it->second);
+}
+
+void Scheduler::abort_requests(const std::vector<std::string>& request_ids) {
+  if (in_step_) {
+    pending_aborts_.insert(pending_aborts_.end(), request_ids.begin(), request_ids.end());
+    return;
+  }
+  for (const std::string& id : request_ids) {
+    auto it = handle_of_.find(id);
+    if (it == handle_of_.end()) continue;
+    Request* request = requests_.at(it->second).get();
+    if (request->status == RequestStatus::kRunning) {
+      running_.erase(std::find(running_.begin(), running_.end(), request));
+    } else {
+      waiting_.erase(std::find(waiting_.begin(), waiting_.end(), request));
+    }
+    finish(request, FinishReason::kAbort);
+  }
+}
+
+void Scheduler::finish(Request* request, FinishReason reason) {
+  request->status = RequestStatus::kFinished;
+  if (request->finish_reason == FinishReason::kNone) request->finish_reason = reason;
+  kv_.free(*request);
+  output_.finished_handles.push_back(request->handle());
+  handle_of_.erase(request->request_id());
+  requests_.erase(request->handle());
+}
+
+const SchedulerOutput& Scheduler::schedule() {
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, !in_step_,
+                    "schedule() called twice without update_from_output() for the first step");
+  output_.preempted_handles.clear();
+  scheduled_.clear();
+  int budget = config_.max_num_batched_tokens;
+  schedule_running(budget);
+  if (output_.preempted_handles.empty()) schedule_waiting(budget);
+  fill_output();
+  for (const Scheduled& s : scheduled_) s.request->num_computed_tokens += s.num_tokens;
+  in_step_ = true;
+  return output_;
+}
+
+int Scheduler::cap_new_tokens(const Request& request, int num_new_tokens, int budget) const {
+  const int threshold = config_.long_prefill_token_threshold;
+  if (threshold > 0) num_new_tokens = std::min(num_new_tokens, threshold);
+  num_new_tokens = std::min(num_new_tokens, budget);
+  // Positions stay below max_model_len.
+  return std::min(num_new_tokens, config_.max_model_len - 1 - request.num_computed_tokens);
+}
+
+void Scheduler::schedule_running(int& budget) {
+  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+    Request* request = running_[i];
+    const int wanted = request->num_tokens() - request->num_computed_tokens;
+    const int num_new = cap_new_tokens(*request, wanted, budget);
+    if (num_new <= 0) continue;
+    const size_t num_preempted = output_.preempted_handles.size();
+    if (!allocate_or_preempt(request, num_new, budget)) break;
+    // A priority victim may have stood before this request; find where it stands now.
+    if (output_.preempted_handles.size() != num_preempted) i = std::find(running_.begin(), running_.end(), request) - running_.begin();
+    scheduled_.push_back({request, num_new, false});
+    budget -= num_new;
+  }
+}
+
+bool Scheduler::allocate_or_preempt(Request* request, int num_new_tokens, int& budget) {
+  while (!kv_.allocate_slots(*request, num_new_tokens, nullptr, config_.num_lookahead_tokens)) {
+    Request* victim = pick_victim();
+    preempt(victim, budget);
+    if (victim == request) return false;
+  }
+  return true;
+}
+
+Request* Scheduler::pick_victim() {
+  if (config_.policy == SchedulingPolicy::kPriority) {
+    // The request served last: largest priority value, latest arrival.
+    return *std::max_element(running_.begin(), running_.end(), served_before);
+  }
+  return running_.back();
+}
+
+void Scheduler::preempt(Request* victim, int& budget) {
+  running_.erase(std::find(running_.begin(), running_.end(), victim));
+  // A victim already scheduled in this step gives its tokens back to the budget.
+  auto it = std::find_if(scheduled_.begin(), scheduled_.end(), [&](const Scheduled& s) { return s.request == victim; });
+  if (it != scheduled_.end()) {
+    budget += it->num_tokens;
+    scheduled_.erase(it);
+  }
+  // KV written in earlier steps stays cached for the recompute; slots reserved this step are not.
+  kv_.free(*victim, victim->num_computed_tokens);
+  victim->num_computed_tokens = 0;
+  victim->status = RequestStatus::kPreempted;
+  victim->num_preemptions += 1;
+  ++num_preemptions_;
+  output_.preempted_handles.push_back(victim->handle());
+  enqueue_waiting(victim, /*at_front=*/true);
+}
+
+void Scheduler::schedule_waiting(int& budget) {
+  int partial_prefills = 0;
+  for (const Scheduled& s : scheduled_) partial_prefills += s.request->num_computed_tokens + s.num_tokens < s.request->num_tokens();
+  while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_num_seqs) {
+    Request* request = waiting_.front();
+    ComputedBlocks hits = kv_.get_computed_blocks(*request);
+    const int wanted = request->num_tokens() - hits.num_computed_tokens;
+    if (!config_.enable_chunked_prefill && wanted > budget) break;
+    const int num_new = std::min(cap_new_tokens(*request, wanted, budget), wanted);
+    const bool partial = num_new < wanted;
+    if (partial && config_.max_num_partial_prefills > 0 && partial_prefills >= config_.max_num_partial_prefills) break;
+    if (!kv_.allocate_slots(*request, num_new, &hits, config_.num_lookahead_tokens)) break;
+    waiting_.pop_front();
+    request->num_computed_tokens = hits.num_computed_tokens;
+    request->status = RequestStatus::kRunning;
+    running_.push_back(request);
+    scheduled_.push_back({request, num_new, true});
+    budget -= num_new;
+    partial_prefills += partial;
+  }
+}
+
+void Scheduler::fill_output() {
+  SchedulerOutput& out = output_;
+  const int bs = kv_.block_size();
+  out.req_handles.clear();
+  out.num_scheduled_tokens.clear();
+  out.num_computed_tokens.clear();
+  out.is_new.clear();
+  out.input_ids.clear();
+  out.positions.clear();
+  out.slot_mapping.clear();
+  out.seq_lens.clear();
+  out.logits_indices.clear();
+  out.query_start_loc.assign(1, 0);
+  int width = 0;
+  for (const Scheduled& s : scheduled_) width = std::max(width, static_cast<int>(s.request->block_ids.size()));
+  out.block_table_width = width;
+  out.block_table.assign(scheduled_.size() * static_cast<size_t>(width), BlockPool::kNullBlock);
+
+  for (size_t i = 0; i < scheduled_.size(); ++i) {
+    const Request& r = *scheduled_[i].request;
+    const int start = r.num_computed_tokens;
+    const int end = start + scheduled_[i].num_tokens;
+    out.req_handles.push_back(r.handle());
+    out.num_scheduled_tokens.push_back(scheduled_[i].num_tokens);
+    out.num_computed_tokens.push_back(start);
+    out.is_new.push_back(scheduled_[i].is_new ? 1 : 0);
+    const int32_t* ids = r.block_ids.data();
+    for (int pos = start; pos < end; ++pos) {
+      out.input_ids.push_back(r.token_ids()[pos]);
+      out.positions.push_back(pos);
+      out.slot_mapping.push_back(ids[pos / bs] * bs + pos % bs);
+    }
+    out.query_start_loc.push_back(static_cast<int32_t>(out.input_ids.size()));
+    out.seq_lens.push_back(end);
+    out.logits_indices.push_back(static_cast<int32_t>(out.input_ids.size()) - 1);
+    std::copy(r.block_ids.begin(), r.block_ids.end(), out.block_table.begin() + static_cast<ptrdiff_t>(i) * width);
+  }
+}
+
+const UpdateOutput& Scheduler::update_from_output(const int32_t* sampled, const int32_t* offsets) {
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, in_step_, "update_from_output() called without a schedule() before it");
+  in_step_ = false;
+  output_.finished_handles.clear();
+  UpdateOutput& up = update_;
+  up.req_handles.clear();
+  up.new_token_ids.clear();
+  up.finish_reasons.clear();
+  up.stop_reasons.clear();
+  up.new_token_offsets.assign(1, 0);
+  bool any_finished = false;
+  for (size_t i = 0; i < scheduled_.size(); ++i) {
+    Request* r = scheduled_[i].request;
+    up.req_handles.push_back(r->handle());
+    const int begin = offsets ? offsets[i] : static_cast<int>(i);
+    const int end = offsets ? offsets[i + 1] : static_cast<int>(i) + 1;
+    bool stopped = false;
+    if (!still_prefilling(*r)) {
+      for (int k = begin; k < end && !stopped; ++k) {
+        r->append_output_token(sampled[k]);
+        up.new_token_ids.push_back(sampled[k]);
+        stopped = r->check_stop(config_.max_model_len);
+      }
+    }
+    up.new_token_offsets.push_back(static_cast<int32_t>(up.new_token_ids.size()));
+    up.finish_reasons.push_back(static_cast<int8_t>(stopped ? r->finish_reason : FinishReason::kNone));
+    up.stop_reasons.push_back(stopped ? r->stop_reason : -1);
+    if (stopped) {
+      r->status = RequestStatus::kFinished;
+      any_finished = true;
+    }
+  }
+  if (any_finished) {
+    running_.erase(std::remove_if(running_.begin(), running_.end(),
+                                  [](const Request* r) { return r->status == RequestStatus::kFinished; }),
+                   running_.end());
+    for (const Scheduled& s : scheduled_) {
+      if (s.request->status == RequestStatus::kFinished) finish(s.request, s.request->finish_reason);
+    }
+  }
+  scheduled_.clear();
+  apply_pending_aborts();
+  return up;
+}
+
+void Scheduler::apply_pending_aborts() {
+  if (pending_aborts_.empty()) return;
+  std::vector<std::string> ids;
+  ids.swap(pending_aborts_);
+  abort_requests(ids);
+}
+
+}  // namespace octavo

@@ -1,0 +1,54 @@
+// Per-request KV block bookkeeping over a BlockPool: prefix-cache lookup, slot allocation that
+// either fully succeeds or changes nothing, hashing blocks as they fill, and freeing.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "octavo/block_pool.h"
+#include "octavo/request.h"
+
+namespace octavo {
+
+struct ComputedBlocks {
+  std::vector<int32_t> block_ids;  // cached blocks covering the first num_computed_tokens tokens
+  int num_computed_tokens = 0;     // a multiple of block_size, always < request.num_tokens()
+};
+
+class KVCacheManager {
+ public:
+  KVCacheManager(int num_blocks, int block_size, int max_model_len, bool enable_caching = true);
+
+  BlockPool& pool() { return pool_; }
+  const BlockPool& pool() const { return pool_; }
+  int block_size() const { return pool_.block_size(); }
+  int max_model_len() const { return max_model_len_; }
+  int num_blocks_for(int num_tokens) const { return (num_tokens + block_size() - 1) / block_size(); }
+
+  // Longest verified cached prefix of the request's tokens. The last token is never counted as
+  // computed, even when the whole sequence is cached: its logits are needed. Takes no references
+  // and records nothing: allocate_slots does both when the request is admitted.
+  ComputedBlocks get_computed_blocks(Request& request);
+
+  // Makes room for `num_new_tokens` tokens after the request's computed ones (plus
+  // `num_lookahead_tokens` slots for speculative tokens), adopting `new_computed` cache hits
+  // first. Returns false and changes nothing when too few blocks are free. On success the
+  // request's full blocks of known tokens up to the new computed length are registered in the
+  // prefix cache, and a lookup result (`new_computed` given) counts in the prefix-cache stats.
+  bool allocate_slots(Request& request, int num_new_tokens, const ComputedBlocks* new_computed = nullptr,
+                      int num_lookahead_tokens = 0);
+
+  // Returns the request's blocks to the pool, last block first so that its tail is evicted
+  // before its shared prefix. Blocks holding tokens at or past `num_valid_tokens` lose their
+  // cache entries (their KV was never computed); -1 keeps every entry.
+  void free(Request& request, int num_valid_tokens = -1);
+
+ private:
+  void cache_full_blocks(Request& request, int num_tokens);
+
+  BlockPool pool_;
+  int max_model_len_;
+  std::vector<int32_t> parents_, matches_;  // scratch of get_computed_blocks, kept to avoid allocations
+};
+
+}  // namespace octavo
