@@ -28,10 +28,13 @@ SchedulerConfig validated(const SchedulerConfig& config) {
   return config;
 }
 
-// Priority order (lower first), then arrival; used to keep the waiting queue sorted and to pick
-// the preemption victim under the priority policy.
+// Priority order (lower first), then arrival time, then order of add_request; keeps the waiting
+// queue sorted and picks the preemption victim under the priority policy.
 bool served_before(const Request* a, const Request* b) {
-  if (a->params().priority != b->params().priority) return a->params().priority < b->params().priority;
+  const RequestParams& pa = a->params();
+  const RequestParams& pb = b->params();
+  if (pa.priority != pb.priority) return pa.priority < pb.priority;
+  if (pa.arrival_time != pb.arrival_time) return pa.arrival_time < pb.arrival_time;
   return a->arrival_seq() < b->arrival_seq();
 }
 
@@ -150,8 +153,9 @@ const SchedulerOutput& Scheduler::schedule() {
 }
 
 int Scheduler::cap_new_tokens(const Request& request, int num_new_tokens, int budget) const {
+  // The threshold splits long prompts, so it only applies where prompts may be split.
   const int threshold = config_.long_prefill_token_threshold;
-  if (threshold > 0) num_new_tokens = std::min(num_new_tokens, threshold);
+  if (threshold > 0 && config_.enable_chunked_prefill) num_new_tokens = std::min(num_new_tokens, threshold);
   num_new_tokens = std::min(num_new_tokens, budget);
   // Positions stay below max_model_len.
   return std::min(num_new_tokens, config_.max_model_len - 1 - request.num_computed_tokens);

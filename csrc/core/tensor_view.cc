@@ -43,6 +43,7 @@ int64_t TensorView::numel() const {
 }
 
 bool TensorView::is_contiguous() const {
+  if (numel() == 0) return true;  // numpy gives empty arrays stride 0; there is nothing to lay out
   int64_t expected = 1;
   for (int i = ndim - 1; i >= 0; --i) {
     if (shape[i] != 1 && strides[i] != expected) return false;

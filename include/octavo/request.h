@@ -23,7 +23,8 @@ struct RequestParams {
   std::vector<int32_t> stop_token_ids;    // finish with reason "stop" and stop_reason = the token
   bool ignore_eos = false;
   int32_t priority = 0;                   // priority policy: lower value is served first (as vLLM)
-  double arrival_time = 0.0;              // seconds; ties broken by arrival order
+  double arrival_time = 0.0;              // seconds; priority policy: breaks priority ties,
+                                          // then the order of add_request does
   uint64_t cache_extra_key = 0;           // prefix-cache extra key (LoRA id, multimodal hash,
                                           // cache salt folded to 64 bits by the caller); 0 = none
 };

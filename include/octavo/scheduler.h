@@ -29,7 +29,8 @@ struct SchedulerConfig {
   bool enable_chunked_prefill = true;     // split prompts across steps to fit the budget
   bool enable_prefix_caching = true;
   int max_num_partial_prefills = 1;       // requests mid-prefill at once (0 = no cap)
-  int long_prefill_token_threshold = 0;   // cap on one request's tokens per step (0 = none)
+  int long_prefill_token_threshold = 0;   // with chunked prefill: cap on one request's tokens
+                                          // per step (0 = none)
   int num_lookahead_tokens = 0;           // extra KV slots per request for speculative tokens
   SchedulingPolicy policy = SchedulingPolicy::kFcfs;
 

@@ -1,0 +1,65 @@
+#include "octavo/cpu_features.h"
+
+#include <cstdint>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#define OCTAVO_X86 1
+#endif
+
+namespace octavo {
+namespace {
+
+#ifdef OCTAVO_X86
+bool bit(uint32_t reg, int n) { return (reg >> n) & 1u; }
+
+// XCR0: which register states the OS saves on context switch. Inline asm so that this file
+// needs no -mxsave (the build must not assume the build machine's CPU).
+uint64_t xcr0() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+CpuFeatures detect() {
+  CpuFeatures f;
+  uint32_t a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = bit(c, 27), avx = bit(c, 28), fma = bit(c, 12);
+  if (!osxsave || !avx) return f;
+  const uint64_t xcr = xcr0();
+  const bool os_avx = (xcr & 0x6) == 0x6;           // XMM + YMM state
+  const bool os_avx512 = (xcr & 0xE6) == 0xE6;      // + opmask, ZMM0-15 upper, ZMM16-31
+  const bool os_amx = (xcr & 0x60000) == 0x60000;   // XTILECFG + XTILEDATA
+  if (!os_avx) return f;
+  f.fma = fma;
+
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  const uint32_t max_subleaf = a;
+  f.avx2 = bit(b, 5);
+  if (os_avx512) {
+    f.avx512f = bit(b, 16);
+    f.avx512bw = f.avx512f && bit(b, 30);
+    f.avx512vl = f.avx512f && bit(b, 31);
+    f.avx512_vnni = f.avx512f && bit(c, 11);
+  }
+  f.amx_bf16 = os_amx && bit(d, 22) && bit(d, 24);  // AMX-BF16 and AMX-TILE
+  if (max_subleaf >= 1 && f.avx512f) {
+    __cpuid_count(7, 1, a, b, c, d);
+    f.avx512_bf16 = bit(a, 5);
+  }
+  return f;
+}
+#else
+CpuFeatures detect() { return {}; }  // non-x86: only the scalar / portable paths apply
+#endif
+
+}  // namespace
+
+const CpuFeatures& cpu_features() {
+  static const CpuFeatures features = detect();
+  return features;
+}
+
+}  // namespace octavo

@@ -1,0 +1,81 @@
+// octavo._C: the one place where C++ meets Python. Core errors become Python exceptions here.
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <string>
+
+#include "bind_core.h"
+#include "octavo/cpu_features.h"
+#include "octavo/cuda_info.h"
+#include "octavo/status.h"
+#include "tensor_from_python.h"
+
+namespace py = pybind11;
+
+namespace {
+
+void translate_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const octavo::Error& e) {
+    switch (e.kind()) {
+      case octavo::ErrorKind::kValue: PyErr_SetString(PyExc_ValueError, e.what()); return;
+      case octavo::ErrorKind::kType: PyErr_SetString(PyExc_TypeError, e.what()); return;
+      case octavo::ErrorKind::kIndex: PyErr_SetString(PyExc_IndexError, e.what()); return;
+      case octavo::ErrorKind::kRuntime: PyErr_SetString(PyExc_RuntimeError, e.what()); return;
+    }
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+}
+
+py::dict cpu_features_dict() {
+  const octavo::CpuFeatures& f = octavo::cpu_features();
+  py::dict d;
+  d["avx2"] = f.avx2;
+  d["fma"] = f.fma;
+  d["avx512f"] = f.avx512f;
+  d["avx512bw"] = f.avx512bw;
+  d["avx512vl"] = f.avx512vl;
+  d["avx512_bf16"] = f.avx512_bf16;
+  d["avx512_vnni"] = f.avx512_vnni;
+  d["amx_bf16"] = f.amx_bf16;
+  return d;
+}
+
+// What Octavo sees of a tensor; tests compare it with the producer's own view to prove zero copy.
+py::dict describe_tensor(py::handle obj, const std::string& name) {
+  octavo::python::PyTensor t = octavo::python::tensor_view_from_python(obj, name.c_str());
+  const octavo::TensorView& v = t.view;
+  py::tuple shape(v.ndim), strides(v.ndim);
+  for (int i = 0; i < v.ndim; ++i) {
+    shape[i] = v.shape[i];
+    strides[i] = v.strides[i];
+  }
+  py::dict d;
+  d["data_ptr"] = reinterpret_cast<std::uintptr_t>(v.data);
+  d["dtype"] = octavo::dtype_name(v.dtype);
+  d["device"] = octavo::device_name(v.device.type);
+  d["device_index"] = v.device.index;
+  d["shape"] = shape;
+  d["strides"] = strides;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "Octavo native core and kernels";
+  py::register_exception_translator(&translate_error);
+  m.attr("__version__") = OCTAVO_VERSION;
+
+  m.def("cpu_features", &cpu_features_dict, "Instruction-set extensions detected on this CPU, as a dict of bools.");
+  m.def("cuda_compiled", &octavo::cuda_compiled, "True if this build carries CUDA kernels.");
+  m.def("cuda_device_count", &octavo::cuda_device_count,
+        "Number of CUDA devices visible to Octavo; 0 without CUDA support, a driver or a GPU.");
+
+  octavo::python::bind_core(m);
+
+  py::module_ testing = m.def_submodule("testing", "Internals exposed for Octavo's own tests.");
+  testing.def("describe_tensor", &describe_tensor, py::arg("t"), py::arg("name") = "tensor",
+              "Views `t` through DLPack and returns {data_ptr, dtype, device, device_index, shape, strides}.");
+}

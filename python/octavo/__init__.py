@@ -1,0 +1,23 @@
+"""Octavo: an LLM inference engine with a native C++/CUDA core.
+
+The scheduler, KV cache manager and kernels live in the extension module ``octavo._C``; this
+package holds the Python side and the installed C++ package (see :func:`cmake_dir`).
+"""
+
+from pathlib import Path
+
+from . import _C
+from ._C import __version__
+
+# --- Public API of the native core: exports go here. ---
+
+
+def cmake_dir() -> str:
+    """Directory holding ``octavoConfig.cmake``, for ``-Doctavo_DIR=...`` in a C++ project."""
+    path = Path(__file__).resolve().parent / "lib" / "cmake" / "octavo"
+    if not (path / "octavoConfig.cmake").is_file():
+        raise FileNotFoundError(
+            f"octavoConfig.cmake is not in {path}: this octavo install carries no CMake package. "
+            "Reinstall from a wheel built by `pip install .` (not an in-tree or editable build)."
+        )
+    return str(path)

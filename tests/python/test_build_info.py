@@ -1,0 +1,30 @@
+import torch
+
+import octavo
+from octavo import _C
+
+CPU_FEATURE_KEYS = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16"}
+
+
+def test_version_is_the_package_version():
+    assert octavo.__version__ == _C.__version__
+    assert octavo.__version__.count(".") == 2
+
+
+def test_cpu_features_is_a_dict_of_bools():
+    features = _C.cpu_features()
+    assert set(features) == CPU_FEATURE_KEYS
+    assert all(isinstance(v, bool) for v in features.values())
+    # Each wider extension implies its base.
+    if features["avx512bw"] or features["avx512vl"] or features["avx512_bf16"]:
+        assert features["avx512f"]
+
+
+def test_cuda_info():
+    assert isinstance(_C.cuda_compiled(), bool)
+    count = _C.cuda_device_count()
+    assert isinstance(count, int)
+    if not _C.cuda_compiled() or not torch.cuda.is_available():
+        assert count == 0
+    else:
+        assert count == torch.cuda.device_count()
