@@ -60,6 +60,13 @@ Scheduler::Scheduler(const SchedulerConfig& config)
   output_.input_ids.reserve(max_tokens);
   output_.positions.reserve(max_tokens);
   output_.slot_mapping.reserve(max_tokens);
+  output_.finished_handles.reserve(max_reqs);
+  output_.preempted_handles.reserve(max_reqs);
+  update_.req_handles.reserve(max_reqs);
+  update_.new_token_offsets.reserve(max_reqs + 1);
+  update_.new_token_ids.reserve(max_reqs * static_cast<size_t>(1 + config.num_lookahead_tokens));
+  update_.finish_reasons.reserve(max_reqs);
+  update_.stop_reasons.reserve(max_reqs);
   running_.reserve(max_reqs);
   scheduled_.reserve(max_reqs);
 }

@@ -1,6 +1,7 @@
 // Python bindings of the block pool and the scheduler. The scheduler's per-step arrays are
-// returned as numpy views of its own buffers (no copies): they stay valid until the next
-// schedule() / update_from_output() overwrites them, and keep the scheduler alive.
+// returned as numpy views of its own buffers (no copies): they keep the scheduler alive and
+// hold this step's values until the next schedule(), update_from_output() or abort_requests()
+// changes them; copy what must outlive that.
 #include "bind_core.h"
 
 #include <pybind11/numpy.h>

@@ -9,7 +9,13 @@ from pathlib import Path
 from . import _C
 from ._C import __version__
 
-# --- Public API of the native core: exports go here. ---
+from ._C import BlockPool, Scheduler, SchedulerConfig, SchedulerOutput, UpdateOutput
+
+# UpdateOutput.finish_reasons holds indices into this tuple (vLLM's finish_reason strings).
+FINISH_REASONS = (None, "stop", "length", "abort")
+
+__all__ = ["BlockPool", "FINISH_REASONS", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateOutput",
+           "__version__", "cmake_dir"]
 
 
 def cmake_dir() -> str:

@@ -38,8 +38,8 @@ def workloads(draw):
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans() | st.just(True)),
         max_num_partial_prefills=draw(st.integers(0, 3)),
-        # (a per-step cap splits prompts: only meaningful with chunked prefill)
-        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 0, 1, 5, 16])) if chunked else 0,
+        # (a per-step cap that splits prompts: it must not apply without chunked prefill)
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 0, 1, 5, 16])),
         num_lookahead_tokens=draw(st.sampled_from([0, 0, 0, 1, 3])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
     )
@@ -168,7 +168,7 @@ class Checker:
             assert ncomp[i] + nsched[i] <= cfg["max_model_len"] - 1
             assert input_ids[lo:hi] == self.tokens[h][ncomp[i] : ncomp[i] + nsched[i]]
             threshold = cfg["long_prefill_token_threshold"]
-            if threshold:
+            if threshold and cfg["enable_chunked_prefill"]:
                 assert nsched[i] <= threshold
             if not cfg["enable_chunked_prefill"]:
                 assert ncomp[i] + nsched[i] == len(self.tokens[h]), "prompt split without chunked prefill"
