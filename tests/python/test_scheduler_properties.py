@@ -330,7 +330,7 @@ class Checker:
         self.check_pool()
 
 
-@settings(max_examples=1500, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(workloads())
 def test_random_workloads_keep_the_invariants(workload):
     cfg, requests, seed, reset_every = workload
