@@ -5,6 +5,7 @@
 #include <string>
 
 #include "bind_core.h"
+#include "bind_ops.h"
 #include "octavo/cpu_features.h"
 #include "octavo/cuda_info.h"
 #include "octavo/status.h"
@@ -33,6 +34,7 @@ py::dict cpu_features_dict() {
   py::dict d;
   d["avx2"] = f.avx2;
   d["fma"] = f.fma;
+  d["f16c"] = f.f16c;
   d["avx512f"] = f.avx512f;
   d["avx512bw"] = f.avx512bw;
   d["avx512vl"] = f.avx512vl;
@@ -74,6 +76,7 @@ PYBIND11_MODULE(_C, m) {
         "Number of CUDA devices visible to Octavo; 0 without CUDA support, a driver or a GPU.");
 
   octavo::python::bind_core(m);
+  octavo::python::bind_ops(m);
 
   py::module_ testing = m.def_submodule("testing", "Internals exposed for Octavo's own tests.");
   testing.def("describe_tensor", &describe_tensor, py::arg("t"), py::arg("name") = "tensor",

@@ -8,6 +8,7 @@ namespace octavo {
 struct CpuFeatures {
   bool avx2 = false;         // 256-bit integer SIMD
   bool fma = false;          // fused multiply-add (FMA3)
+  bool f16c = false;         // float16 <-> float32 conversions
   bool avx512f = false;      // 512-bit foundation
   bool avx512bw = false;     // 512-bit byte/word ops
   bool avx512vl = false;     // AVX-512 ops on 128/256-bit registers

@@ -25,7 +25,7 @@ CpuFeatures detect() {
   CpuFeatures f;
   uint32_t a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
-  const bool osxsave = bit(c, 27), avx = bit(c, 28), fma = bit(c, 12);
+  const bool osxsave = bit(c, 27), avx = bit(c, 28), fma = bit(c, 12), f16c = bit(c, 29);
   if (!osxsave || !avx) return f;
   const uint64_t xcr = xcr0();
   const bool os_avx = (xcr & 0x6) == 0x6;           // XMM + YMM state
@@ -33,6 +33,7 @@ CpuFeatures detect() {
   const bool os_amx = (xcr & 0x60000) == 0x60000;   // XTILECFG + XTILEDATA
   if (!os_avx) return f;
   f.fma = fma;
+  f.f16c = f16c;
 
   if (__get_cpuid_max(0, nullptr) < 7) return f;
   __cpuid_count(7, 0, a, b, c, d);

@@ -1,0 +1,8 @@
+// PLACEHOLDER (being written): throws until the kernel lands.
+#include "isa_kernels.h"
+#include "octavo/status.h"
+#include "vec.h"
+
+namespace octavo::cpu::OCTAVO_ISA {
+void paged_attention(const PagedAttentionParams&) { OCTAVO_CHECK(false, "not implemented"); }
+}  // namespace octavo::cpu::OCTAVO_ISA

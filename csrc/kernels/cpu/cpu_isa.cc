@@ -1,0 +1,74 @@
+#include "octavo/cpu_isa.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "octavo/cpu_features.h"
+#include "octavo/status.h"
+
+namespace octavo {
+namespace {
+
+CpuIsa initial_isa() {
+  if (const char* env = std::getenv("OCTAVO_CPU_ISA")) {
+    for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+      if (std::strcmp(env, cpu_isa_name(isa)) == 0 && cpu_isa_supported(isa)) return isa;
+    }
+  }
+  return best_cpu_isa();
+}
+
+std::atomic<CpuIsa>& active() {
+  static std::atomic<CpuIsa> isa{initial_isa()};
+  return isa;
+}
+
+}  // namespace
+
+const char* cpu_isa_name(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return "scalar";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+  }
+  return "unknown";
+}
+
+bool cpu_isa_compiled(CpuIsa isa) {
+#if OCTAVO_CPU_X86_ISAS
+  (void)isa;
+  return true;
+#else
+  return isa == CpuIsa::kScalar;
+#endif
+}
+
+bool cpu_isa_supported(CpuIsa isa) {
+  if (!cpu_isa_compiled(isa)) return false;
+  const CpuFeatures& f = cpu_features();
+  const bool avx2 = f.avx2 && f.fma && f.f16c;
+  switch (isa) {
+    case CpuIsa::kScalar: return true;
+    case CpuIsa::kAvx2: return avx2;
+    case CpuIsa::kAvx512: return avx2 && f.avx512f && f.avx512bw && f.avx512vl;
+  }
+  return false;
+}
+
+CpuIsa best_cpu_isa() {
+  for (CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+    if (cpu_isa_supported(isa)) return isa;
+  }
+  return CpuIsa::kScalar;
+}
+
+CpuIsa active_cpu_isa() { return active().load(std::memory_order_relaxed); }
+
+void set_cpu_isa(CpuIsa isa) {
+  OCTAVO_CHECK(cpu_isa_supported(isa), "CPU ISA '" << cpu_isa_name(isa) << "' is not supported on this machine"
+                                           << (cpu_isa_compiled(isa) ? "" : " (not compiled into this build)"));
+  active().store(isa, std::memory_order_relaxed);
+}
+
+}  // namespace octavo

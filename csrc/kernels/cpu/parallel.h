@@ -1,0 +1,23 @@
+// parallel_for over a lambda, for per-ISA kernel sources: the trampoline is instantiated per
+// lambda type inside the ISA namespace, so nothing compiled with wide-vector flags is shared.
+#pragma once
+
+#include <cstdint>
+
+#include "octavo/threading.h"
+
+#ifndef OCTAVO_ISA
+#error "parallel.h is for per-ISA kernel sources; the build defines OCTAVO_ISA"
+#endif
+
+namespace octavo::cpu::OCTAVO_ISA {
+
+// fn(begin, end) over chunks of [0, n) of at most `grain` items.
+template <typename Fn>
+void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
+  ::octavo::parallel_for(
+      n, grain, [](void* ctx, int64_t begin, int64_t end) { (*static_cast<const Fn*>(ctx))(begin, end); },
+      const_cast<void*>(static_cast<const void*>(&fn)));
+}
+
+}  // namespace octavo::cpu::OCTAVO_ISA

@@ -1,0 +1,289 @@
+// SIMD vocabulary of the CPU kernels: one float vector type `VecF` whose width follows the ISA
+// this file is compiled for (16 lanes for AVX-512, 8 for AVX2, 1 for the scalar reference), with
+// loads and stores from float32 / bfloat16 / float16 memory and the math the kernels need.
+//
+// Included only by per-ISA kernel sources (OCTAVO_ISA is defined by the build). Everything here
+// lives in namespace octavo::cpu::OCTAVO_ISA so that inline functions compiled with different
+// -m flags never meet under one name at link time (the linker would keep an arbitrary copy).
+// For the same reason, ISA sources use no STL containers and pass lambdas, never shared functor
+// types such as std::greater, to STL algorithms.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef OCTAVO_ISA
+#error "vec.h is for per-ISA kernel sources; the build defines OCTAVO_ISA"
+#endif
+
+namespace octavo::cpu::OCTAVO_ISA {
+
+// 16-bit floats as raw bits; distinct types so that templates tell them apart.
+struct bf16 {
+  uint16_t bits;
+};
+struct f16 {
+  uint16_t bits;
+};
+
+inline float to_float(float x) { return x; }
+inline float to_float(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// Round to nearest even; NaN stays NaN (quiet).
+inline bf16 to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+inline float to_float(f16 x) {
+#if defined(__F16C__)
+  return _cvtsh_ss(x.bits);
+#else
+  _Float16 h;
+  std::memcpy(&h, &x.bits, 2);
+  return static_cast<float>(h);
+#endif
+}
+inline f16 to_f16(float f) {
+#if defined(__F16C__)
+  return f16{_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)};
+#else
+  const _Float16 h = static_cast<_Float16>(f);
+  f16 out;
+  std::memcpy(&out.bits, &h, 2);
+  return out;
+#endif
+}
+
+template <typename T>
+inline T from_float(float f);
+template <>
+inline float from_float<float>(float f) { return f; }
+template <>
+inline bf16 from_float<bf16>(float f) { return to_bf16(f); }
+template <>
+inline f16 from_float<f16>(float f) { return to_f16(f); }
+
+#if defined(__AVX512F__)
+
+struct VecF {
+  static constexpr int kWidth = 16;
+  __m512 v;
+
+  static VecF zero() { return {_mm512_setzero_ps()}; }
+  static VecF set1(float x) { return {_mm512_set1_ps(x)}; }
+  static VecF load(const float* p) { return {_mm512_loadu_ps(p)}; }
+  static VecF load(const bf16* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return {_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16))};
+  }
+  static VecF load(const f16* p) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  void store(float* p) const { _mm512_storeu_ps(p, v); }
+  void store(bf16* p) const {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  }
+  void store(f16* p) const {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+
+  friend VecF operator+(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
+  friend VecF operator/(VecF a, VecF b) { return {_mm512_div_ps(a.v, b.v)}; }
+  friend VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b + c
+  friend VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
+  friend VecF min(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
+  friend float reduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
+  friend float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
+  // Lanes where x < limit get `value` instead of a's lane.
+  friend VecF select_below(VecF x, float limit, VecF a, float value) {
+    const __mmask16 m = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_LT_OQ);
+    return {_mm512_mask_blend_ps(m, a.v, _mm512_set1_ps(value))};
+  }
+  // 2^n for integral-valued n in [-126, 127].
+  static VecF pow2i(VecF n) {
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23);
+    return {_mm512_castsi512_ps(e)};
+  }
+  static VecF round(VecF x) { return {_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+};
+
+#elif defined(__AVX2__)
+
+struct VecF {
+  static constexpr int kWidth = 8;
+  __m256 v;
+
+  static VecF zero() { return {_mm256_setzero_ps()}; }
+  static VecF set1(float x) { return {_mm256_set1_ps(x)}; }
+  static VecF load(const float* p) { return {_mm256_loadu_ps(p)}; }
+  static VecF load(const bf16* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
+  }
+  static VecF load(const f16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  void store(float* p) const { _mm256_storeu_ps(p, v); }
+  void store(bf16* p) const {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    r = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(quiet), nan));
+    // packus works within 128-bit lanes: [a0..3 b0..3 | a4..7 b4..7] -> fix the order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  }
+  void store(f16* p) const {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+  }
+
+  friend VecF operator+(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
+  friend VecF operator-(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
+  friend VecF operator*(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
+  friend VecF operator/(VecF a, VecF b) { return {_mm256_div_ps(a.v, b.v)}; }
+  friend VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
+  friend VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
+  friend VecF min(VecF a, VecF b) { return {_mm256_min_ps(a.v, b.v)}; }
+  friend float reduce_add(VecF a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  friend float reduce_max(VecF a) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  friend VecF select_below(VecF x, float limit, VecF a, float value) {
+    const __m256 m = _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_LT_OQ);
+    return {_mm256_blendv_ps(a.v, _mm256_set1_ps(value), m)};
+  }
+  static VecF pow2i(VecF n) {
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
+    return {_mm256_castsi256_ps(e)};
+  }
+  static VecF round(VecF x) { return {_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+};
+
+#else  // scalar reference: one lane, plain C++ math
+
+struct VecF {
+  static constexpr int kWidth = 1;
+  float v;
+
+  static VecF zero() { return {0.0f}; }
+  static VecF set1(float x) { return {x}; }
+  template <typename T>
+  static VecF load(const T* p) { return {to_float(*p)}; }
+  template <typename T>
+  void store(T* p) const { *p = from_float<T>(v); }
+
+  friend VecF operator+(VecF a, VecF b) { return {a.v + b.v}; }
+  friend VecF operator-(VecF a, VecF b) { return {a.v - b.v}; }
+  friend VecF operator*(VecF a, VecF b) { return {a.v * b.v}; }
+  friend VecF operator/(VecF a, VecF b) { return {a.v / b.v}; }
+  friend VecF fma(VecF a, VecF b, VecF c) { return {std::fma(a.v, b.v, c.v)}; }
+  friend VecF max(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
+  friend VecF min(VecF a, VecF b) { return {a.v < b.v ? a.v : b.v}; }
+  friend float reduce_add(VecF a) { return a.v; }
+  friend float reduce_max(VecF a) { return a.v; }
+  friend VecF select_below(VecF x, float limit, VecF a, float value) { return {x.v < limit ? value : a.v}; }
+};
+
+#endif
+
+constexpr int kW = VecF::kWidth;
+
+// Loads / stores of the first n < kW elements (the tail of a row); missing lanes read as 0.
+template <typename T>
+inline VecF load_partial(const T* p, int n) {
+  T buf[kW];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, sizeof(T) * n);
+  return VecF::load(buf);
+}
+template <typename T>
+inline void store_partial(VecF x, T* p, int n) {
+  T buf[kW];
+  x.store(buf);
+  std::memcpy(static_cast<void*>(p), buf, sizeof(T) * n);
+}
+
+// e^x with |relative error| < 2e-7 for x in [-87, 88]; 0 below about -87.3 (exp(-inf) = 0),
+// finite above (clamped to e^88.3).
+inline VecF exp(VecF x) {
+#if defined(__AVX2__)
+  const VecF xc = min(max(x, VecF::set1(-87.33f)), VecF::set1(88.3f));
+  // x = n ln2 + r, |r| <= ln2/2; ln2 split in two so that n*ln2 is exact to float precision.
+  const VecF n = VecF::round(xc * VecF::set1(1.44269504088896341f));
+  VecF r = fma(n, VecF::set1(-0.693359375f), xc);
+  r = fma(n, VecF::set1(2.12194440e-4f), r);
+  // Taylor polynomial of e^r to r^7 (truncation error < 1e-9 on |r| <= 0.347), Horner form.
+  VecF p = VecF::set1(1.0f / 5040);
+  p = fma(p, r, VecF::set1(1.0f / 720));
+  p = fma(p, r, VecF::set1(1.0f / 120));
+  p = fma(p, r, VecF::set1(1.0f / 24));
+  p = fma(p, r, VecF::set1(1.0f / 6));
+  p = fma(p, r, VecF::set1(0.5f));
+  p = fma(p, r, VecF::set1(1.0f));
+  p = fma(p, r, VecF::set1(1.0f));
+  return select_below(x, -87.33f, p * VecF::pow2i(n), 0.0f);
+#else
+  return {std::exp(x.v)};
+#endif
+}
+
+// 1 / (1 + e^-x), the logistic sigmoid.
+inline VecF sigmoid(VecF x) { return VecF::set1(1.0f) / (VecF::set1(1.0f) + exp(VecF::zero() - x)); }
+
+// tanh(x) = 2 sigmoid(2x) - 1; exact at the saturated ends, relative error ~1e-7 elsewhere
+// except close to 0, where the absolute error (~1e-7) is what matters for its users.
+inline VecF tanh(VecF x) {
+#if defined(__AVX2__)
+  return fma(VecF::set1(2.0f), sigmoid(x + x), VecF::set1(-1.0f));
+#else
+  return {std::tanh(x.v)};
+#endif
+}
+
+// erf(x), Abramowitz & Stegun 7.1.26 (|absolute error| <= 1.5e-7), odd-extended.
+inline VecF erf(VecF x) {
+#if defined(__AVX2__)
+  const VecF sign = select_below(x, 0.0f, VecF::set1(1.0f), -1.0f);
+  const VecF a = x * sign;
+  const VecF t = VecF::set1(1.0f) / fma(VecF::set1(0.3275911f), a, VecF::set1(1.0f));
+  VecF p = VecF::set1(1.061405429f);
+  p = fma(p, t, VecF::set1(-1.453152027f));
+  p = fma(p, t, VecF::set1(1.421413741f));
+  p = fma(p, t, VecF::set1(-0.284496736f));
+  p = fma(p, t, VecF::set1(0.254829592f));
+  p = p * t;
+  const VecF y = VecF::set1(1.0f) - p * exp(VecF::zero() - a * a);
+  return y * sign;
+#else
+  return {std::erf(x.v)};
+#endif
+}
+
+}  // namespace octavo::cpu::OCTAVO_ISA

@@ -1,0 +1,62 @@
+// rms_norm and fused_add_rms_norm: argument checks, then the CPU launcher.
+#include "cpu/isa_kernels.h"
+#include "octavo/status.h"
+#include "op_checks.h"
+
+namespace octavo {
+namespace {
+
+RmsNormParams norm_params(const TensorView& out, const char* out_arg, const TensorView& input,
+                          const TensorView& weight, double eps, bool weight_offset) {
+  ops::check_cpu(input, "input");
+  ops::check_cpu(out, out_arg);
+  ops::check_cpu(weight, "weight");
+  ops::check_float(input, "input");
+  ops::check_same_dtype(out, out_arg, input, "input");
+  ops::check_same_dtype(weight, "weight", input, "input");
+  const ops::Rows in = ops::as_rows(input, "input");
+  const ops::Rows o = ops::as_rows(out, out_arg);
+  OCTAVO_CHECK(o.rows == in.rows && o.cols == in.cols,
+               "argument '" << out_arg << "' must have the shape of 'input' (" << in.rows << " rows of " << in.cols
+                            << "), got " << o.rows << " rows of " << o.cols);
+  check_ndim(weight, "weight", 1);
+  check_size(weight, "weight", 0, in.cols);
+  check_contiguous(weight, "weight");
+  OCTAVO_CHECK(eps >= 0, "eps must be >= 0, got " << eps);
+  RmsNormParams p{};
+  p.out = out.data;
+  p.input = input.data;
+  p.weight = weight.data;
+  p.rows = in.rows;
+  p.hidden = in.cols;
+  p.in_stride = in.stride;
+  p.out_stride = o.stride;
+  p.dtype = input.dtype;
+  p.eps = static_cast<float>(eps);
+  p.weight_offset = weight_offset;
+  return p;
+}
+
+}  // namespace
+
+void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
+              bool weight_offset) {
+  const RmsNormParams p = norm_params(out, "out", input, weight, eps, weight_offset);
+  cpu_dispatch(rms_norm, p);
+}
+
+void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight, double eps,
+                        bool weight_offset) {
+  RmsNormParams p = norm_params(input, "input", input, weight, eps, weight_offset);
+  ops::check_cpu(residual, "residual");
+  ops::check_same_dtype(residual, "residual", input, "input");
+  const ops::Rows r = ops::as_rows(residual, "residual");
+  OCTAVO_CHECK(r.rows == p.rows && r.cols == p.hidden, "argument 'residual' must have the shape of 'input' ("
+                                                           << p.rows << " rows of " << p.hidden << "), got " << r.rows
+                                                           << " rows of " << r.cols);
+  p.residual = residual.data;
+  p.residual_stride = r.stride;
+  cpu_dispatch(rms_norm, p);
+}
+
+}  // namespace octavo

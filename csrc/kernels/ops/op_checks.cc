@@ -1,0 +1,64 @@
+#include "op_checks.h"
+
+#include "octavo/status.h"
+
+namespace octavo::ops {
+
+Rows as_rows(const TensorView& t, const char* arg) {
+  OCTAVO_CHECK(t.ndim >= 1, "argument '" << arg << "' must have at least 1 dimension, got a scalar");
+  Rows r{t.ndim == 1 ? 1 : t.shape[0], 1, 0};
+  const int first = t.ndim == 1 ? 0 : 1;
+  int64_t expected = 1;
+  for (int i = t.ndim - 1; i >= first; --i) {
+    OCTAVO_CHECK(t.shape[i] == 1 || t.strides[i] == expected,
+                 "argument '" << arg << "' must be contiguous in every dimension but the first "
+                              << "(dimension " << i << " has stride " << t.strides[i] << ", expected " << expected
+                              << "); call .contiguous() first");
+    expected *= t.shape[i];
+  }
+  r.cols = expected;
+  r.stride = t.ndim == 1 ? expected : t.strides[0];
+  OCTAVO_CHECK(r.rows <= 1 || r.stride >= r.cols,
+               "argument '" << arg << "' has overlapping rows (row stride " << r.stride << " < row length " << r.cols
+                            << ")");
+  return r;
+}
+
+void check_float(const TensorView& t, const char* arg) {
+  OCTAVO_CHECK_TYPE(t.dtype == DType::kFloat32 || t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16,
+                    "argument '" << arg << "' must be float32, bfloat16 or float16, got " << dtype_name(t.dtype));
+}
+
+void check_same_dtype(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg) {
+  OCTAVO_CHECK_TYPE(t.dtype == ref.dtype, "argument '" << arg << "' must have the dtype of '" << ref_arg << "' ("
+                                                       << dtype_name(ref.dtype) << "), got " << dtype_name(t.dtype));
+}
+
+void check_index_dtype(const TensorView& t, const char* arg) {
+  OCTAVO_CHECK_TYPE(t.dtype == DType::kInt32 || t.dtype == DType::kInt64,
+                    "argument '" << arg << "' must be int32 or int64, got " << dtype_name(t.dtype));
+}
+
+void check_cpu(const TensorView& t, const char* arg) {
+  OCTAVO_CHECK(t.device.type == DeviceType::kCPU,
+               "argument '" << arg << "' is a " << device_name(t.device.type)
+                            << " tensor, but this op has only a CPU kernel so far; move it to the CPU");
+}
+
+void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size) {
+  check_cpu(t, arg);
+  check_dtype(t, arg, dtype);
+  check_ndim(t, arg, 1);
+  if (size >= 0) check_size(t, arg, 0, size);
+  check_contiguous(t, arg);
+}
+
+void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg) {
+  check_cpu(cache, arg);
+  check_same_dtype(cache, arg, ref, ref_arg);
+  OCTAVO_CHECK(cache.ndim == 4, "argument '" << arg << "' must be [num_blocks, num_kv_heads, block_size, head_size], got "
+                                             << cache.ndim << " dimension(s)");
+  check_contiguous(cache, arg);
+}
+
+}  // namespace octavo::ops

@@ -1,0 +1,31 @@
+// Argument checks shared by the op adapters (csrc/kernels/ops/*.cc). Each throws an octavo::Error
+// that names the argument and says what was expected.
+#pragma once
+
+#include <cstdint>
+
+#include "octavo/tensor_view.h"
+
+namespace octavo::ops {
+
+// A tensor as a matrix of rows: the first dimension indexes rows (any stride), the others are
+// flattened into one contiguous row. A 1-D tensor is one row.
+struct Rows {
+  int64_t rows;
+  int64_t cols;
+  int64_t stride;  // elements between consecutive rows
+};
+Rows as_rows(const TensorView& t, const char* arg);
+
+void check_float(const TensorView& t, const char* arg);  // float32, bfloat16 or float16
+void check_same_dtype(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
+void check_index_dtype(const TensorView& t, const char* arg);  // int32 or int64
+// CPU memory; CUDA tensors get a message saying the CUDA kernels are not built yet.
+void check_cpu(const TensorView& t, const char* arg);
+// 1-D, contiguous, `dtype`, `size` elements (size < 0: any).
+void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size);
+
+// A paged KV cache [num_blocks, num_kv_heads, block_size, head_size]: CPU, contiguous, dtype of ref.
+void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg);
+
+}  // namespace octavo::ops

@@ -1,0 +1,108 @@
+// sample: argument checks (token ids and CSR offsets are validated here), then the CPU launcher.
+#include "cpu/isa_kernels.h"
+#include "octavo/status.h"
+#include "op_checks.h"
+
+namespace octavo {
+namespace {
+
+template <typename T>
+const T* optional_vector(const TensorView* t, const char* arg, DType dtype, int64_t size) {
+  if (!t) return nullptr;
+  ops::check_vector(*t, arg, dtype, size);
+  return t->data_as<T>();
+}
+
+template <typename T>
+T* optional_matrix(const TensorView* t, const char* arg, DType dtype, int64_t rows, int64_t* cols) {
+  if (!t) return nullptr;
+  ops::check_cpu(*t, arg);
+  check_dtype(*t, arg, dtype);
+  check_ndim(*t, arg, 2);
+  check_size(*t, arg, 0, rows);
+  check_contiguous(*t, arg);
+  *cols = t->shape[1];
+  return t->data_as<T>();
+}
+
+// A CSR list of token ids per request: offsets [num_reqs + 1] into ids, every id in [0, vocab).
+void token_lists(const TensorView* offsets, const char* offsets_arg, const TensorView* ids, const char* ids_arg,
+                 int64_t num_reqs, int64_t vocab, const int32_t** offsets_out, const int32_t** ids_out) {
+  OCTAVO_CHECK((offsets == nullptr) == (ids == nullptr),
+               "'" << offsets_arg << "' and '" << ids_arg << "' must be given together");
+  if (!offsets) return;
+  const int32_t* off = optional_vector<int32_t>(offsets, offsets_arg, DType::kInt32, num_reqs + 1);
+  check_ndim(*ids, ids_arg, 1);
+  const int32_t* tok = optional_vector<int32_t>(ids, ids_arg, DType::kInt32, ids->shape[0]);
+  OCTAVO_CHECK(off[0] == 0 && off[num_reqs] == ids->shape[0],
+               "'" << offsets_arg << "' must start at 0 and end at the length of '" << ids_arg << "' ("
+                   << ids->shape[0] << ")");
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    OCTAVO_CHECK(off[r] <= off[r + 1], "'" << offsets_arg << "' must be non-decreasing (at " << r << ")");
+  }
+  for (int64_t i = 0; i < ids->shape[0]; ++i) {
+    OCTAVO_CHECK(tok[i] >= 0 && tok[i] < vocab, ids_arg << "[" << i << "] = " << tok[i]
+                                                        << " is not a token id (vocabulary size " << vocab << ")");
+  }
+  *offsets_out = off;
+  *ids_out = tok;
+}
+
+}  // namespace
+
+void sample(const SampleArgs& a) {
+  ops::check_cpu(a.logits, "logits");
+  check_dtype(a.logits, "logits", DType::kFloat32);
+  check_ndim(a.logits, "logits", 2);
+  const ops::Rows rows = ops::as_rows(a.logits, "logits");
+  const int64_t n = rows.rows;
+  OCTAVO_CHECK(rows.cols > 0, "argument 'logits' must have a non-empty vocabulary dimension");
+  SampleParams p{};
+  p.logits = a.logits.data_as<float>();
+  p.num_reqs = n;
+  p.vocab_size = rows.cols;
+  p.logits_stride = rows.stride;
+  p.temperature = optional_vector<float>(&a.temperature, "temperature", DType::kFloat32, n);
+  p.top_k = optional_vector<int32_t>(a.top_k, "top_k", DType::kInt32, n);
+  p.top_p = optional_vector<float>(a.top_p, "top_p", DType::kFloat32, n);
+  p.min_p = optional_vector<float>(a.min_p, "min_p", DType::kFloat32, n);
+  p.repetition_penalty = optional_vector<float>(a.repetition_penalty, "repetition_penalty", DType::kFloat32, n);
+  p.frequency_penalty = optional_vector<float>(a.frequency_penalty, "frequency_penalty", DType::kFloat32, n);
+  p.presence_penalty = optional_vector<float>(a.presence_penalty, "presence_penalty", DType::kFloat32, n);
+  p.seeds = optional_vector<int64_t>(&a.seeds, "seeds", DType::kInt64, n);
+  p.counters = optional_vector<int64_t>(&a.counters, "counters", DType::kInt64, n);
+  p.sampled = const_cast<int32_t*>(optional_vector<int32_t>(&a.sampled, "sampled", DType::kInt32, n));
+  p.sampled_logprobs = const_cast<float*>(optional_vector<float>(a.sampled_logprobs, "sampled_logprobs",
+                                                                 DType::kFloat32, n));
+  p.sampled_ranks = const_cast<int32_t*>(optional_vector<int32_t>(a.sampled_ranks, "sampled_ranks", DType::kInt32, n));
+  int64_t ids_cols = 0, lp_cols = 0;
+  p.top_token_ids = optional_matrix<int32_t>(a.top_token_ids, "top_token_ids", DType::kInt32, n, &ids_cols);
+  p.top_logprobs = optional_matrix<float>(a.top_logprobs, "top_logprobs", DType::kFloat32, n, &lp_cols);
+  OCTAVO_CHECK((p.top_token_ids == nullptr) == (p.top_logprobs == nullptr) && ids_cols == lp_cols,
+               "'top_token_ids' and 'top_logprobs' must be given together, with the same shape [num_reqs, n]");
+  OCTAVO_CHECK(ids_cols <= p.vocab_size, "cannot return " << ids_cols << " top logprobs from a vocabulary of "
+                                                          << p.vocab_size);
+  p.num_top = ids_cols;
+  token_lists(a.prompt_offsets, "prompt_offsets", a.prompt_token_ids, "prompt_token_ids", n, p.vocab_size,
+              &p.prompt_offsets, &p.prompt_token_ids);
+  token_lists(a.output_offsets, "output_offsets", a.output_token_ids, "output_token_ids", n, p.vocab_size,
+              &p.output_offsets, &p.output_token_ids);
+  token_lists(a.banned_offsets, "banned_offsets", a.banned_token_ids, "banned_token_ids", n, p.vocab_size,
+              &p.banned_offsets, &p.banned_token_ids);
+  for (int64_t r = 0; r < n; ++r) {
+    OCTAVO_CHECK(p.temperature[r] >= 0, "temperature[" << r << "] must be >= 0, got " << p.temperature[r]);
+    if (p.top_p) OCTAVO_CHECK(p.top_p[r] > 0 && p.top_p[r] <= 1, "top_p[" << r << "] must be in (0, 1], got " << p.top_p[r]);
+    if (p.min_p) OCTAVO_CHECK(p.min_p[r] >= 0 && p.min_p[r] <= 1, "min_p[" << r << "] must be in [0, 1], got " << p.min_p[r]);
+    if (p.repetition_penalty) {
+      OCTAVO_CHECK(p.repetition_penalty[r] > 0, "repetition_penalty[" << r << "] must be > 0, got "
+                                                                      << p.repetition_penalty[r]);
+    }
+  }
+  OCTAVO_CHECK(!p.repetition_penalty || p.prompt_offsets || p.output_offsets,
+               "repetition_penalty needs the prompt and/or output token lists");
+  OCTAVO_CHECK(!(p.frequency_penalty || p.presence_penalty) || p.output_offsets,
+               "frequency_penalty and presence_penalty need 'output_offsets' and 'output_token_ids'");
+  cpu_dispatch(sample, p);
+}
+
+}  // namespace octavo

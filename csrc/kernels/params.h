@@ -1,0 +1,91 @@
+// What each kernel launcher receives: raw pointers, sizes and strides (in elements), filled by
+// the checked adapters in csrc/kernels/ops/. Plain structs, shared by every backend. Shape
+// comments use the names of include/octavo/ops.h.
+#pragma once
+
+#include <cstdint>
+
+#include "octavo/tensor_view.h"
+
+namespace octavo {
+
+struct RmsNormParams {
+  void* out;             // [rows, hidden], row stride out_stride (may alias input)
+  const void* input;     // [rows, hidden], row stride in_stride
+  void* residual;        // [rows, hidden], row stride residual_stride; null for plain rms_norm
+  const void* weight;    // [hidden]
+  int64_t rows, hidden, in_stride, out_stride, residual_stride;
+  DType dtype;           // of out, input, residual and weight
+  float eps;
+  bool weight_offset;    // multiply by (1 + weight)
+};
+
+struct RotaryParams {
+  const void* positions;       // [tokens], int32 or int64 (positions_dtype)
+  void* query;                 // [tokens, num_heads, head_size], token stride query_stride
+  void* key;                   // [tokens, num_kv_heads, head_size], token stride key_stride; or null
+  const float* cos_sin_cache;  // [max_position, rot_dim]
+  int64_t num_tokens, num_heads, num_kv_heads, head_size, rot_dim, query_stride, key_stride, max_position;
+  DType dtype, positions_dtype;
+  bool is_neox;
+};
+
+struct GatedActivationParams {
+  void* out;          // [rows, d], row stride out_stride
+  const void* input;  // [rows, 2d], row stride in_stride
+  int64_t rows, d, in_stride, out_stride;
+  DType dtype;
+};
+
+struct CacheWriteParams {
+  const void* key;            // [tokens, num_kv_heads, head_size], token stride key_stride
+  const void* value;          // [tokens, num_kv_heads, head_size], token stride value_stride
+  void* key_cache;            // [num_blocks, num_kv_heads, block_size, head_size]
+  void* value_cache;          // [num_blocks, num_kv_heads, block_size, head_size]
+  const void* slot_mapping;   // [tokens], int32 or int64 (slot_dtype); -1 = skip
+  int64_t num_tokens, num_kv_heads, head_size, block_size, num_blocks, key_stride, value_stride;
+  DType dtype, slot_dtype;
+};
+
+struct PagedAttentionParams {
+  void* out;                       // [tokens, num_heads, head_size], token stride out_stride
+  const void* query;               // [tokens, num_heads, head_size], token stride query_stride
+  const void* key_cache;           // [num_blocks, num_kv_heads, block_size, head_size]
+  const void* value_cache;         // [num_blocks, num_kv_heads, block_size, head_size]
+  const int32_t* query_start_loc;  // [num_seqs + 1]
+  const int32_t* seq_lens;         // [num_seqs]
+  const int32_t* block_tables;     // [num_seqs, block_table_stride]
+  int64_t num_seqs, num_tokens, num_heads, num_kv_heads, head_size, block_size, num_blocks;
+  int64_t block_table_stride, out_stride, query_stride;
+  int64_t sliding_window;          // 0: off
+  float scale, softcap;            // softcap 0: off
+  DType dtype;
+};
+
+struct SampleParams {
+  const float* logits;  // [num_reqs, vocab_size], row stride logits_stride
+  int64_t num_reqs, vocab_size, logits_stride;
+  const float* temperature;         // [num_reqs]
+  const int32_t* top_k;             // [num_reqs] or null, likewise below
+  const float* top_p;
+  const float* min_p;
+  const float* repetition_penalty;
+  const float* frequency_penalty;
+  const float* presence_penalty;
+  const int32_t* prompt_offsets;    // [num_reqs + 1] CSR into prompt_token_ids, or null
+  const int32_t* prompt_token_ids;
+  const int32_t* output_offsets;    // [num_reqs + 1] CSR into output_token_ids, or null
+  const int32_t* output_token_ids;
+  const int32_t* banned_offsets;    // [num_reqs + 1] CSR into banned_token_ids, or null
+  const int32_t* banned_token_ids;
+  const int64_t* seeds;             // [num_reqs]
+  const int64_t* counters;          // [num_reqs]
+  int32_t* sampled;                 // [num_reqs]
+  float* sampled_logprobs;          // [num_reqs] or null
+  int32_t* sampled_ranks;           // [num_reqs] or null
+  int32_t* top_token_ids;           // [num_reqs, num_top] or null
+  float* top_logprobs;              // [num_reqs, num_top] or null
+  int64_t num_top;
+};
+
+}  // namespace octavo

@@ -1,0 +1,192 @@
+// Each op takes torch tensors / numpy arrays (viewed zero-copy through DLPack), releases the GIL
+// and calls the C++ op of the same name. Outputs are preallocated by the caller, as in vLLM.
+#include "bind_ops.h"
+
+#include <optional>
+#include <string>
+
+#include "octavo/cpu_isa.h"
+#include "octavo/ops.h"
+#include "octavo/status.h"
+#include "octavo/threading.h"
+#include "tensor_from_python.h"
+
+namespace py = pybind11;
+
+namespace octavo::python {
+namespace {
+
+// A possibly-None tensor argument: view() is null for None.
+struct OptTensor {
+  std::optional<PyTensor> t;
+  OptTensor(py::handle obj, const char* arg) {
+    if (!obj.is_none()) t = tensor_view_from_python(obj, arg);
+  }
+  const TensorView* view() const { return t ? &t->view : nullptr; }
+};
+
+PyTensor tensor(py::handle obj, const char* arg) { return tensor_view_from_python(obj, arg); }
+
+CpuIsa parse_isa(const std::string& name) {
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (name == cpu_isa_name(isa)) return isa;
+  }
+  OCTAVO_CHECK(false, "CPU ISA must be 'scalar', 'avx2' or 'avx512', got '" << name << "'");
+  return CpuIsa::kScalar;
+}
+
+GeluApproximation parse_gelu(const std::string& name) {
+  if (name == "none") return GeluApproximation::kNone;
+  if (name == "tanh") return GeluApproximation::kTanh;
+  OCTAVO_CHECK(false, "approximate must be 'none' or 'tanh', got '" << name << "'");
+  return GeluApproximation::kNone;
+}
+
+void bind_kernels(py::module_& ops) {
+  ops.def(
+      "rms_norm",
+      [](py::handle out, py::handle input, py::handle weight, double eps, bool weight_offset) {
+        PyTensor o = tensor(out, "out"), i = tensor(input, "input"), w = tensor(weight, "weight");
+        py::gil_scoped_release nogil;
+        rms_norm(o.view, i.view, w.view, eps, weight_offset);
+      },
+      py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("eps"), py::arg("weight_offset") = false,
+      "out = input / sqrt(mean(input^2) + eps) * weight (or * (1 + weight) with weight_offset).");
+  ops.def(
+      "fused_add_rms_norm",
+      [](py::handle input, py::handle residual, py::handle weight, double eps, bool weight_offset) {
+        PyTensor i = tensor(input, "input"), r = tensor(residual, "residual"), w = tensor(weight, "weight");
+        py::gil_scoped_release nogil;
+        fused_add_rms_norm(i.view, r.view, w.view, eps, weight_offset);
+      },
+      py::arg("input"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("weight_offset") = false,
+      "residual += input; input = rms_norm(residual) * weight, both in place.");
+  ops.def(
+      "rotary_embedding",
+      [](py::handle positions, py::handle query, py::handle key, int64_t head_size, py::handle cos_sin_cache,
+         bool is_neox) {
+        PyTensor p = tensor(positions, "positions"), q = tensor(query, "query");
+        PyTensor c = tensor(cos_sin_cache, "cos_sin_cache");
+        OptTensor k(key, "key");
+        py::gil_scoped_release nogil;
+        rotary_embedding(p.view, q.view, k.view(), head_size, c.view, is_neox);
+      },
+      py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("head_size"), py::arg("cos_sin_cache"),
+      py::arg("is_neox"), "Rotates query and key (may be None) in place by position.");
+  ops.def(
+      "silu_and_mul",
+      [](py::handle out, py::handle input) {
+        PyTensor o = tensor(out, "out"), i = tensor(input, "input");
+        py::gil_scoped_release nogil;
+        silu_and_mul(o.view, i.view);
+      },
+      py::arg("out"), py::arg("input"), "out = silu(input[..., :d]) * input[..., d:].");
+  ops.def(
+      "gelu_and_mul",
+      [](py::handle out, py::handle input, const std::string& approximate) {
+        PyTensor o = tensor(out, "out"), i = tensor(input, "input");
+        const GeluApproximation a = parse_gelu(approximate);
+        py::gil_scoped_release nogil;
+        gelu_and_mul(o.view, i.view, a);
+      },
+      py::arg("out"), py::arg("input"), py::arg("approximate") = "none",
+      "out = gelu(input[..., :d]) * input[..., d:]; approximate is 'none' (erf) or 'tanh'.");
+  ops.def(
+      "reshape_and_cache",
+      [](py::handle key, py::handle value, py::handle key_cache, py::handle value_cache, py::handle slot_mapping) {
+        PyTensor k = tensor(key, "key"), v = tensor(value, "value"), kc = tensor(key_cache, "key_cache");
+        PyTensor vc = tensor(value_cache, "value_cache"), s = tensor(slot_mapping, "slot_mapping");
+        py::gil_scoped_release nogil;
+        reshape_and_cache(k.view, v.view, kc.view, vc.view, s.view);
+      },
+      py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+      "Writes key/value [T, Hkv, D] into the paged caches [num_blocks, Hkv, block_size, D] by slot.");
+  ops.def(
+      "paged_attention",
+      [](py::handle out, py::handle query, py::handle key_cache, py::handle value_cache, py::handle query_start_loc,
+         py::handle seq_lens, py::handle block_tables, double scale, int64_t sliding_window, double softcap) {
+        PyTensor o = tensor(out, "out"), q = tensor(query, "query"), kc = tensor(key_cache, "key_cache");
+        PyTensor vc = tensor(value_cache, "value_cache"), qsl = tensor(query_start_loc, "query_start_loc");
+        PyTensor sl = tensor(seq_lens, "seq_lens"), bt = tensor(block_tables, "block_tables");
+        py::gil_scoped_release nogil;
+        paged_attention(o.view, q.view, kc.view, vc.view, qsl.view, sl.view, bt.view, scale, sliding_window, softcap);
+      },
+      py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("query_start_loc"),
+      py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("sliding_window") = 0,
+      py::arg("softcap") = 0.0, "Causal attention of a mixed prefill/decode batch over the paged KV cache.");
+  ops.def(
+      "sample",
+      [](py::handle logits, py::handle temperature, py::handle seeds, py::handle counters, py::handle sampled,
+         py::handle top_k, py::handle top_p, py::handle min_p, py::handle repetition_penalty,
+         py::handle frequency_penalty, py::handle presence_penalty, py::handle prompt_offsets,
+         py::handle prompt_token_ids, py::handle output_offsets, py::handle output_token_ids,
+         py::handle banned_offsets, py::handle banned_token_ids, py::handle sampled_logprobs,
+         py::handle sampled_ranks, py::handle top_token_ids, py::handle top_logprobs) {
+        PyTensor l = tensor(logits, "logits"), t = tensor(temperature, "temperature");
+        PyTensor se = tensor(seeds, "seeds"), c = tensor(counters, "counters"), s = tensor(sampled, "sampled");
+        OptTensor tk(top_k, "top_k"), tp(top_p, "top_p"), mp(min_p, "min_p");
+        OptTensor rp(repetition_penalty, "repetition_penalty"), fp(frequency_penalty, "frequency_penalty");
+        OptTensor pp(presence_penalty, "presence_penalty");
+        OptTensor po(prompt_offsets, "prompt_offsets"), pt(prompt_token_ids, "prompt_token_ids");
+        OptTensor oo(output_offsets, "output_offsets"), ot(output_token_ids, "output_token_ids");
+        OptTensor bo(banned_offsets, "banned_offsets"), bt(banned_token_ids, "banned_token_ids");
+        OptTensor sl(sampled_logprobs, "sampled_logprobs"), sr(sampled_ranks, "sampled_ranks");
+        OptTensor ti(top_token_ids, "top_token_ids"), tl(top_logprobs, "top_logprobs");
+        SampleArgs a;
+        a.logits = l.view;
+        a.temperature = t.view;
+        a.seeds = se.view;
+        a.counters = c.view;
+        a.sampled = s.view;
+        a.top_k = tk.view();
+        a.top_p = tp.view();
+        a.min_p = mp.view();
+        a.repetition_penalty = rp.view();
+        a.frequency_penalty = fp.view();
+        a.presence_penalty = pp.view();
+        a.prompt_offsets = po.view();
+        a.prompt_token_ids = pt.view();
+        a.output_offsets = oo.view();
+        a.output_token_ids = ot.view();
+        a.banned_offsets = bo.view();
+        a.banned_token_ids = bt.view();
+        a.sampled_logprobs = sl.view();
+        a.sampled_ranks = sr.view();
+        a.top_token_ids = ti.view();
+        a.top_logprobs = tl.view();
+        py::gil_scoped_release nogil;
+        sample(a);
+      },
+      py::arg("logits"), py::arg("temperature"), py::arg("seeds"), py::arg("counters"), py::arg("sampled"),
+      py::kw_only(), py::arg("top_k") = py::none(), py::arg("top_p") = py::none(), py::arg("min_p") = py::none(),
+      py::arg("repetition_penalty") = py::none(), py::arg("frequency_penalty") = py::none(),
+      py::arg("presence_penalty") = py::none(), py::arg("prompt_offsets") = py::none(),
+      py::arg("prompt_token_ids") = py::none(), py::arg("output_offsets") = py::none(),
+      py::arg("output_token_ids") = py::none(), py::arg("banned_offsets") = py::none(),
+      py::arg("banned_token_ids") = py::none(), py::arg("sampled_logprobs") = py::none(),
+      py::arg("sampled_ranks") = py::none(), py::arg("top_token_ids") = py::none(),
+      py::arg("top_logprobs") = py::none(),
+      "Samples one token per row of logits with per-request parameters; see include/octavo/ops.h.");
+}
+
+}  // namespace
+
+void bind_ops(py::module_& m) {
+  m.def("get_num_threads", &get_num_threads, "Threads used by the CPU kernels.");
+  m.def("set_num_threads", &set_num_threads, py::arg("n"), "Sets the threads used by the CPU kernels (n >= 1).");
+  m.def("cpu_isa", [] { return std::string(cpu_isa_name(active_cpu_isa())); },
+        "The compiled CPU kernel level in use: 'scalar', 'avx2' or 'avx512'.");
+  m.def("supported_cpu_isas", [] {
+    py::list out;
+    for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+      if (cpu_isa_supported(isa)) out.append(cpu_isa_name(isa));
+    }
+    return out;
+  }, "CPU kernel levels this machine can run, lowest first.");
+  m.def("set_cpu_isa", [](const std::string& name) { set_cpu_isa(parse_isa(name)); }, py::arg("name"),
+        "Selects the CPU kernel level ('scalar', 'avx2', 'avx512'); for tests and benchmarks.");
+  py::module_ ops = m.def_submodule("ops", "Octavo's kernels; outputs are preallocated by the caller.");
+  bind_kernels(ops);
+}
+
+}  // namespace octavo::python

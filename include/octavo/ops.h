@@ -1,0 +1,91 @@
+// Octavo's kernels as functions on tensor views: the one public entry point per op, with the
+// same name in C++, in octavo._C.ops and in Python. Each checks its arguments (a bad dtype is a
+// TypeError-kind Error, a bad shape / device / layout a ValueError-kind Error naming the
+// argument) and runs the best compiled CPU variant (see cpu_isa.h) on the thread pool
+// (threading.h). CUDA tensors are refused until the CUDA backend exists.
+//
+// Shapes use T = tokens, H = query heads, Hkv = KV heads, D = head size, B = sequences,
+// V = vocabulary. "Rows" arguments may have any row stride as long as each row is contiguous,
+// so views such as the query slice of a fused QKV output are accepted without copies.
+// Activations are float32, bfloat16 or float16; all math accumulates in float32.
+#pragma once
+
+#include <cstdint>
+
+#include "octavo/tensor_view.h"
+
+namespace octavo {
+
+// out = input / sqrt(mean(input^2) + eps) * weight, per row. weight_offset: Gemma's (1 + weight).
+// out, input: [rows, hidden] (any leading shape); weight: [hidden]. out may alias input.
+void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
+              bool weight_offset = false);
+
+// residual += input; input = rms_norm(residual) * weight. Both updated in place, as in vLLM.
+void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight, double eps,
+                        bool weight_offset = false);
+
+// Rotates query and key in place by their tokens' positions.
+// positions: [T] int32 or int64, each in [0, max_position)
+// query: [T, H * head_size] or [T, H, head_size]; key: the same with Hkv heads, or null
+// cos_sin_cache: [max_position, rot_dim] float32, cos in [:rot_dim/2], sin in [rot_dim/2:];
+//   rot_dim <= head_size rotates only the first rot_dim dims of each head (partial rotary).
+// is_neox: pairs (i, i + rot_dim/2) (GPT-NeoX / Llama) or (2i, 2i+1) (GPT-J).
+void rotary_embedding(const TensorView& positions, const TensorView& query, const TensorView* key,
+                      int64_t head_size, const TensorView& cos_sin_cache, bool is_neox);
+
+// out = act(input[..., :d]) * input[..., d:]. input: [rows, 2d]; out: [rows, d].
+void silu_and_mul(const TensorView& out, const TensorView& input);
+enum class GeluApproximation { kNone, kTanh };  // exact erf form, or the tanh approximation
+void gelu_and_mul(const TensorView& out, const TensorView& input, GeluApproximation approximate);
+
+// Writes the step's new keys and values into the paged cache.
+// key, value: [T, Hkv, D]; key_cache, value_cache: [num_blocks, Hkv, block_size, D] (contiguous);
+// slot_mapping: [T] int32 or int64, block_id * block_size + offset, or -1 to skip the token.
+void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
+                       const TensorView& value_cache, const TensorView& slot_mapping);
+
+// Attention over the paged cache for a flat batch mixing prefill chunks and decodes. Sequence b
+// owns query rows [query_start_loc[b], query_start_loc[b+1]); its seq_lens[b] tokens of context
+// (the new ones included, already written by reshape_and_cache) are found through
+// block_tables[b]. The query row i of a chunk of n sits at position seq_len - n + i and sees
+// keys at positions <= its own (and > its own - sliding_window when sliding_window > 0).
+// out, query: [T, H, D]; key_cache, value_cache: [num_blocks, Hkv, block_size, D];
+// query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_tables: [B, max_blocks] int32.
+// softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2).
+void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
+                     const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
+                     const TensorView& block_tables, double scale, int64_t sliding_window = 0, double softcap = 0.0);
+
+// Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,
+// penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones
+// may be null. The draw of request b depends only on (seeds[b], counters[b]) and its own row, so
+// a request samples the same token alone or in any batch.
+struct SampleArgs {
+  TensorView logits;                          // [B, V] float32
+  TensorView temperature;                     // [B] float32; < 1e-5 means greedy (argmax)
+  const TensorView* top_k = nullptr;          // [B] int32; <= 0 or >= V: off
+  const TensorView* top_p = nullptr;          // [B] float32 in (0, 1]; 1: off
+  const TensorView* min_p = nullptr;          // [B] float32 in [0, 1]; 0: off
+  const TensorView* repetition_penalty = nullptr;  // [B] float32 > 0; 1: off (prompt + output)
+  const TensorView* frequency_penalty = nullptr;   // [B] float32; 0: off (output tokens)
+  const TensorView* presence_penalty = nullptr;    // [B] float32; 0: off (output tokens)
+  const TensorView* prompt_offsets = nullptr;      // [B + 1] int32, CSR into prompt_token_ids
+  const TensorView* prompt_token_ids = nullptr;    // [N] int32
+  const TensorView* output_offsets = nullptr;      // [B + 1] int32, CSR into output_token_ids
+  const TensorView* output_token_ids = nullptr;    // [M] int32
+  const TensorView* banned_offsets = nullptr;      // [B + 1] int32, CSR: tokens set to -inf
+  const TensorView* banned_token_ids = nullptr;    //   (min_tokens: EOS and stop tokens)
+  TensorView seeds;                           // [B] int64
+  TensorView counters;                        // [B] int64, e.g. tokens generated so far
+  // Outputs. Logprobs are of the raw logits (before penalties and temperature), as vLLM's
+  // default; rank = number of tokens whose logprob is >= the sampled token's.
+  TensorView sampled;                         // [B] int32
+  const TensorView* sampled_logprobs = nullptr;  // [B] float32
+  const TensorView* sampled_ranks = nullptr;     // [B] int32
+  const TensorView* top_token_ids = nullptr;     // [B, n] int32, the n most likely tokens
+  const TensorView* top_logprobs = nullptr;      // [B, n] float32
+};
+void sample(const SampleArgs& args);
+
+}  // namespace octavo
