@@ -1,8 +1,438 @@
-// PLACEHOLDER (being written): throws until the kernel lands.
+// paged_attention on the CPU: FlashAttention-style online softmax over the paged KV cache for a
+// flat batch that mixes prefill chunks and decodes.
+//
+// Work is cut into jobs: the query rows of a few consecutive tokens of one sequence times the G
+// query heads of one KV head (so each K/V vector read serves all rows), against a range of key
+// positions. When the batch has too few tiles to keep every thread busy (a single long decode),
+// a tile's keys are split across jobs (flash-decoding) and the partial softmax states are merged
+// afterwards. Keys are visited one cache block at a time: scores S = Q K^T for the block, the
+// causal / sliding-window mask, the running max and sum, then acc += P V.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
 #include "isa_kernels.h"
-#include "octavo/status.h"
+#include "octavo/threading.h"
+#include "parallel.h"
 #include "vec.h"
 
 namespace octavo::cpu::OCTAVO_ISA {
-void paged_attention(const PagedAttentionParams&) { OCTAVO_CHECK(false, "not implemented"); }
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr int64_t kTileRows = 64;        // query rows (tokens x heads) per prefill tile
+constexpr int64_t kTransposeRows = 16;   // from this many rows, S is computed from a transposed K block
+constexpr int64_t kMinSplitKeys = 256;   // shortest key range worth a job of its own
+constexpr int64_t kJobsPerThread = 4;    // jobs wanted per thread before keys get split
+
+// The query rows of tokens [q_begin, q_end) of one sequence's chunk, for the G heads of one KV
+// head, against keys at positions [k_begin, k_end).
+struct Job {
+  int32_t seq, kv_head, q_begin, q_end, k_begin, k_end;
+  int32_t part;  // -1: covers every key its rows see (writes out); else its partial-state slot
+};
+
+// A tile whose keys were split over `num_parts` jobs with consecutive partial slots.
+struct SplitTile {
+  int32_t seq, kv_head, q_begin, q_end, first_part, num_parts;
+};
+
+struct Geometry {
+  int64_t group;        // query heads per KV head
+  int64_t head_size;
+  int64_t block_size;
+  int64_t padded_block; // block_size rounded up to whole vectors
+  int64_t max_rows;     // rows of the largest tile
+  int64_t part_floats;  // floats of one partial state: max_rows * (head_size + 2)
+};
+
+// ---- per-block math; N rows at a time so a K or V vector is loaded once for N rows ----------
+
+// s[i * ld] = dot(q row i, k row): N rows of S for one key.
+template <int N, typename T>
+inline void dot_rows(const float* q, int64_t d, const T* krow, float* s, int64_t ld) {
+  VecF a[N];
+  for (int i = 0; i < N; ++i) a[i] = VecF::zero();
+  for (int64_t c = 0; c < d; c += kW) {
+    const VecF k = VecF::load(krow + c);
+    for (int i = 0; i < N; ++i) a[i] = fma(VecF::load(q + i * d + c), k, a[i]);
+  }
+  for (int i = 0; i < N; ++i) s[i * ld] = reduce_add(a[i]);
+}
+
+// Few rows (decodes): one dot product per row and key straight from the cache.
+template <typename T>
+void scores_by_rows(const float* q, int64_t rows, const Geometry& g, const T* kblk, int64_t j0, int64_t j1,
+                    float* s) {
+  const int64_t d = g.head_size, ld = g.padded_block;
+  for (int64_t j = j0; j < j1; ++j) {
+    const T* krow = kblk + j * d;
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4) dot_rows<4>(q + r * d, d, krow, s + r * ld + j, ld);
+    switch (rows - r) {
+      case 3: dot_rows<3>(q + r * d, d, krow, s + r * ld + j, ld); break;
+      case 2: dot_rows<2>(q + r * d, d, krow, s + r * ld + j, ld); break;
+      case 1: dot_rows<1>(q + r * d, d, krow, s + r * ld + j, ld); break;
+      default: break;
+    }
+  }
+}
+
+// kt[c * ld + j] = k[j][c] as float for the valid keys, 0 for the others.
+template <typename T>
+void transpose_keys(const T* kblk, const Geometry& g, int64_t j0, int64_t j1, float* kt) {
+  const int64_t d = g.head_size, ld = g.padded_block;
+  for (int64_t c = 0; c < d; ++c) {
+    float* row = kt + c * ld;
+    for (int64_t j = 0; j < ld; ++j) row[j] = (j >= j0 && j < j1) ? to_float(kblk[j * d + c]) : 0.0f;
+  }
+}
+
+// N rows of S for a whole block: broadcast q[i][c] against a vector of keys' c-th components.
+template <int N>
+inline void dot_rows_transposed(const float* q, int64_t d, const float* kt, int64_t ld, float* s) {
+  for (int64_t jc = 0; jc < ld; jc += kW) {
+    VecF a[N];
+    for (int i = 0; i < N; ++i) a[i] = VecF::zero();
+    for (int64_t c = 0; c < d; ++c) {
+      const VecF k = VecF::load(kt + c * ld + jc);
+      for (int i = 0; i < N; ++i) a[i] = fma(VecF::set1(q[i * d + c]), k, a[i]);
+    }
+    for (int i = 0; i < N; ++i) a[i].store(s + i * ld + jc);
+  }
+}
+
+// Many rows (prefill): the block's keys are transposed once and shared by every row.
+void scores_transposed(const float* q, int64_t rows, const Geometry& g, const float* kt, float* s) {
+  const int64_t d = g.head_size, ld = g.padded_block;
+  int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) dot_rows_transposed<8>(q + r * d, d, kt, ld, s + r * ld);
+  for (; r < rows; ++r) dot_rows_transposed<1>(q + r * d, d, kt, ld, s + r * ld);
+}
+
+// acc[i] += sum_j p[i][j] * v[j] for N rows.
+template <int N, typename T>
+inline void pv_rows(const float* p, int64_t ld, const T* vblk, int64_t j0, int64_t j1, int64_t d, float* acc) {
+  for (int64_t c = 0; c < d; c += kW) {
+    VecF a[N];
+    for (int i = 0; i < N; ++i) a[i] = VecF::load(acc + i * d + c);
+    for (int64_t j = j0; j < j1; ++j) {
+      const VecF v = VecF::load(vblk + j * d + c);
+      for (int i = 0; i < N; ++i) a[i] = fma(VecF::set1(p[i * ld + j]), v, a[i]);
+    }
+    for (int i = 0; i < N; ++i) a[i].store(acc + i * d + c);
+  }
+}
+
+template <typename T>
+void accumulate_values(const float* p, int64_t rows, const Geometry& g, const T* vblk, int64_t j0, int64_t j1,
+                       float* acc) {
+  const int64_t d = g.head_size, ld = g.padded_block;
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pv_rows<4>(p + r * ld, ld, vblk, j0, j1, d, acc + r * d);
+  switch (rows - r) {
+    case 3: pv_rows<3>(p + r * ld, ld, vblk, j0, j1, d, acc + r * d); break;
+    case 2: pv_rows<2>(p + r * ld, ld, vblk, j0, j1, d, acc + r * d); break;
+    case 1: pv_rows<1>(p + r * ld, ld, vblk, j0, j1, d, acc + r * d); break;
+    default: break;
+  }
+}
+
+template <typename T>
+void to_float_rows(const T* src, int64_t n, float* dst) {
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) VecF::load(src + i).store(dst + i);
+  for (; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// ---- one job -------------------------------------------------------------------------------
+
+struct JobScratch {
+  float *q, *acc, *s, *m, *l, *kt, *vf;
+};
+
+JobScratch job_scratch(const Geometry& g, int64_t rows) {
+  const int64_t d = g.head_size, ld = g.padded_block;
+  const int64_t floats = 2 * rows * d + rows * ld + 2 * rows + d * ld + g.block_size * d;
+  JobScratch js;
+  js.q = static_cast<float*>(thread_scratch(0, sizeof(float) * floats));
+  js.acc = js.q + rows * d;
+  js.s = js.acc + rows * d;
+  js.m = js.s + rows * ld;
+  js.l = js.m + rows;
+  js.kt = js.l + rows;
+  js.vf = js.kt + d * ld;
+  return js;
+}
+
+// Position of the first query token of sequence b's chunk.
+inline int64_t first_query_position(const PagedAttentionParams& p, int64_t b) {
+  return p.seq_lens[b] - (p.query_start_loc[b + 1] - p.query_start_loc[b]);
+}
+
+// Query rows as float, pre-multiplied by the softmax scale; row r = token r / G, head r % G.
+template <typename T>
+void load_queries(const PagedAttentionParams& p, const Geometry& g, const Job& job, float* q) {
+  const T* query = static_cast<const T*>(p.query);
+  const int64_t d = g.head_size;
+  const VecF scale = VecF::set1(p.scale);
+  for (int64_t t = job.q_begin; t < job.q_end; ++t) {
+    const int64_t token = p.query_start_loc[job.seq] + t;
+    for (int64_t h = 0; h < g.group; ++h) {
+      const T* src = query + token * p.query_stride + (job.kv_head * g.group + h) * d;
+      float* dst = q + ((t - job.q_begin) * g.group + h) * d;
+      for (int64_t c = 0; c < d; c += kW) (VecF::load(src + c) * scale).store(dst + c);
+    }
+  }
+}
+
+// Masks row r's scores to the keys it may see, folds them into the running max / sum, turns them
+// into probabilities (in place) and rescales the row's accumulator.
+void online_softmax(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kbase, int64_t j0,
+                    int64_t j1, int64_t rows, const JobScratch& js) {
+  const int64_t ld = g.padded_block, d = g.head_size;
+  const int64_t pos0 = first_query_position(p, job.seq) + job.q_begin;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = js.s + r * ld;
+    const int64_t pos = pos0 + r / g.group;
+    const int64_t lo_pos = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
+    const int64_t lo = std::max(lo_pos - kbase, j0), hi = std::min(pos - kbase + 1, j1);  // [lo, hi)
+    float block_max = kNegInf;
+    for (int64_t j = 0; j < ld; ++j) {
+      if (j < lo || j >= hi) {
+        s[j] = kNegInf;
+        continue;
+      }
+      if (p.softcap > 0) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+      block_max = std::max(block_max, s[j]);
+    }
+    if (block_max == kNegInf) {
+      for (int64_t j = 0; j < ld; ++j) s[j] = 0.0f;
+      continue;
+    }
+    const float m_new = std::max(js.m[r], block_max);
+    const float correction = std::exp(js.m[r] - m_new);  // 0 on the row's first block
+    const VecF shift = VecF::set1(m_new);
+    VecF sum = VecF::zero();
+    for (int64_t j = 0; j < ld; j += kW) {
+      const VecF e = exp(VecF::load(s + j) - shift);
+      e.store(s + j);
+      sum = sum + e;
+    }
+    js.l[r] = js.l[r] * correction + reduce_add(sum);
+    js.m[r] = m_new;
+    if (correction != 1.0f) {
+      const VecF c = VecF::set1(correction);
+      float* acc = js.acc + r * d;
+      for (int64_t k = 0; k < d; k += kW) (VecF::load(acc + k) * c).store(acc + k);
+    }
+  }
+}
+
+// Element offset of (block, kv_head) in either cache.
+inline int64_t block_offset(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kblock) {
+  const int32_t* table = p.block_tables + job.seq * p.block_table_stride;
+  return (static_cast<int64_t>(table[kblock]) * p.num_kv_heads + job.kv_head) * g.block_size * g.head_size;
+}
+
+// Cache blocks are scattered pages, and the hardware prefetcher stops at page boundaries, so a
+// decode that streams from DRAM asks for the next block's K and V while it works on this one.
+template <typename T>
+void prefetch_block(const PagedAttentionParams& p, const Geometry& g, int64_t offset) {
+  const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p.key_cache) + offset);
+  const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p.value_cache) + offset);
+  const int64_t bytes = g.block_size * g.head_size * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < bytes; i += 64) {
+    __builtin_prefetch(k + i);
+    __builtin_prefetch(v + i);
+  }
+}
+
+// One cache block of keys [kbase + j0, kbase + j1) for every row of the job.
+template <typename T>
+void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kblock, int64_t j0,
+                  int64_t j1, int64_t rows, const JobScratch& js) {
+  const int64_t offset = block_offset(p, g, job, kblock);
+  const T* kblk = static_cast<const T*>(p.key_cache) + offset;
+  const T* vblk = static_cast<const T*>(p.value_cache) + offset;
+  if (rows >= kTransposeRows) {
+    transpose_keys(kblk, g, j0, j1, js.kt);
+    scores_transposed(js.q, rows, g, js.kt, js.s);
+  } else {
+    scores_by_rows(js.q, rows, g, kblk, j0, j1, js.s);
+  }
+  online_softmax(p, g, job, kblock * g.block_size, j0, j1, rows, js);
+  if (rows > 4 && !std::is_same<T, float>::value) {
+    // Many rows re-read each value vector: convert the block to float once.
+    to_float_rows(vblk + j0 * g.head_size, (j1 - j0) * g.head_size, js.vf + j0 * g.head_size);
+    accumulate_values(js.s, rows, g, static_cast<const float*>(js.vf), j0, j1, js.acc);
+  } else {
+    accumulate_values(js.s, rows, g, vblk, j0, j1, js.acc);
+  }
+}
+
+template <typename T>
+void write_output(const PagedAttentionParams& p, const Geometry& g, const Job& job, const float* acc,
+                  const float* l) {
+  T* out = static_cast<T*>(p.out);
+  const int64_t d = g.head_size;
+  for (int64_t t = job.q_begin; t < job.q_end; ++t) {
+    const int64_t token = p.query_start_loc[job.seq] + t;
+    for (int64_t h = 0; h < g.group; ++h) {
+      const int64_t r = (t - job.q_begin) * g.group + h;
+      const VecF inv = VecF::set1(1.0f / l[r]);
+      T* dst = out + token * p.out_stride + (job.kv_head * g.group + h) * d;
+      for (int64_t c = 0; c < d; c += kW) (VecF::load(acc + r * d + c) * inv).store(dst + c);
+    }
+  }
+}
+
+// Partial state layout: m[max_rows], l[max_rows], acc[max_rows][head_size].
+void save_partial(const Geometry& g, int64_t rows, const JobScratch& js, float* part) {
+  std::copy(js.m, js.m + rows, part);
+  std::copy(js.l, js.l + rows, part + g.max_rows);
+  std::copy(js.acc, js.acc + rows * g.head_size, part + 2 * g.max_rows);
+}
+
+template <typename T>
+void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, float* partials) {
+  const int64_t rows = (job.q_end - job.q_begin) * g.group;
+  const JobScratch js = job_scratch(g, rows);
+  load_queries<T>(p, g, job, js.q);
+  std::fill(js.m, js.m + rows, kNegInf);
+  std::fill(js.l, js.l + rows, 0.0f);
+  std::fill(js.acc, js.acc + rows * g.head_size, 0.0f);
+  const int64_t last_block = (job.k_end - 1) / g.block_size;
+  for (int64_t kb = job.k_begin / g.block_size; kb <= last_block; ++kb) {
+    if (kb < last_block) prefetch_block<T>(p, g, block_offset(p, g, job, kb + 1));
+    const int64_t kbase = kb * g.block_size;
+    const int64_t j0 = std::max<int64_t>(job.k_begin - kbase, 0);
+    const int64_t j1 = std::min<int64_t>(job.k_end - kbase, g.block_size);
+    attend_block<T>(p, g, job, kb, j0, j1, rows, js);
+  }
+  if (job.part < 0) write_output<T>(p, g, job, js.acc, js.l);
+  else save_partial(g, rows, js, partials + job.part * g.part_floats);
+}
+
+// Combines the partial states of a split tile: weights exp(m_s - M) put them on one scale.
+template <typename T>
+void merge_tile(const PagedAttentionParams& p, const Geometry& g, const SplitTile& tile, const float* partials) {
+  const int64_t rows = (tile.q_end - tile.q_begin) * g.group, d = g.head_size;
+  JobScratch js = job_scratch(g, rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    float m = kNegInf;
+    for (int32_t s = 0; s < tile.num_parts; ++s) m = std::max(m, partials[(tile.first_part + s) * g.part_floats + r]);
+    float l = 0.0f;
+    float* acc = js.acc + r * d;
+    std::fill(acc, acc + d, 0.0f);
+    for (int32_t s = 0; s < tile.num_parts; ++s) {
+      const float* part = partials + (tile.first_part + s) * g.part_floats;
+      if (part[r] == kNegInf) continue;  // this split held no key the row may see
+      const float w = std::exp(part[r] - m);
+      l += w * part[g.max_rows + r];
+      const VecF wv = VecF::set1(w);
+      const float* src = part + 2 * g.max_rows + r * d;
+      for (int64_t c = 0; c < d; c += kW) fma(wv, VecF::load(src + c), VecF::load(acc + c)).store(acc + c);
+    }
+    js.l[r] = l;
+  }
+  const Job whole{tile.seq, tile.kv_head, tile.q_begin, tile.q_end, 0, 0, -1};
+  write_output<T>(p, g, whole, js.acc, js.l);
+}
+
+// ---- planning ------------------------------------------------------------------------------
+
+struct Plan {
+  Job* jobs;
+  int64_t num_jobs;
+  SplitTile* splits;
+  int64_t num_splits;
+  float* partials;
+};
+
+// Calls fn(seq, q_begin, q_end, k_begin, k_end) for every tile of the batch (one KV head).
+template <typename Fn>
+void for_each_tile(const PagedAttentionParams& p, int64_t tokens_per_tile, const Fn& fn) {
+  for (int64_t b = 0; b < p.num_seqs; ++b) {
+    const int64_t n_q = p.query_start_loc[b + 1] - p.query_start_loc[b];
+    const int64_t pos0 = first_query_position(p, b);
+    for (int64_t q0 = 0; q0 < n_q; q0 += tokens_per_tile) {
+      const int64_t q1 = std::min(n_q, q0 + tokens_per_tile);
+      const int64_t k_end = pos0 + q1;  // the last row's own position + 1
+      const int64_t k_begin = p.sliding_window > 0 ? std::max<int64_t>(0, pos0 + q0 - p.sliding_window + 1) : 0;
+      fn(b, q0, q1, k_begin, k_end);
+    }
+  }
+}
+
+Plan make_plan(const PagedAttentionParams& p, const Geometry& g, int64_t tokens_per_tile) {
+  int64_t num_tiles = 0;
+  for_each_tile(p, tokens_per_tile, [&](int64_t, int64_t, int64_t, int64_t, int64_t) { ++num_tiles; });
+  num_tiles *= p.num_kv_heads;
+  const int64_t wanted = kJobsPerThread * get_num_threads();
+  const int64_t split_factor = num_tiles >= wanted ? 1 : (wanted + num_tiles - 1) / std::max<int64_t>(num_tiles, 1);
+
+  // Upper bounds first, so the arrays come from scratch in one piece each.
+  int64_t max_jobs = 0;
+  for_each_tile(p, tokens_per_tile, [&](int64_t, int64_t, int64_t, int64_t kb, int64_t ke) {
+    max_jobs += std::min(split_factor, std::max<int64_t>(1, (ke - kb) / kMinSplitKeys));
+  });
+  max_jobs *= p.num_kv_heads;
+  Plan plan{};
+  plan.jobs = static_cast<Job*>(thread_scratch(1, sizeof(Job) * max_jobs));
+  plan.splits = static_cast<SplitTile*>(thread_scratch(2, sizeof(SplitTile) * num_tiles));
+  int64_t num_parts = 0;
+  for (int64_t h = 0; h < p.num_kv_heads; ++h) {
+    for_each_tile(p, tokens_per_tile, [&](int64_t b, int64_t q0, int64_t q1, int64_t kb, int64_t ke) {
+      const int64_t splits = std::min(split_factor, std::max<int64_t>(1, (ke - kb) / kMinSplitKeys));
+      if (splits == 1) {
+        plan.jobs[plan.num_jobs++] = Job{int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), int32_t(kb), int32_t(ke), -1};
+        return;
+      }
+      // Split on block boundaries so no two jobs share a cache block.
+      const int64_t span = (ke - kb + splits - 1) / splits;
+      const int64_t step = (span + g.block_size - 1) / g.block_size * g.block_size;
+      const int64_t first = num_parts;
+      for (int64_t k = kb; k < ke; k += step) {
+        plan.jobs[plan.num_jobs++] = Job{int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), int32_t(k),
+                                         int32_t(std::min(ke, k + step)), int32_t(num_parts++)};
+      }
+      plan.splits[plan.num_splits++] =
+          SplitTile{int32_t(b), int32_t(h), int32_t(q0), int32_t(q1), int32_t(first), int32_t(num_parts - first)};
+    });
+  }
+  plan.partials = num_parts ? static_cast<float*>(thread_scratch(3, sizeof(float) * num_parts * g.part_floats)) : nullptr;
+  return plan;
+}
+
+template <typename T>
+void attention(const PagedAttentionParams& p) {
+  Geometry g{};
+  g.group = p.num_heads / p.num_kv_heads;
+  g.head_size = p.head_size;
+  g.block_size = p.block_size;
+  g.padded_block = (p.block_size + kW - 1) / kW * kW;
+  const int64_t tokens_per_tile = std::max<int64_t>(1, kTileRows / g.group);
+  g.max_rows = tokens_per_tile * g.group;
+  g.part_floats = g.max_rows * (g.head_size + 2);
+  const Plan plan = make_plan(p, g, tokens_per_tile);
+  parallel_for(plan.num_jobs, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) run_job<T>(p, g, plan.jobs[i], plan.partials);
+  });
+  parallel_for(plan.num_splits, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) merge_tile<T>(p, g, plan.splits[i], plan.partials);
+  });
+}
+
+}  // namespace
+
+void paged_attention(const PagedAttentionParams& p) {
+  switch (p.dtype) {
+    case DType::kFloat32: attention<float>(p); break;
+    case DType::kBFloat16: attention<bf16>(p); break;
+    default: attention<f16>(p); break;
+  }
+}
+
 }  // namespace octavo::cpu::OCTAVO_ISA

@@ -55,7 +55,7 @@ class ThreadPool {
   void run(int64_t n, int64_t grain, ParallelFn fn, void* ctx) {
     std::unique_lock<std::mutex> owner(owner_, std::try_to_lock);
     if (!owner.owns_lock() || t_inside_kernel || workers_.empty() || n <= grain) {
-      run_serial(n, fn, ctx);
+      run_serial(n, grain, fn, ctx);
       return;
     }
     fn_ = fn;
@@ -76,11 +76,11 @@ class ThreadPool {
   }
 
  private:
-  static void run_serial(int64_t n, ParallelFn fn, void* ctx) {
+  static void run_serial(int64_t n, int64_t grain, ParallelFn fn, void* ctx) {
     const bool outer = t_inside_kernel;
     t_inside_kernel = true;
     try {
-      if (n > 0) fn(ctx, 0, n);
+      for (int64_t begin = 0; begin < n; begin += grain) fn(ctx, begin, std::min(n, begin + grain));
     } catch (...) {
       t_inside_kernel = outer;
       throw;
@@ -90,7 +90,9 @@ class ThreadPool {
 
   void start(int num_threads) {
     quit_ = false;
-    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+    // Read here, not in the new thread: a job posted before the thread runs must not be missed.
+    const uint64_t seen = generation_.load(std::memory_order_acquire);
+    for (int i = 1; i < num_threads; ++i) workers_.emplace_back([this, seen] { worker_loop(seen); });
   }
 
   void stop() {
@@ -120,8 +122,7 @@ class ThreadPool {
     t_inside_kernel = false;
   }
 
-  void worker_loop() {
-    uint64_t seen = generation_.load(std::memory_order_acquire);
+  void worker_loop(uint64_t seen) {
     for (;;) {
       uint64_t now = seen;
       for (int i = 0; i < kSpinIterations && now == seen; ++i) {

@@ -1,0 +1,118 @@
+"""paged_attention on the CPU: decode against the machine's memory bandwidth, prefill against
+torch's scaled_dot_product_attention on the same data laid out contiguously.
+
+    python bench/python/bench_attention.py [--quick]
+
+Decode reads every cached key and value once, so its speed is bytes of KV read per second,
+reported as a fraction of the bandwidth of a large copy measured in the same run. Prefill is
+compute-bound: GFLOP/s of the causal attention (2 * 2 * T^2 / 2 * D * H flops) for both.
+"""
+import argparse
+import math
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from octavo import _C
+
+HEAD_SIZE = 128
+BLOCK_SIZE = 16
+
+
+def median_seconds(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """GB/s of a 512 MiB copy: bytes read + bytes written per second."""
+    src = torch.ones(128 * 2**20)
+    dst = torch.empty_like(src)
+    seconds = median_seconds(lambda: dst.copy_(src), repeats=10)
+    return 2 * src.numel() * src.element_size() / seconds / 1e9
+
+
+def paged_cache(num_seqs: int, context: int, num_kv_heads: int, dtype):
+    blocks = math.ceil(context / BLOCK_SIZE)
+    shape = (num_seqs * blocks + 1, num_kv_heads, BLOCK_SIZE, HEAD_SIZE)
+    key_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
+    value_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
+    # Shuffled block ids: a real pool hands blocks out in no particular order.
+    tables = (torch.randperm(num_seqs * blocks) + 1).to(torch.int32).view(num_seqs, blocks)
+    return key_cache, value_cache, tables
+
+
+def bench_decode(num_seqs: int, context: int, num_heads: int, num_kv_heads: int, dtype, repeats: int):
+    key_cache, value_cache, tables = paged_cache(num_seqs, context, num_kv_heads, dtype)
+    query = torch.randn(num_seqs, num_heads, HEAD_SIZE).to(dtype)
+    out = torch.empty_like(query)
+    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+    seconds = median_seconds(lambda: _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens,
+                                                            tables, HEAD_SIZE**-0.5), repeats)
+    kv_bytes = 2 * num_seqs * context * num_kv_heads * HEAD_SIZE * key_cache.element_size()
+    return seconds, kv_bytes / seconds / 1e9
+
+
+def bench_prefill(tokens: int, num_heads: int, num_kv_heads: int, dtype, repeats: int):
+    key_cache, value_cache, tables = paged_cache(1, tokens, num_kv_heads, dtype)
+    query = torch.randn(tokens, num_heads, HEAD_SIZE).to(dtype)
+    out = torch.empty_like(query)
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    seq_lens = torch.tensor([tokens], dtype=torch.int32)
+    ours = median_seconds(lambda: _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens,
+                                                         tables, HEAD_SIZE**-0.5), repeats)
+    # The same keys and values, gathered into contiguous [1, heads, tokens, head_size] tensors.
+    pos = torch.arange(tokens)
+    slots = tables[0, pos // BLOCK_SIZE].long()
+
+    def contiguous(cache):
+        return cache[slots, :, pos % BLOCK_SIZE].transpose(0, 1).unsqueeze(0).contiguous()
+
+    k, v = contiguous(key_cache), contiguous(value_cache)
+    q = query.transpose(0, 1).unsqueeze(0).contiguous()
+    theirs = median_seconds(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True), repeats)
+    flops = 2 * tokens * tokens * HEAD_SIZE * num_heads  # QK^T and PV over the causal half
+    return ours, theirs, flops
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    args = parser.parse_args()
+    torch.set_num_threads(_C.get_num_threads())
+    repeats = 3 if args.quick else 7
+    print(f"threads {_C.get_num_threads()}, cpu isa {_C.cpu_isa()}, torch {torch.__version__}")
+    bandwidth = copy_bandwidth()
+    print(f"memory bandwidth (512 MiB copy, read + write): {bandwidth:.1f} GB/s\n")
+
+    print("decode, bfloat16 KV, head_size 128, block 16")
+    print(f"{'batch':>5} {'context':>7} {'heads':>6} {'us':>9} {'KV GB/s':>8} {'of bw':>6}")
+    batches = (1, 8) if args.quick else (1, 8, 32)
+    contexts = (512, 8192) if args.quick else (512, 2048, 8192)
+    for num_seqs in batches:
+        for context in contexts:
+            for heads in ((24, 8), (32, 8)):
+                seconds, gbs = bench_decode(num_seqs, context, *heads, torch.bfloat16, repeats)
+                print(f"{num_seqs:>5} {context:>7} {heads[0]:>3}:{heads[1]:<2} {seconds * 1e6:>9.0f} {gbs:>8.1f} "
+                      f"{gbs / bandwidth:>6.2f}")
+
+    print("\nprefill, one causal sequence, 32 query / 8 KV heads, head_size 128")
+    print(f"{'tokens':>6} {'dtype':>9} {'octavo ms':>9} {'sdpa ms':>8} {'octavo GF/s':>11} {'sdpa GF/s':>9} {'ratio':>6}")
+    for tokens in (512, 2048):
+        for dtype in (torch.float32, torch.bfloat16):
+            ours, theirs, flops = bench_prefill(tokens, 32, 8, dtype, max(3, repeats // 2))
+            print(f"{tokens:>6} {str(dtype).removeprefix('torch.'):>9} {ours * 1e3:>9.1f} {theirs * 1e3:>8.1f} "
+                  f"{flops / ours / 1e9:>11.1f} {flops / theirs / 1e9:>9.1f} {theirs / ours:>6.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""reshape_and_cache and paged_attention against float64 references, on every CPU ISA level."""
+import math
+
+import pytest
+import torch
+
+from octavo import _C
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+
+
+@pytest.fixture(params=_C.supported_cpu_isas())
+def isa(request):
+    before = _C.cpu_isa()
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(before)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+class Batch:
+    """A paged KV cache holding a random context per sequence, and the queries of one step.
+
+    seqs: (context tokens already cached, new query tokens) per sequence. Blocks are handed out
+    in a shuffled order so that block tables are not the identity.
+    """
+
+    def __init__(self, seqs, num_heads, num_kv_heads, head_size, block_size, dtype, gen):
+        self.seqs, self.block_size = seqs, block_size
+        self.seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
+        blocks_per_seq = [math.ceil(int(l) / block_size) for l in self.seq_lens]
+        num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN: a stray read would show
+        order = torch.randperm(num_blocks - 1, generator=gen) + 1
+        width = max(blocks_per_seq) + 1
+        self.block_tables = torch.zeros(len(seqs), width, dtype=torch.int32)
+        used = 0
+        for b, n in enumerate(blocks_per_seq):
+            self.block_tables[b, :n] = order[used:used + n]
+            used += n
+        shape = (num_blocks, num_kv_heads, block_size, head_size)
+        self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
+        self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
+        total = int(self.seq_lens.sum())
+        self.keys = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+        self.values = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
+        _C.ops.reshape_and_cache(self.keys, self.values, self.key_cache, self.value_cache, self.all_slots())
+        n_q = [n for _, n in seqs]
+        self.query_start_loc = torch.tensor([0] + n_q, dtype=torch.int32).cumsum(0).to(torch.int32)
+        self.query = torch.randn(sum(n_q), num_heads, head_size, generator=gen).to(dtype)
+
+    def slots(self, b: int) -> torch.Tensor:
+        pos = torch.arange(int(self.seq_lens[b]))
+        return self.block_tables[b, pos // self.block_size].long() * self.block_size + pos % self.block_size
+
+    def all_slots(self) -> torch.Tensor:
+        return torch.cat([self.slots(b) for b in range(len(self.seqs))])
+
+    def run(self, scale, sliding_window=0, softcap=0.0):
+        out = torch.empty_like(self.query)
+        _C.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.query_start_loc,
+                               self.seq_lens, self.block_tables, scale, sliding_window, softcap)
+        return out
+
+    def reference(self, scale, sliding_window=0, softcap=0.0):
+        out = torch.zeros(self.query.shape, dtype=torch.float64)
+        group = self.query.shape[1] // self.keys.shape[1]
+        start = 0
+        for b, (_, n_q) in enumerate(self.seqs):
+            length = int(self.seq_lens[b])
+            k = self.keys[start:start + length].double().repeat_interleave(group, dim=1)
+            v = self.values[start:start + length].double().repeat_interleave(group, dim=1)
+            start += length
+            q0, q1 = int(self.query_start_loc[b]), int(self.query_start_loc[b + 1])
+            s = torch.einsum("qhd,khd->hqk", self.query[q0:q1].double(), k) * scale
+            if softcap:
+                s = softcap * torch.tanh(s / softcap)
+            qpos = torch.arange(length - n_q, length)[:, None]
+            kpos = torch.arange(length)[None, :]
+            visible = kpos <= qpos
+            if sliding_window:
+                visible &= kpos > qpos - sliding_window
+            s = s.masked_fill(~visible, float("-inf"))
+            out[q0:q1] = torch.einsum("hqk,khd->qhd", torch.softmax(s, dim=-1), v)
+        return out
+
+
+def check(batch: Batch, dtype, sliding_window=0, softcap=0.0):
+    scale = batch.query.shape[-1] ** -0.5
+    out = batch.run(scale, sliding_window, softcap)
+    ref = batch.reference(scale, sliding_window, softcap)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, ref) < TOLERANCE[dtype]
+
+
+# (cached context, new tokens): decodes, prefill chunks on top of a cached prefix, whole prompts.
+MIXED = [(37, 1), (0, 23), (64, 1), (15, 17), (0, 1), (100, 5)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 2), (8, 1)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_matches_reference(isa, dtype, heads, block_size):
+    gen = torch.Generator().manual_seed(hash((isa, str(dtype), heads, block_size)) % 2**31)
+    check(Batch(MIXED, *heads, 64, block_size, dtype, gen), dtype)
+
+
+@pytest.mark.parametrize("head_size", [32, 64, 80, 96, 128, 256])
+def test_every_head_size(isa, head_size):
+    gen = torch.Generator().manual_seed(head_size)
+    for dtype in (torch.float32, torch.bfloat16):
+        check(Batch([(20, 1), (3, 12)], 4, 2, head_size, 16, dtype, gen), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_edges(isa, dtype):
+    gen = torch.Generator().manual_seed(7)
+    # sequence length 1; contexts ending exactly on a block boundary (before and after the step)
+    check(Batch([(0, 1), (15, 1), (16, 16), (31, 1), (32, 32)], 4, 2, 64, 16, dtype, gen), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sliding_window_shorter_than_context(isa, dtype):
+    gen = torch.Generator().manual_seed(11)
+    batch = Batch([(90, 1), (40, 30), (0, 50), (7, 1)], 8, 2, 64, 16, dtype, gen)
+    check(batch, dtype, sliding_window=24)
+    check(batch, dtype, sliding_window=1)
+
+
+def test_softcap(isa):
+    gen = torch.Generator().manual_seed(13)
+    batch = Batch(MIXED, 4, 2, 64, 16, torch.float32, gen)
+    batch.query *= 8  # large scores, so that the cap matters
+    check(batch, torch.float32, softcap=5.0)
+
+
+@pytest.mark.parametrize("num_kv_heads", [1, 2])
+def test_long_single_decode_is_split_and_merged(isa, num_kv_heads):
+    # Too few tiles for the threads: the keys are split over jobs and the partial states merged.
+    gen = torch.Generator().manual_seed(17)
+    for dtype in DTYPES:
+        batch = Batch([(3000, 1)], 4 * num_kv_heads, num_kv_heads, 128, 16, dtype, gen)
+        check(batch, dtype)
+        check(batch, dtype, sliding_window=700)
+
+
+def test_result_does_not_depend_on_thread_count():
+    gen = torch.Generator().manual_seed(19)
+    batch = Batch([(2000, 1), (50, 40)], 8, 2, 64, 16, torch.float32, gen)
+    threads = _C.get_num_threads()
+    try:
+        _C.set_num_threads(1)
+        one = batch.run(0.125)
+        _C.set_num_threads(3)
+        three = batch.run(0.125)
+    finally:
+        _C.set_num_threads(threads)
+    torch.testing.assert_close(one, three, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_reshape_and_cache_writes_slots_and_skips_padding(isa, dtype):
+    gen = torch.Generator().manual_seed(23)
+    key_cache = torch.zeros(5, 2, 16, 64, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    qkv = torch.randn(6, 3 * 2 * 64, generator=gen).to(dtype)
+    key = qkv[:, 128:256].view(6, 2, 64)  # strided views of a fused QKV output
+    value = qkv[:, 256:].view(6, 2, 64)
+    for slots in ([17, 18, -1, 79, 0, 40], torch.tensor([3, -1, -1, 64, 65, 33])):
+        slot_mapping = torch.as_tensor(slots, dtype=torch.int32 if isinstance(slots, list) else torch.int64)
+        _C.ops.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot < 0:
+                continue
+            assert torch.equal(key_cache[slot // 16, :, slot % 16], key[t])
+            assert torch.equal(value_cache[slot // 16, :, slot % 16], value[t])
+    untouched = torch.ones(5, 16, dtype=torch.bool)
+    for slot in [17, 18, 79, 0, 40, 3, 64, 65, 33]:
+        untouched[slot // 16, slot % 16] = False
+    assert (key_cache.permute(0, 2, 1, 3)[untouched] == 0).all()
+
+
+def test_bad_arguments_raise_clear_errors():
+    gen = torch.Generator().manual_seed(29)
+    b = Batch([(10, 2)], 4, 2, 64, 16, torch.float32, gen)
+    out = torch.empty_like(b.query)
+    args = [out, b.query, b.key_cache, b.value_cache, b.query_start_loc, b.seq_lens, b.block_tables, 0.125]
+    _C.ops.paged_attention(*args)
+
+    def call(**changes):
+        names = ["out", "query", "key_cache", "value_cache", "query_start_loc", "seq_lens", "block_tables", "scale"]
+        kwargs = dict(zip(names, args))
+        kwargs.update(changes)
+        _C.ops.paged_attention(**kwargs)
+
+    with pytest.raises(TypeError, match="query"):
+        call(query=b.query.double())
+    with pytest.raises(TypeError, match="key_cache"):
+        call(key_cache=b.key_cache.bfloat16())
+    with pytest.raises(ValueError, match="head_size 48"):
+        q = torch.randn(2, 4, 48)
+        call(query=q, out=torch.empty_like(q), key_cache=torch.zeros(3, 2, 16, 48), value_cache=torch.zeros(3, 2, 16, 48))
+    with pytest.raises(ValueError, match="multiple of the number of KV heads"):
+        q = torch.randn(2, 3, 64)
+        call(query=q, out=torch.empty_like(q))
+    with pytest.raises(ValueError, match="seq_lens"):
+        call(seq_lens=torch.tensor([1], dtype=torch.int32))  # fewer tokens than its 2 queries
+    with pytest.raises(ValueError, match="block_tables"):
+        bad = b.block_tables.clone()
+        bad[0, 0] = 1000
+        call(block_tables=bad)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        call(query_start_loc=torch.tensor([0, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="out"):
+        call(out=torch.empty(2, 4, 32))
+    with pytest.raises(ValueError, match="slot_mapping"):
+        _C.ops.reshape_and_cache(b.keys[:2], b.values[:2], b.key_cache, b.value_cache,
+                                 torch.tensor([0, 10_000], dtype=torch.int32))
+    with pytest.raises(TypeError, match="slot_mapping"):
+        _C.ops.reshape_and_cache(b.keys[:2], b.values[:2], b.key_cache, b.value_cache, torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match="value"):
+        _C.ops.reshape_and_cache(b.keys[:2], b.values[:3], b.key_cache, b.value_cache,
+                                 torch.tensor([0, 1], dtype=torch.int32))
