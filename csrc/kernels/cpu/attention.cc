@@ -47,6 +47,23 @@ struct Geometry {
   int64_t part_floats;  // floats of one partial state: max_rows * (head_size + 2)
 };
 
+// Decodes stream K and V from DRAM one block at a time, and hardware prefetchers stop at page
+// boundaries, so while key j of a block is scored we ask for row j of the next block's K and V:
+// the requests are spread over the block's work instead of queueing up at once.
+struct Prefetch {
+  const char* k = nullptr;  // next block's keys, or null on the last block
+  const char* v = nullptr;
+  int64_t row_bytes = 0;
+
+  void row(int64_t j) const {
+    if (!k) return;
+    for (int64_t i = j * row_bytes; i < (j + 1) * row_bytes; i += 64) {
+      __builtin_prefetch(k + i);
+      __builtin_prefetch(v + i);
+    }
+  }
+};
+
 // ---- per-block math; N rows at a time so a K or V vector is loaded once for N rows ----------
 
 // s[i * ld] = dot(q row i, k row): N rows of S for one key.
@@ -64,9 +81,10 @@ inline void dot_rows(const float* q, int64_t d, const T* krow, float* s, int64_t
 // Few rows (decodes): one dot product per row and key straight from the cache.
 template <typename T>
 void scores_by_rows(const float* q, int64_t rows, const Geometry& g, const T* kblk, int64_t j0, int64_t j1,
-                    float* s) {
+                    const Prefetch& next, float* s) {
   const int64_t d = g.head_size, ld = g.padded_block;
   for (int64_t j = j0; j < j1; ++j) {
+    next.row(j);
     const T* krow = kblk + j * d;
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) dot_rows<4>(q + r * d, d, krow, s + r * ld + j, ld);
@@ -236,23 +254,10 @@ inline int64_t block_offset(const PagedAttentionParams& p, const Geometry& g, co
   return (static_cast<int64_t>(table[kblock]) * p.num_kv_heads + job.kv_head) * g.block_size * g.head_size;
 }
 
-// Cache blocks are scattered pages, and the hardware prefetcher stops at page boundaries, so a
-// decode that streams from DRAM asks for the next block's K and V while it works on this one.
-template <typename T>
-void prefetch_block(const PagedAttentionParams& p, const Geometry& g, int64_t offset) {
-  const char* k = reinterpret_cast<const char*>(static_cast<const T*>(p.key_cache) + offset);
-  const char* v = reinterpret_cast<const char*>(static_cast<const T*>(p.value_cache) + offset);
-  const int64_t bytes = g.block_size * g.head_size * static_cast<int64_t>(sizeof(T));
-  for (int64_t i = 0; i < bytes; i += 64) {
-    __builtin_prefetch(k + i);
-    __builtin_prefetch(v + i);
-  }
-}
-
 // One cache block of keys [kbase + j0, kbase + j1) for every row of the job.
 template <typename T>
 void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kblock, int64_t j0,
-                  int64_t j1, int64_t rows, const JobScratch& js) {
+                  int64_t j1, int64_t rows, const Prefetch& next, const JobScratch& js) {
   const int64_t offset = block_offset(p, g, job, kblock);
   const T* kblk = static_cast<const T*>(p.key_cache) + offset;
   const T* vblk = static_cast<const T*>(p.value_cache) + offset;
@@ -260,7 +265,7 @@ void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& j
     transpose_keys(kblk, g, j0, j1, js.kt);
     scores_transposed(js.q, rows, g, js.kt, js.s);
   } else {
-    scores_by_rows(js.q, rows, g, kblk, j0, j1, js.s);
+    scores_by_rows(js.q, rows, g, kblk, j0, j1, next, js.s);
   }
   online_softmax(p, g, job, kblock * g.block_size, j0, j1, rows, js);
   if (rows > 4 && !std::is_same<T, float>::value) {
@@ -304,12 +309,19 @@ void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, f
   std::fill(js.l, js.l + rows, 0.0f);
   std::fill(js.acc, js.acc + rows * g.head_size, 0.0f);
   const int64_t last_block = (job.k_end - 1) / g.block_size;
+  Prefetch next;
+  next.row_bytes = g.head_size * static_cast<int64_t>(sizeof(T));
   for (int64_t kb = job.k_begin / g.block_size; kb <= last_block; ++kb) {
-    if (kb < last_block) prefetch_block<T>(p, g, block_offset(p, g, job, kb + 1));
+    next.k = next.v = nullptr;
+    if (kb < last_block) {
+      const int64_t offset = block_offset(p, g, job, kb + 1);
+      next.k = reinterpret_cast<const char*>(static_cast<const T*>(p.key_cache) + offset);
+      next.v = reinterpret_cast<const char*>(static_cast<const T*>(p.value_cache) + offset);
+    }
     const int64_t kbase = kb * g.block_size;
     const int64_t j0 = std::max<int64_t>(job.k_begin - kbase, 0);
     const int64_t j1 = std::min<int64_t>(job.k_end - kbase, g.block_size);
-    attend_block<T>(p, g, job, kb, j0, j1, rows, js);
+    attend_block<T>(p, g, job, kb, j0, j1, rows, next, js);
   }
   if (job.part < 0) write_output<T>(p, g, job, js.acc, js.l);
   else save_partial(g, rows, js, partials + job.part * g.part_floats);
