@@ -7,7 +7,7 @@ CMAKE_COMMON := -G Ninja -DCMAKE_EXPORT_COMPILE_COMMANDS=ON
 
 # Python: use python3 as is when it already has everything (GPU hosts: no package registry),
 # else a local .venv with the pinned CPU torch. find_spec keeps this check fast (no imports).
-PY_MODULES := torch pytest hypothesis numpy scikit_build_core pybind11
+PY_MODULES := torch pytest hypothesis numpy scikit_build_core pybind11 transformers
 HAVE_PY_DEPS := $(shell python3 -c "import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in '$(PY_MODULES)'.split()))" 2>/dev/null && echo yes)
 ifeq ($(HAVE_PY_DEPS),yes)
   PY ?= python3
@@ -50,10 +50,10 @@ system-deps:
 
 python-env: $(PY_ENV)
 
-.venv/.octavo-deps.stamp:
+.venv/.octavo-deps.stamp: Makefile
 	python3 -m venv .venv
 	.venv/bin/python -m pip install torch==2.13.0
-	.venv/bin/python -m pip install numpy pytest hypothesis pybind11 scikit-build-core
+	.venv/bin/python -m pip install numpy pytest hypothesis pybind11 scikit-build-core transformers
 	touch $@
 
 install: $(STAMPS)/pip-install.stamp

@@ -10,12 +10,14 @@ from . import _C
 from ._C import __version__
 
 from ._C import BlockPool, Scheduler, SchedulerConfig, SchedulerOutput, UpdateOutput
+# Kernels (octavo.ops.rms_norm, .paged_attention, ...) and the CPU thread / ISA controls.
+from ._C import cpu_isa, get_num_threads, ops, set_num_threads
 
 # UpdateOutput.finish_reasons holds indices into this tuple (vLLM's finish_reason strings).
 FINISH_REASONS = (None, "stop", "length", "abort")
 
 __all__ = ["BlockPool", "FINISH_REASONS", "Scheduler", "SchedulerConfig", "SchedulerOutput", "UpdateOutput",
-           "__version__", "cmake_dir"]
+           "__version__", "cmake_dir", "cpu_isa", "get_num_threads", "ops", "set_num_threads"]
 
 
 def cmake_dir() -> str:

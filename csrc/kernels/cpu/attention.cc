@@ -205,6 +205,27 @@ void load_queries(const PagedAttentionParams& p, const Geometry& g, const Job& j
   }
 }
 
+// Max of a fully visible row (the common case: every key of the block is in range).
+inline float row_max(const float* s, int64_t ld) {
+  VecF m = VecF::load(s);
+  for (int64_t j = kW; j < ld; j += kW) m = max(m, VecF::load(s + j));
+  return reduce_max(m);
+}
+
+// Soft-caps the visible scores [lo, hi), sets the others to -inf, and returns the max.
+inline float mask_row(const PagedAttentionParams& p, float* s, int64_t ld, int64_t lo, int64_t hi) {
+  float block_max = kNegInf;
+  for (int64_t j = 0; j < ld; ++j) {
+    if (j < lo || j >= hi) {
+      s[j] = kNegInf;
+      continue;
+    }
+    if (p.softcap > 0) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
+    block_max = std::max(block_max, s[j]);
+  }
+  return block_max;
+}
+
 // Masks row r's scores to the keys it may see, folds them into the running max / sum, turns them
 // into probabilities (in place) and rescales the row's accumulator.
 void online_softmax(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kbase, int64_t j0,
@@ -216,15 +237,7 @@ void online_softmax(const PagedAttentionParams& p, const Geometry& g, const Job&
     const int64_t pos = pos0 + r / g.group;
     const int64_t lo_pos = p.sliding_window > 0 ? pos - p.sliding_window + 1 : 0;
     const int64_t lo = std::max(lo_pos - kbase, j0), hi = std::min(pos - kbase + 1, j1);  // [lo, hi)
-    float block_max = kNegInf;
-    for (int64_t j = 0; j < ld; ++j) {
-      if (j < lo || j >= hi) {
-        s[j] = kNegInf;
-        continue;
-      }
-      if (p.softcap > 0) s[j] = p.softcap * std::tanh(s[j] / p.softcap);
-      block_max = std::max(block_max, s[j]);
-    }
+    const float block_max = (lo == 0 && hi == ld && p.softcap == 0) ? row_max(s, ld) : mask_row(p, s, ld, lo, hi);
     if (block_max == kNegInf) {
       for (int64_t j = 0; j < ld; ++j) s[j] = 0.0f;
       continue;
