@@ -48,6 +48,14 @@ void token_lists(const TensorView* offsets, const char* offsets_arg, const Tenso
   *ids_out = tok;
 }
 
+// True if some of the n values differ from `neutral` (false for an absent tensor).
+bool any_not(const float* values, int64_t n, float neutral) {
+  for (int64_t i = 0; values && i < n; ++i) {
+    if (values[i] != neutral) return true;
+  }
+  return false;
+}
+
 }  // namespace
 
 void sample(const SampleArgs& a) {
@@ -98,9 +106,10 @@ void sample(const SampleArgs& a) {
                                                                       << p.repetition_penalty[r]);
     }
   }
-  OCTAVO_CHECK(!p.repetition_penalty || p.prompt_offsets || p.output_offsets,
+  // Neutral penalties (1 / 0 everywhere) need no token lists; active ones do.
+  OCTAVO_CHECK(!any_not(p.repetition_penalty, n, 1.0f) || p.prompt_offsets || p.output_offsets,
                "repetition_penalty needs the prompt and/or output token lists");
-  OCTAVO_CHECK(!(p.frequency_penalty || p.presence_penalty) || p.output_offsets,
+  OCTAVO_CHECK(!(any_not(p.frequency_penalty, n, 0.0f) || any_not(p.presence_penalty, n, 0.0f)) || p.output_offsets,
                "frequency_penalty and presence_penalty need 'output_offsets' and 'output_token_ids'");
   cpu_dispatch(sample, p);
 }

@@ -1,0 +1,1 @@
+"""Model building blocks shared by the architectures in ``octavo.models``."""
