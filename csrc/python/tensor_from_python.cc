@@ -47,35 +47,66 @@ std::string dtype_code_name(const dlpack::DLDataType& t) {
   return s;
 }
 
-}  // namespace
-
-PyTensor tensor_view_from_python(py::handle obj, const char* arg) {
-  OCTAVO_CHECK_TYPE(py::hasattr(obj, "__dlpack__") && py::hasattr(obj, "__dlpack_device__"),
-                    "argument '" << arg << "' must be a torch tensor or numpy array, got "
-                                 << Py_TYPE(obj.ptr())->tp_name);
-  // Ask for the device first so unsupported devices are refused before anything is exported.
-  auto dev = obj.attr("__dlpack_device__")().cast<py::tuple>();
-  const int device_type = dev[0].cast<int>();
+void check_device_type(int device_type, const char* arg) {
   OCTAVO_CHECK(device_type == dlpack::kDLCPU || device_type == dlpack::kDLCUDA,
                "argument '" << arg << "' is on an unsupported device (DLPack device type " << device_type
                             << "); Octavo accepts CPU and CUDA tensors");
+}
 
-  // Without max_version, producers hand out the legacy "dltensor" capsule declared in dlpack_abi.h.
-  // Producers refuse some tensors (read-only numpy arrays, torch tensors that require grad);
-  // say which argument it was.
-  py::object capsule;
+// torch.Tensor.__dlpack__ and __dlpack_device__ are Python code that costs ~3 µs per tensor,
+// more than a decode-size kernel; torch._C._to_dlpack is the C function behind them (~0.2 µs).
+// Returns it when `obj` is a torch tensor (torch already imported), else null.
+PyObject* torch_to_dlpack(py::handle obj) {
+  static PyObject* tensor_type = nullptr;  // owned references, kept for the process's lifetime
+  static PyObject* to_dlpack = nullptr;
+  if (!tensor_type) {
+    PyObject* torch = PyImport_GetModule(py::str("torch").ptr());
+    if (!torch) return nullptr;  // not imported: obj cannot be a torch tensor
+    py::object module = py::reinterpret_steal<py::object>(torch);
+    py::object c = py::getattr(module, "_C", py::none());
+    py::object fn = c.is_none() ? py::object(py::none()) : py::getattr(c, "_to_dlpack", py::none());
+    if (fn.is_none()) return nullptr;
+    to_dlpack = fn.release().ptr();
+    tensor_type = py::object(module.attr("Tensor")).release().ptr();
+  }
+  return PyObject_IsInstance(obj.ptr(), tensor_type) == 1 ? to_dlpack : nullptr;
+}
+
+// The producer's legacy "dltensor" capsule for `obj`. Producers refuse some tensors (read-only
+// numpy arrays, torch tensors that require grad); the error names the argument.
+py::object export_capsule(py::handle obj, const char* arg) {
   std::string export_error;
   try {
-    capsule = obj.attr("__dlpack__")();
+    if (PyObject* fast = torch_to_dlpack(obj)) {
+      OCTAVO_CHECK(!obj.attr("requires_grad").cast<bool>(),
+                   "argument '" << arg << "' cannot be viewed zero-copy through DLPack: it requires grad; "
+                   "pass tensor.detach() (Octavo's ops are not differentiable)");
+      return py::reinterpret_borrow<py::object>(fast)(obj);
+    }
+    OCTAVO_CHECK_TYPE(py::hasattr(obj, "__dlpack__") && py::hasattr(obj, "__dlpack_device__"),
+                      "argument '" << arg << "' must be a torch tensor or numpy array, got "
+                                   << Py_TYPE(obj.ptr())->tp_name);
+    // Ask for the device first so unsupported devices are refused before anything is exported.
+    auto dev = obj.attr("__dlpack_device__")().cast<py::tuple>();
+    check_device_type(dev[0].cast<int>(), arg);
+    // Without max_version, producers hand out the legacy capsule declared in dlpack_abi.h.
+    return obj.attr("__dlpack__")();
   } catch (py::error_already_set& e) {
     export_error = e.what();
   }
-  OCTAVO_CHECK(export_error.empty(),
-               "argument '" << arg << "' cannot be viewed zero-copy through DLPack: " << export_error);
+  OCTAVO_CHECK(false, "argument '" << arg << "' cannot be viewed zero-copy through DLPack: " << export_error);
+  return py::object();
+}
+
+}  // namespace
+
+PyTensor tensor_view_from_python(py::handle obj, const char* arg) {
+  py::object capsule = export_capsule(obj, arg);
   OCTAVO_CHECK(PyCapsule_IsValid(capsule.ptr(), "dltensor"),
                "argument '" << arg << "': __dlpack__ did not return an unused 'dltensor' capsule");
   auto* managed = static_cast<dlpack::DLManagedTensor*>(PyCapsule_GetPointer(capsule.ptr(), "dltensor"));
   const dlpack::DLTensor& t = managed->dl_tensor;
+  check_device_type(t.device.device_type, arg);
 
   PyTensor out;
   TensorView& v = out.view;

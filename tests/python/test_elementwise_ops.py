@@ -47,9 +47,6 @@ def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype):
 # is read as B rows of S * hidden: rms_norm then rejects the weight, and silu_and_mul silently
 # pairs the wrong halves. ops.h promises "any leading shape"; until the adapters flatten the
 # leading dimensions instead, these stay expected failures.
-LEADING_DIMS = pytest.mark.xfail(reason="adapters treat [B, S, hidden] as B rows of S * hidden", strict=False)
-
-
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float, weight_offset: bool) -> torch.Tensor:
     """x: [..., hidden] float64; weight: [hidden]."""
     w = weight.double() + (1.0 if weight_offset else 0.0)
@@ -85,7 +82,6 @@ def test_rms_norm_strided_in_place(isa, dtype):
     assert torch.equal(big[:, :100], before[:, :100]) and torch.equal(big[:, 333:], before[:, 333:])
 
 
-@LEADING_DIMS
 def test_rms_norm_leading_dims(isa):
     x = torch.randn(2, 3, 40)
     w = norm_weight(40, torch.float32, False)
@@ -242,7 +238,6 @@ def test_silu_saturates_like_torch(isa):
     torch.testing.assert_close(out, torch.nn.functional.silu(x), rtol=1e-6, atol=1e-30)
 
 
-@LEADING_DIMS
 def test_gated_activation_leading_dims(isa):
     x = torch.randn(2, 3, 20)
     out = torch.empty(2, 3, 10)

@@ -14,8 +14,8 @@ RmsNormParams norm_params(const TensorView& out, const char* out_arg, const Tens
   ops::check_float(input, "input");
   ops::check_same_dtype(out, out_arg, input, "input");
   ops::check_same_dtype(weight, "weight", input, "input");
-  const ops::Rows in = ops::as_rows(input, "input");
-  const ops::Rows o = ops::as_rows(out, out_arg);
+  const ops::Rows in = ops::last_dim_rows(input, "input");
+  const ops::Rows o = ops::last_dim_rows(out, out_arg);
   OCTAVO_CHECK(o.rows == in.rows && o.cols == in.cols,
                "argument '" << out_arg << "' must have the shape of 'input' (" << in.rows << " rows of " << in.cols
                             << "), got " << o.rows << " rows of " << o.cols);
@@ -50,7 +50,7 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
   RmsNormParams p = norm_params(input, "input", input, weight, eps, weight_offset);
   ops::check_cpu(residual, "residual");
   ops::check_same_dtype(residual, "residual", input, "input");
-  const ops::Rows r = ops::as_rows(residual, "residual");
+  const ops::Rows r = ops::last_dim_rows(residual, "residual");
   OCTAVO_CHECK(r.rows == p.rows && r.cols == p.hidden, "argument 'residual' must have the shape of 'input' ("
                                                            << p.rows << " rows of " << p.hidden << "), got " << r.rows
                                                            << " rows of " << r.cols);

@@ -24,6 +24,35 @@ Rows as_rows(const TensorView& t, const char* arg) {
   return r;
 }
 
+Rows last_dim_rows(const TensorView& t, const char* arg) {
+  OCTAVO_CHECK(t.ndim >= 1, "argument '" << arg << "' must have at least 1 dimension, got a scalar");
+  const int last = t.ndim - 1;
+  Rows r{1, t.shape[last], t.shape[last]};
+  OCTAVO_CHECK(r.cols <= 1 || t.strides[last] == 1,
+               "argument '" << arg << "' must be contiguous in its last dimension; call .contiguous() first");
+  // Walk the leading dimensions from the innermost out; each must step over the one inside it.
+  bool have_stride = false;
+  int64_t inner_stride = 0, inner_size = 1;
+  for (int i = last - 1; i >= 0; --i) {
+    r.rows *= t.shape[i];
+    if (t.shape[i] == 1) continue;
+    if (!have_stride) {
+      r.stride = t.strides[i];
+      have_stride = true;
+    } else {
+      OCTAVO_CHECK(t.strides[i] == inner_stride * inner_size,
+                   "argument '" << arg << "' has leading dimensions that do not flatten into rows (dimension " << i
+                                << " has stride " << t.strides[i] << "); call .contiguous() first");
+    }
+    inner_stride = t.strides[i];
+    inner_size = t.shape[i];
+  }
+  OCTAVO_CHECK(r.rows <= 1 || r.stride >= r.cols,
+               "argument '" << arg << "' has overlapping rows (row stride " << r.stride << " < row length " << r.cols
+                            << ")");
+  return r;
+}
+
 void check_float(const TensorView& t, const char* arg) {
   OCTAVO_CHECK_TYPE(t.dtype == DType::kFloat32 || t.dtype == DType::kBFloat16 || t.dtype == DType::kFloat16,
                     "argument '" << arg << "' must be float32, bfloat16 or float16, got " << dtype_name(t.dtype));

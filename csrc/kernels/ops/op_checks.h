@@ -16,6 +16,9 @@ struct Rows {
   int64_t stride;  // elements between consecutive rows
 };
 Rows as_rows(const TensorView& t, const char* arg);
+// A tensor as rows of its last dimension: [..., cols] with the leading dimensions flattened
+// (they must collapse into one row stride, as for any view torch could .view(-1, cols)).
+Rows last_dim_rows(const TensorView& t, const char* arg);
 
 void check_float(const TensorView& t, const char* arg);  // float32, bfloat16 or float16
 void check_same_dtype(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
