@@ -25,6 +25,7 @@ constexpr int64_t kTileRows = 64;        // query rows (tokens x heads) per pref
 constexpr int64_t kTransposeRows = 16;   // from this many rows, S is computed from a transposed K block
 constexpr int64_t kMinSplitKeys = 256;   // shortest key range worth a job of its own
 constexpr int64_t kJobsPerThread = 4;    // jobs wanted per thread before keys get split
+constexpr int64_t kPrefetchBlocks = 1;   // how many cache blocks ahead decodes prefetch
 
 // The query rows of tokens [q_begin, q_end) of one sequence's chunk, for the G heads of one KV
 // head, against keys at positions [k_begin, k_end).
@@ -326,8 +327,8 @@ void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, f
   next.row_bytes = g.head_size * static_cast<int64_t>(sizeof(T));
   for (int64_t kb = job.k_begin / g.block_size; kb <= last_block; ++kb) {
     next.k = next.v = nullptr;
-    if (kb < last_block) {
-      const int64_t offset = block_offset(p, g, job, kb + 1);
+    if (kb + kPrefetchBlocks <= last_block) {
+      const int64_t offset = block_offset(p, g, job, kb + kPrefetchBlocks);
       next.k = reinterpret_cast<const char*>(static_cast<const T*>(p.key_cache) + offset);
       next.v = reinterpret_cast<const char*>(static_cast<const T*>(p.value_cache) + offset);
     }
