@@ -1,9 +1,10 @@
+import pytest
 import torch
 
 import octavo
 from octavo import _C
 
-CPU_FEATURE_KEYS = {"avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16"}
+CPU_FEATURE_KEYS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16"}
 
 
 def test_version_is_the_package_version():
@@ -28,3 +29,15 @@ def test_cuda_info():
         assert count == 0
     else:
         assert count == torch.cuda.device_count()
+
+
+def test_cpu_isa_controls():
+    isas = _C.supported_cpu_isas()
+    assert isas[0] == "scalar" and _C.cpu_isa() in isas
+    assert octavo.cpu_isa() == _C.cpu_isa()
+    with pytest.raises(ValueError, match="'scalar', 'avx2' or 'avx512'"):
+        _C.set_cpu_isa("sse9")
+    threads = octavo.get_num_threads()
+    assert threads >= 1
+    with pytest.raises(ValueError, match="at least 1"):
+        octavo.set_num_threads(0)
