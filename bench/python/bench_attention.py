@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo import _C
+from octavo.kv_cache import empty_kv_cache
 
 HEAD_SIZE = 128
 BLOCK_SIZE = 16
@@ -43,8 +44,9 @@ def copy_bandwidth() -> float:
 def paged_cache(num_seqs: int, context: int, num_kv_heads: int, dtype):
     blocks = math.ceil(context / BLOCK_SIZE)
     shape = (num_seqs * blocks + 1, num_kv_heads, BLOCK_SIZE, HEAD_SIZE)
-    key_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
-    value_cache = torch.randn(shape, dtype=torch.float32).to(dtype)
+    key_cache, value_cache = empty_kv_cache(shape, dtype), empty_kv_cache(shape, dtype)  # as the engine does
+    key_cache.copy_(torch.randn(shape))
+    value_cache.copy_(torch.randn(shape))
     # Shuffled block ids: a real pool hands blocks out in no particular order.
     tables = (torch.randperm(num_seqs * blocks) + 1).to(torch.int32).view(num_seqs, blocks)
     return key_cache, value_cache, tables

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from octavo import _C
+from octavo.kv_cache import empty_kv_cache
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
@@ -224,3 +225,16 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="value"):
         _C.ops.reshape_and_cache(b.keys[:2], b.values[:3], b.key_cache, b.value_cache,
                                  torch.tensor([0, 1], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("num_blocks", [3, 400])  # below and above one huge page
+def test_empty_kv_cache_serves_attention(num_blocks):
+    key_cache = empty_kv_cache((num_blocks, 2, 16, 64), torch.bfloat16)
+    value_cache = empty_kv_cache((num_blocks, 2, 16, 64), torch.bfloat16)
+    assert key_cache.shape == (num_blocks, 2, 16, 64) and key_cache.dtype == torch.bfloat16
+    assert key_cache.is_contiguous() and key_cache.data_ptr() != value_cache.data_ptr()
+    key = torch.randn(20, 2, 64).bfloat16()
+    slots = torch.arange(20, dtype=torch.int32) + 16  # blocks 1 and 2
+    _C.ops.reshape_and_cache(key, key, key_cache, value_cache, slots)
+    assert torch.equal(key_cache[1, :, 3], key[3])
+    assert torch.equal(value_cache[2, :, 1], key[17])
