@@ -84,7 +84,7 @@ TEST(CpuIsa, BestIsSupportedAndSelectable) {
   const octavo::CpuIsa before = octavo::active_cpu_isa();
   EXPECT_TRUE(octavo::cpu_isa_supported(octavo::best_cpu_isa()));
   EXPECT_TRUE(octavo::cpu_isa_supported(octavo::CpuIsa::kScalar));
-  for (octavo::CpuIsa isa : {octavo::CpuIsa::kScalar, octavo::CpuIsa::kAvx2, octavo::CpuIsa::kAvx512}) {
+  for (octavo::CpuIsa isa : octavo::kAllCpuIsas) {
     if (octavo::cpu_isa_supported(isa)) {
       octavo::set_cpu_isa(isa);
       EXPECT_EQ(octavo::active_cpu_isa(), isa);

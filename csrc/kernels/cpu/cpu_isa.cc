@@ -12,7 +12,7 @@ namespace {
 
 CpuIsa initial_isa() {
   if (const char* env = std::getenv("OCTAVO_CPU_ISA")) {
-    for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    for (CpuIsa isa : kAllCpuIsas) {
       if (std::strcmp(env, cpu_isa_name(isa)) == 0 && cpu_isa_supported(isa)) return isa;
     }
   }
@@ -31,6 +31,7 @@ const char* cpu_isa_name(CpuIsa isa) {
     case CpuIsa::kScalar: return "scalar";
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
+    case CpuIsa::kAvx512Bf16: return "avx512_bf16";
   }
   return "unknown";
 }
@@ -52,15 +53,17 @@ bool cpu_isa_supported(CpuIsa isa) {
     case CpuIsa::kScalar: return true;
     case CpuIsa::kAvx2: return avx2;
     case CpuIsa::kAvx512: return avx2 && f.avx512f && f.avx512bw && f.avx512vl;
+    case CpuIsa::kAvx512Bf16: return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
   }
   return false;
 }
 
 CpuIsa best_cpu_isa() {
-  for (CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
-    if (cpu_isa_supported(isa)) return isa;
+  CpuIsa best = CpuIsa::kScalar;
+  for (CpuIsa isa : kAllCpuIsas) {
+    if (cpu_isa_supported(isa)) best = isa;
   }
-  return CpuIsa::kScalar;
+  return best;
 }
 
 CpuIsa active_cpu_isa() { return active().load(std::memory_order_relaxed); }

@@ -21,6 +21,7 @@ OCTAVO_DECLARE_CPU_KERNELS(scalar)
 #if OCTAVO_CPU_X86_ISAS
 OCTAVO_DECLARE_CPU_KERNELS(avx2)
 OCTAVO_DECLARE_CPU_KERNELS(avx512)
+OCTAVO_DECLARE_CPU_KERNELS(avx512_bf16)
 #endif
 
 // cpu_dispatch(rms_norm, params) -> octavo::cpu::<active isa>::rms_norm(params)
@@ -28,6 +29,7 @@ OCTAVO_DECLARE_CPU_KERNELS(avx512)
 #define cpu_dispatch(fn, ...)                                                   \
   do {                                                                          \
     switch (::octavo::active_cpu_isa()) {                                       \
+      case ::octavo::CpuIsa::kAvx512Bf16: ::octavo::cpu::avx512_bf16::fn(__VA_ARGS__); break; \
       case ::octavo::CpuIsa::kAvx512: ::octavo::cpu::avx512::fn(__VA_ARGS__); break; \
       case ::octavo::CpuIsa::kAvx2: ::octavo::cpu::avx2::fn(__VA_ARGS__); break; \
       default: ::octavo::cpu::scalar::fn(__VA_ARGS__); break;                   \
