@@ -4,11 +4,22 @@ import pytest
 from hypothesis import settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
+from octavo import _C
+
 # Keep hypothesis' example database in build/ rather than wherever pytest was started.
 settings.register_profile(
     "octavo", database=DirectoryBasedExampleDatabase(Path(__file__).resolve().parents[2] / "build" / ".hypothesis")
 )
 settings.load_profile("octavo")
+
+
+@pytest.fixture(params=_C.supported_cpu_isas())
+def isa(request):
+    """Runs the test once per CPU kernel level this machine supports, restoring the active one."""
+    previous = _C.cpu_isa()
+    _C.set_cpu_isa(request.param)
+    yield request.param
+    _C.set_cpu_isa(previous)
 
 
 def _cuda_available() -> bool:

@@ -22,15 +22,6 @@ DTYPE_IDS = ["f32", "bf16", "f16"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
-@pytest.fixture(params=_C.supported_cpu_isas())
-def isa(request):
-    """Runs the test on one ISA level, restoring the active one afterwards."""
-    previous = _C.cpu_isa()
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(previous)
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)

@@ -12,12 +12,8 @@ from octavo import _C
 I32, I64, F32 = torch.int32, torch.int64, torch.float32
 
 
-@pytest.fixture(autouse=True, params=_C.supported_cpu_isas())
-def isa(request):
-    original = _C.cpu_isa()
-    _C.set_cpu_isa(request.param)
-    yield request.param
-    _C.set_cpu_isa(original)
+# Every test runs once per CPU kernel level (the `isa` fixture in conftest.py).
+pytestmark = pytest.mark.usefixtures("isa")
 
 
 def per_row(value, n, dtype):

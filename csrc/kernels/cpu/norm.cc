@@ -9,16 +9,10 @@
 namespace octavo::cpu::OCTAVO_ISA {
 namespace {
 
-// Jobs below kSerialElems elements run on the calling thread: waking the pool would cost about
-// as much as it saves. Larger ones are cut into chunks of at least kMinChunkElems elements.
+// Below this many elements a call stays on the calling thread; above, chunks of at least
+// kMinChunkElems (see grain_for).
 constexpr int64_t kSerialElems = 65536;
 constexpr int64_t kMinChunkElems = 16384;
-
-// Rows per parallel_for chunk.
-int64_t chunk_rows(int64_t rows, int64_t row_elems) {
-  if (rows * row_elems < kSerialElems) return rows;
-  return row_elems >= kMinChunkElems ? 1 : kMinChunkElems / row_elems;
-}
 
 // sum(x[i]^2) in float32. Four accumulators hide the FMA latency.
 template <typename T>
@@ -123,7 +117,7 @@ void rms_norm_rows(const RmsNormParams& p, int64_t begin, int64_t end) {
 
 template <typename T>
 void run_rms_norm(const RmsNormParams& p) {
-  parallel_for(p.rows, chunk_rows(p.rows, p.hidden),
+  parallel_for(p.rows, grain_for(p.rows, p.hidden, kSerialElems, kMinChunkElems),
                [&](int64_t begin, int64_t end) { rms_norm_rows<T>(p, begin, end); });
 }
 

@@ -20,4 +20,12 @@ void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
       const_cast<void*>(static_cast<const void*>(&fn)));
 }
 
+// Items per parallel_for chunk, for `items` of `item_elems` elements each: all of them on the
+// calling thread when the whole job is below `serial_elems` (waking the pool would cost about as
+// much as it saves), else chunks of at least `min_chunk_elems` elements.
+inline int64_t grain_for(int64_t items, int64_t item_elems, int64_t serial_elems, int64_t min_chunk_elems) {
+  if (items * item_elems < serial_elems) return items > 0 ? items : 1;
+  return item_elems >= min_chunk_elems ? 1 : min_chunk_elems / item_elems;
+}
+
 }  // namespace octavo::cpu::OCTAVO_ISA

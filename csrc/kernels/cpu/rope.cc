@@ -10,16 +10,10 @@
 namespace octavo::cpu::OCTAVO_ISA {
 namespace {
 
-// Jobs below kSerialElems rotated elements run on the calling thread: waking the pool would
-// cost about as much as it saves. Larger ones are cut into chunks of at least kMinChunkElems.
+// Below this many elements a call stays on the calling thread; above, chunks of at least
+// kMinChunkElems (see grain_for).
 constexpr int64_t kSerialElems = 65536;
 constexpr int64_t kMinChunkElems = 16384;
-
-// Tokens per parallel_for chunk.
-int64_t chunk_tokens(int64_t tokens, int64_t token_elems) {
-  if (tokens * token_elems < kSerialElems) return tokens;
-  return token_elems >= kMinChunkElems ? 1 : kMinChunkElems / token_elems;
-}
 
 // GPT-NeoX / Llama: x[i], x[i + half] form a pair, rotated by angle i.
 // x: [head_size] of one head; cos, sin: [half]
@@ -116,7 +110,7 @@ void rotate_tokens(const RotaryParams& p, int64_t begin, int64_t end) {
 template <typename T, typename Index>
 void run_rotary(const RotaryParams& p) {
   const int64_t per_token = (p.num_heads + (p.key ? p.num_kv_heads : 0)) * p.rot_dim;
-  parallel_for(p.num_tokens, chunk_tokens(p.num_tokens, per_token),
+  parallel_for(p.num_tokens, grain_for(p.num_tokens, per_token, kSerialElems, kMinChunkElems),
                [&](int64_t begin, int64_t end) { rotate_tokens<T, Index>(p, begin, end); });
 }
 
