@@ -4,7 +4,8 @@ torch's scaled_dot_product_attention on the same data laid out contiguously.
     python bench/python/bench_attention.py [--quick]
 
 Decode reads every cached key and value once, so its speed is bytes of KV read per second,
-reported as a fraction of the bandwidth of a large copy measured in the same run. Prefill is
+reported as a fraction of the bandwidth of a large copy measured in the same run (at its start,
+and again right after each row, since this machine's bandwidth drifts). Prefill is
 compute-bound: GFLOP/s of the causal attention (2 * 2 * T^2 / 2 * D * H flops) for both.
 """
 import argparse
@@ -97,15 +98,18 @@ def main() -> None:
     print(f"memory bandwidth (512 MiB copy, read + write): {bandwidth:.1f} GB/s\n")
 
     print("decode, bfloat16 KV, head_size 128, block 16")
-    print(f"{'batch':>5} {'context':>7} {'heads':>6} {'us':>9} {'KV GB/s':>8} {'of bw':>6}")
+    # This machine's bandwidth drifts (other tenants): each row also measures the copy right after
+    # its decode, and reports the fraction of both that and the run's first measurement.
+    print(f"{'batch':>5} {'context':>7} {'heads':>6} {'us':>9} {'KV GB/s':>8} {'of bw':>6} {'row bw':>7} {'of row':>6}")
     batches = (1, 8) if args.quick else (1, 8, 32)
     contexts = (512, 8192) if args.quick else (512, 2048, 8192)
     for num_seqs in batches:
         for context in contexts:
             for heads in ((24, 8), (32, 8)):
                 seconds, gbs = bench_decode(num_seqs, context, *heads, torch.bfloat16, repeats)
+                row_bandwidth = copy_bandwidth()
                 print(f"{num_seqs:>5} {context:>7} {heads[0]:>3}:{heads[1]:<2} {seconds * 1e6:>9.0f} {gbs:>8.1f} "
-                      f"{gbs / bandwidth:>6.2f}")
+                      f"{gbs / bandwidth:>6.2f} {row_bandwidth:>7.1f} {gbs / row_bandwidth:>6.2f}")
 
     print("\nprefill, one causal sequence, 32 query / 8 KV heads, head_size 128")
     print(f"{'tokens':>6} {'dtype':>9} {'octavo ms':>9} {'sdpa ms':>8} {'octavo GF/s':>11} {'sdpa GF/s':>9} {'ratio':>6}")
