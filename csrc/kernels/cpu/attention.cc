@@ -79,14 +79,43 @@ inline void dot_rows(const float* q, int64_t d, const T* krow, float* s, int64_t
   for (int i = 0; i < N; ++i) s[i * ld] = reduce_add(a[i]);
 }
 
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// The same for bfloat16 query and keys with vdpbf16ps: 32 products per instruction, summed in
+// pairs into float32, with no conversion of the keys. q holds the raw (unscaled) query rows.
+template <int N>
+inline void dot_rows_bf16(const bf16* q, int64_t d, const bf16* krow, float scale, float* s, int64_t ld) {
+  __m512 a[N];
+  for (int i = 0; i < N; ++i) a[i] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m512bh k = (__m512bh)_mm512_loadu_si512(krow + c);
+    for (int i = 0; i < N; ++i) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(q + i * d + c), k);
+  }
+  for (int i = 0; i < N; ++i) s[i * ld] = _mm512_reduce_add_ps(a[i]) * scale;
+}
+#else
+constexpr bool kBf16Dot = false;
+template <int N>
+inline void dot_rows_bf16(const bf16*, int64_t, const bf16*, float, float*, int64_t) {}
+#endif
+
 // Few rows (decodes): one dot product per row and key straight from the cache.
+// With `qb` (bfloat16 keys on the avx512_bf16 level), the bf16 dot products are used instead.
 template <typename T>
-void scores_by_rows(const float* q, int64_t rows, const Geometry& g, const T* kblk, int64_t j0, int64_t j1,
-                    const Prefetch& next, float* s) {
+void scores_by_rows(const float* q, const bf16* qb, float scale, int64_t rows, const Geometry& g, const T* kblk,
+                    int64_t j0, int64_t j1, const Prefetch& next, float* s) {
   const int64_t d = g.head_size, ld = g.padded_block;
   for (int64_t j = j0; j < j1; ++j) {
     next.row(j);
     const T* krow = kblk + j * d;
+    if constexpr (std::is_same<T, bf16>::value) {
+      if (qb) {
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) dot_rows_bf16<4>(qb + r * d, d, krow, scale, s + r * ld + j, ld);
+        for (; r < rows; ++r) dot_rows_bf16<1>(qb + r * d, d, krow, scale, s + r * ld + j, ld);
+        continue;
+      }
+    }
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4) dot_rows<4>(q + r * d, d, krow, s + r * ld + j, ld);
     switch (rows - r) {
@@ -169,11 +198,12 @@ void to_float_rows(const T* src, int64_t n, float* dst) {
 
 struct JobScratch {
   float *q, *acc, *s, *m, *l, *kt, *vf;
+  bf16* qb;  // raw query rows, for the bf16 dot products
 };
 
 JobScratch job_scratch(const Geometry& g, int64_t rows) {
   const int64_t d = g.head_size, ld = g.padded_block;
-  const int64_t floats = 2 * rows * d + rows * ld + 2 * rows + d * ld + g.block_size * d;
+  const int64_t floats = 2 * rows * d + rows * ld + 2 * rows + d * ld + g.block_size * d + rows * d / 2;
   JobScratch js;
   js.q = static_cast<float*>(thread_scratch(0, sizeof(float) * floats));
   js.acc = js.q + rows * d;
@@ -182,6 +212,7 @@ JobScratch job_scratch(const Geometry& g, int64_t rows) {
   js.l = js.m + rows;
   js.kt = js.l + rows;
   js.vf = js.kt + d * ld;
+  js.qb = reinterpret_cast<bf16*>(js.vf + g.block_size * d);
   return js;
 }
 
@@ -225,6 +256,17 @@ inline float mask_row(const PagedAttentionParams& p, float* s, int64_t ld, int64
     block_max = std::max(block_max, s[j]);
   }
   return block_max;
+}
+
+// Query rows as they are (bfloat16, unscaled), in the row order of load_queries.
+inline void copy_query_rows(const PagedAttentionParams& p, const Geometry& g, const Job& job, bf16* qb) {
+  const bf16* query = static_cast<const bf16*>(p.query);
+  const int64_t d = g.head_size;
+  for (int64_t t = job.q_begin; t < job.q_end; ++t) {
+    const int64_t token = p.query_start_loc[job.seq] + t;
+    const bf16* src = query + token * p.query_stride + job.kv_head * g.group * d;
+    std::copy(src, src + g.group * d, qb + (t - job.q_begin) * g.group * d);
+  }
 }
 
 // Masks row r's scores to the keys it may see, folds them into the running max / sum, turns them
@@ -279,7 +321,8 @@ void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& j
     transpose_keys(kblk, g, j0, j1, js.kt);
     scores_transposed(js.q, rows, g, js.kt, js.s);
   } else {
-    scores_by_rows(js.q, rows, g, kblk, j0, j1, next, js.s);
+    const bool bf16_dot = kBf16Dot && std::is_same<T, bf16>::value && g.head_size % 32 == 0;
+    scores_by_rows(js.q, bf16_dot ? js.qb : nullptr, p.scale, rows, g, kblk, j0, j1, next, js.s);
   }
   online_softmax(p, g, job, kblock * g.block_size, j0, j1, rows, js);
   if (rows > 4 && !std::is_same<T, float>::value) {
@@ -319,6 +362,7 @@ void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, f
   const int64_t rows = (job.q_end - job.q_begin) * g.group;
   const JobScratch js = job_scratch(g, rows);
   load_queries<T>(p, g, job, js.q);
+  if constexpr (kBf16Dot && std::is_same<T, bf16>::value) copy_query_rows(p, g, job, js.qb);
   std::fill(js.m, js.m + rows, kNegInf);
   std::fill(js.l, js.l + rows, 0.0f);
   std::fill(js.acc, js.acc + rows * g.head_size, 0.0f);
