@@ -1,0 +1,49 @@
+"""Paged attention for one layer: write the step's K/V into the cache, then attend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import _C
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, straight from the scheduler's arrays (int32 tensors).
+
+    slot_mapping [T]; query_start_loc [R + 1]; seq_lens [R]; block_tables [R, max_blocks].
+    """
+
+    slot_mapping: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    block_tables: torch.Tensor
+
+
+class Attention(torch.nn.Module):
+    """Causal attention over the paged KV cache of one layer.
+
+    The cache tensors are ``[num_blocks, num_kv_heads, block_size, head_size]`` and are set by
+    the runner (``kv_cache``) before the first forward.
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_size: int, scale: float, sliding_window: int = 0):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
+        self.scale, self.sliding_window = scale, sliding_window
+        self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H * D], k and v [T, Hkv * D] (row-strided views are fine) -> [T, H * D]."""
+        tokens = q.shape[0]
+        key_cache, value_cache = self.kv_cache
+        _C.ops.reshape_and_cache(k.view(tokens, self.num_kv_heads, self.head_size),
+                                 v.view(tokens, self.num_kv_heads, self.head_size),
+                                 key_cache, value_cache, meta.slot_mapping)
+        out = torch.empty(tokens, self.num_heads, self.head_size, dtype=q.dtype)
+        _C.ops.paged_attention(out, q.view(tokens, self.num_heads, self.head_size), key_cache, value_cache,
+                               meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
+                               self.sliding_window)
+        return out.view(tokens, self.num_heads * self.head_size)

@@ -1,0 +1,61 @@
+"""Tensors of a Hugging Face checkpoint directory, read lazily from memory-mapped safetensors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+from ..config import ModelConfig
+from ..models import model_class
+
+
+def _files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [s for s in shards if not (path / s).is_file()]
+        if missing:
+            raise FileNotFoundError(f"{index} lists shards that are not in {path}: {', '.join(missing)}")
+        return [path / s for s in shards]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no safetensors weights in {path} (model.safetensors or an index)")
+    return found
+
+
+def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor of the checkpoint in ``path``; tensors are mmap-backed."""
+    for file in _files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors"):
+    """Builds the model for ``path``'s config.json and fills its weights.
+
+    dtype "auto" takes the checkpoint's ``torch_dtype``. load_format "dummy" skips the files and
+    fills every weight with small random values (benchmarks of large shapes).
+    """
+    config = ModelConfig.from_pretrained(path)
+    if dtype == "auto":
+        dtype = config.torch_dtype
+    elif isinstance(dtype, str):
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = model_class(config.architecture)(config, dtype)
+    if load_format == "dummy":
+        generator = torch.Generator().manual_seed(0)
+        for param in model.parameters():
+            param.data.uniform_(-1e-2, 1e-2, generator=generator)
+    elif load_format == "safetensors":
+        model.load_weights(iter_safetensors(path))
+    else:
+        raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
+    return model.eval()

@@ -1,0 +1,20 @@
+"""Model registry: Hugging Face architecture name -> Octavo model class."""
+
+from __future__ import annotations
+
+from .llama import LlamaForCausalLM, Qwen3ForCausalLM
+
+# Mistral and Qwen2 are Llama with a sliding window / q,k,v biases, both read from the config.
+MODELS = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def model_class(architecture: str):
+    """The class for a config's architecture; ValueError listing the supported ones otherwise."""
+    if architecture not in MODELS:
+        raise ValueError(f"architecture {architecture!r} is not supported; supported: {', '.join(sorted(MODELS))}")
+    return MODELS[architecture]

@@ -1,0 +1,162 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) on Octavo's kernels.
+
+Dense projections go through torch with fused weights (one QKV and one gate_up matrix);
+norms, RoPE, attention over the paged cache and the activation go through ``octavo._C.ops``.
+The variants differ only in flags read from the config: q/k/v biases (Qwen2), per-head q/k
+RMSNorm (Qwen3) and a sliding window (Mistral).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+
+from .. import _C
+from ..config import ModelConfig
+from ..layers.attention import Attention, AttentionMetadata
+from ..layers.norm import RMSNorm
+from ..layers.rotary import rope_cos_sin_cache, rope_is_neox
+
+
+def _param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    return torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
+class LlamaAttention(torch.nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool):
+        super().__init__()
+        heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.q_size, self.kv_size, self.head_dim = heads * d, kv_heads * d, d
+        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
+        self.o_weight = _param(config.hidden_size, self.q_size, dtype=dtype)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.attn = Attention(heads, kv_heads, d, d**-0.5, config.sliding_window)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, bool],
+                meta: AttentionMetadata) -> torch.Tensor:
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        cos_sin_cache, is_neox = rope
+        _C.ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, is_neox)
+        return F.linear(self.attn(q, k, v, meta), self.o_weight)
+
+
+class LlamaMLP(torch.nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.gate_up_weight = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = F.linear(x, self.gate_up_weight)
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype)
+        _C.ops.silu_and_mul(out, gate_up)
+        return F.linear(out, self.down_weight)
+
+
+class LlamaDecoderLayer(torch.nn.Module):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, dtype, qk_norm)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype)
+
+    def forward(self, x, residual, positions, rope, meta):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions, rope, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(torch.nn.Module):
+    """forward(input_ids [T], positions [T], meta) -> hidden [T, hidden];
+    compute_logits(hidden, logits_indices [R]) -> float32 [R, vocab]."""
+
+    qk_norm = False
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = torch.nn.ModuleList(
+            LlamaDecoderLayer(config, dtype, self.qk_norm) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
+            config.vocab_size, config.hidden_size, dtype=dtype)
+        self.rope = (rope_cos_sin_cache(config.hf), rope_is_neox(config.hf))
+
+    def attention_layers(self) -> list[Attention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        for layer in self.layers:
+            x, residual = layer(x, residual, positions, self.rope, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden[logits_indices], self.lm_head).float()
+
+    # ---- weights ------------------------------------------------------------------------------
+
+    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
+        """HF tensor name -> (destination parameter, first row, rows) for every expected tensor."""
+        c = self.config
+        targets = {"model.embed_tokens.weight": (self.embed_tokens, 0, c.vocab_size),
+                   "model.norm.weight": (self.norm.weight, 0, c.hidden_size)}
+        if not c.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head, 0, c.vocab_size)
+        for i, layer in enumerate(self.layers):
+            p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
+            q, kv = a.q_size, a.kv_size
+            for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+                targets[f"{p}self_attn.{name}.weight"] = (a.qkv_weight, start, rows)
+                if a.qkv_bias is not None:
+                    targets[f"{p}self_attn.{name}.bias"] = (a.qkv_bias, start, rows)
+            targets[f"{p}self_attn.o_proj.weight"] = (a.o_weight, 0, c.hidden_size)
+            if a.q_norm is not None:
+                targets[f"{p}self_attn.q_norm.weight"] = (a.q_norm.weight, 0, c.head_dim)
+                targets[f"{p}self_attn.k_norm.weight"] = (a.k_norm.weight, 0, c.head_dim)
+            targets[f"{p}mlp.gate_proj.weight"] = (m.gate_up_weight, 0, c.intermediate_size)
+            targets[f"{p}mlp.up_proj.weight"] = (m.gate_up_weight, c.intermediate_size, c.intermediate_size)
+            targets[f"{p}mlp.down_proj.weight"] = (m.down_weight, 0, c.hidden_size)
+            targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
+            targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
+        return targets
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copies checkpoint tensors (HF names) into the fused parameters, casting to the model
+        dtype. Unknown, mis-shaped or missing tensors raise ValueError naming them."""
+        targets, seen = self._targets(), set()
+        for name, tensor in weights:
+            if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
+                continue  # derived from the config / the same tensor as the embedding
+            if name not in targets:
+                raise ValueError(f"checkpoint tensor {name!r} is not used by {self.config.architecture}")
+            param, start, rows = targets[name]
+            dest = param.data[start:start + rows]
+            if tuple(tensor.shape) != tuple(dest.shape):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"expected {tuple(dest.shape)} from config.json")
+            dest.copy_(tensor)
+            seen.add(name)
+        missing = sorted(set(targets) - seen)
+        if missing:
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise ValueError(f"checkpoint lacks tensors {', '.join(missing[:5])}{more}")
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    qk_norm = True
