@@ -1,0 +1,1 @@
+"""Turning the scheduler's step layout into a forward pass and sampled tokens."""
