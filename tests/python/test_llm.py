@@ -1,0 +1,114 @@
+"""LLM.generate / LLM.chat end to end on a tiny random Llama with a real (small, offline-trained)
+byte-level BPE tokenizer: tokens match transformers' greedy decoding, and the vLLM-facing
+behaviour (n, seeds, stop strings, finish reasons, logprobs, chat template, errors) holds."""
+import math
+
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+from test_detokenizer import _byte_level_bpe
+from test_models import tiny_checkpoint
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llm")
+    tokenizer = _byte_level_bpe()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    reference = tiny_checkpoint("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    llm = LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128)
+    return llm, reference, tokenizer
+
+
+def hf_greedy(reference, ids: list[int], n: int) -> list[int]:
+    tokens = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(reference(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(ids):]
+
+
+def test_greedy_generate_matches_transformers(tiny):
+    llm, reference, tokenizer = tiny
+    prompts = ["Hello world", "Emoji time 😀", "Straße", "x"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts
+    for prompt, out in zip(prompts, outputs):
+        ids = tokenizer.encode(prompt)
+        assert out.prompt_token_ids == ids and out.finished
+        completion = out.outputs[0]
+        assert list(completion.token_ids) == hf_greedy(reference, ids, 10)
+        assert completion.finish_reason == "length"
+        full = tokenizer.decode(ids + list(completion.token_ids))
+        # A character still incomplete when the output ends is dropped, as vLLM does.
+        assert completion.text == full[len(tokenizer.decode(ids)):].rstrip("\ufffd")
+
+
+def test_seeded_sampling_is_reproducible_and_n_samples_differ(tiny):
+    llm, _, _ = tiny
+    params = SamplingParams(n=3, temperature=1.0, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
+    first = llm.generate("Numbers 12345", params, use_tqdm=False)[0]
+    second = llm.generate(["Numbers 12345", "other"], [params, SamplingParams(seed=5)], use_tqdm=False)[0]
+    assert [o.index for o in first.outputs] == [0, 1, 2]
+    assert [list(o.token_ids) for o in first.outputs] == [list(o.token_ids) for o in second.outputs]
+    assert len({tuple(o.token_ids) for o in first.outputs}) > 1
+
+
+def test_stop_strings_and_finish_reasons(tiny):
+    llm, _, _ = tiny
+    greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    text = llm.generate("Hello world", greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text[3:6]
+    at = text.find(stop)  # its first occurrence ends the output
+    assert len(stop) == 3
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0].outputs[0]
+    assert (out.text, out.finish_reason, out.stop_reason) == (text[:at], "stop", stop)
+    assert len(out.token_ids) < 20
+    kept = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
+                                                      include_stop_str_in_output=True), use_tqdm=False)
+    assert kept[0].outputs[0].text == text[:at + 3]
+
+
+def test_logprobs_are_raw_log_softmax(tiny):
+    llm, reference, tokenizer = tiny
+    ids = tokenizer.encode("Hello world")
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3),
+                       use_tqdm=False)[0].outputs[0]
+    tokens = ids + list(out.token_ids)
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(torch.tensor([tokens])).logits[0].double(), -1)
+    for step, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+        expected = logp[len(ids) - 1 + step]
+        assert entry[token].rank == 1  # greedy picks the most likely token
+        assert math.isclose(entry[token].logprob, float(expected[token]), abs_tol=1e-4)
+        assert len(entry) == 3 and set(entry) == set(expected.topk(3).indices.tolist())
+    assert math.isclose(out.cumulative_logprob, sum(e[t].logprob for t, e in zip(out.token_ids, out.logprobs)),
+                        rel_tol=1e-6)
+
+
+def test_chat_uses_the_template(tiny):
+    llm, _, tokenizer = tiny
+    conversation = [{"role": "user", "content": "hi"}]
+    out = llm.chat(conversation, SamplingParams(temperature=0, max_tokens=3, ignore_eos=True), use_tqdm=False)[0]
+    expected = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
+                                             return_dict=False)
+    assert out.prompt_token_ids == list(expected)
+    assert len(llm.chat([conversation, conversation], use_tqdm=False)) == 2
+
+
+def test_bad_requests_raise_and_leave_the_engine_clean(tiny):
+    llm, _, _ = tiny
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate("Hello", SamplingParams(max_tokens=500), use_tqdm=False)
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(TypeError, match="prompt"):
+        llm.generate([3.5], use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
