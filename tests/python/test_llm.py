@@ -108,6 +108,8 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny):
         llm.generate("Hello", SamplingParams(max_tokens=500), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
+        llm.generate("Hello", SamplingParams(prompt_logprobs=1), use_tqdm=False)
     with pytest.raises(TypeError, match="prompt"):
         llm.generate([3.5], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()

@@ -88,8 +88,9 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if params.logit_bias:
-            raise ValueError("logit_bias is not supported yet")
+        for unsupported in ("logit_bias", "prompt_logprobs"):
+            if getattr(params, unsupported) is not None:
+                raise ValueError(f"{unsupported} is not supported yet")
         if params.max_tokens is None:  # vLLM: up to the model's context length
             params = params.clone()
             params.max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
