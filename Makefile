@@ -21,7 +21,7 @@ endif
 
 SOURCES := CMakeLists.txt pyproject.toml README.md $(shell find cmake csrc include python -type f -not -name '*.pyc')
 
-.PHONY: test build bench demo clean distclean system-deps python-env install release-test asan-test pytest
+.PHONY: test build bench demo demo-scheduler clean distclean system-deps python-env install release-test asan-test pytest
 
 test: system-deps install release-test asan-test pytest
 
@@ -88,7 +88,11 @@ bench: build
 	  [ -x "$$b" ] && { echo "== $$b"; "$$b" || exit 1; }; done; \
 	for s in bench/python/*.py; do echo "== $$s"; $(PY) "$$s" || exit 1; done
 
+# Converts the default model on first use (about 30 s), then streams a chat answer.
 demo: system-deps install
+	$(PY) -m octavo.entrypoints.cli generate --chat "What is the capital of France? Answer in one sentence."
+
+demo-scheduler: system-deps install
 	$(PY) examples/scheduler_demo.py
 
 clean:

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
+from octavo.entrypoints.cli import main
 from test_detokenizer import _byte_level_bpe
 from test_models import tiny_checkpoint
 
@@ -15,8 +16,13 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-llm")
+def tiny_path(tmp_path_factory):
+    return tmp_path_factory.mktemp("tiny-llm")
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_path):
+    path = tiny_path
     tokenizer = _byte_level_bpe()
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
@@ -114,3 +120,12 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny):
         llm.generate([3.5], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
+
+
+def test_cli_generate_streams_the_greedy_text(tiny, tiny_path, capsys):
+    llm, _, _ = tiny
+    expected = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    code = main(["generate", "--model", str(tiny_path), "--dtype", "float32", "--max-tokens", "6",
+                 "--kv-cache-memory-bytes", str(8 << 20), "Hello world"])
+    assert code == 0
+    assert capsys.readouterr().out.endswith(expected[0].outputs[0].text + "\n")

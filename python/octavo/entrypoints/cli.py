@@ -31,7 +31,46 @@ def add_convert_gguf(subparsers) -> None:
     p.set_defaults(func=_convert_gguf)
 
 
-SUBCOMMANDS = [add_convert_gguf]
+def _generate(args: argparse.Namespace) -> int:
+    from octavo import LLM, SamplingParams
+
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    tokenizer = llm.get_tokenizer()
+    if args.chat:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer.encode(args.prompt)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens,
+                            seed=args.seed)
+    engine = llm.llm_engine
+    engine.add_request("cli", list(ids), params, prompt=args.prompt)
+    shown = 0
+    while engine.has_unfinished_requests():  # stream: print each step's new text as it comes
+        for output in engine.step():
+            text = output.outputs[0].text
+            print(text[shown:], end="", flush=True)
+            shown = len(text)
+    print()
+    return 0
+
+
+def add_generate(subparsers) -> None:
+    p = subparsers.add_parser("generate", help="generate text from a prompt, streamed to the terminal",
+                              description="Generate text from a prompt and stream it to the terminal.")
+    p.add_argument("prompt")
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.set_defaults(func=_generate)
+
+
+SUBCOMMANDS = [add_convert_gguf, add_generate]
 
 
 def build_parser() -> argparse.ArgumentParser:
