@@ -13,7 +13,7 @@ KVCacheManager::KVCacheManager(int num_blocks, int block_size, int max_model_len
 
 ComputedBlocks KVCacheManager::get_computed_blocks(Request& request) {
   ComputedBlocks result;
-  if (!pool_.enable_caching()) return result;
+  if (!pool_.enable_caching() || request.params().skip_reading_prefix_cache) return result;
   const int bs = block_size();
   // The last token is recomputed even on a full hit, so at most num_tokens - 1 tokens count.
   const int max_blocks = (request.num_tokens() - 1) / bs;

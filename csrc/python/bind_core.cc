@@ -200,7 +200,7 @@ void bind_scheduler(py::module_& m) {
       .def("add_request",
            [](Scheduler& s, std::string request_id, std::vector<int32_t> prompt_token_ids, int max_tokens,
               int min_tokens, int eos_token_id, std::vector<int32_t> stop_token_ids, bool ignore_eos, int priority,
-              double arrival_time, uint64_t cache_extra_key) {
+              double arrival_time, uint64_t cache_extra_key, bool skip_reading_prefix_cache) {
              RequestParams p;
              p.request_id = std::move(request_id);
              p.prompt_token_ids = std::move(prompt_token_ids);
@@ -212,12 +212,13 @@ void bind_scheduler(py::module_& m) {
              p.priority = priority;
              p.arrival_time = arrival_time;
              p.cache_extra_key = cache_extra_key;
+             p.skip_reading_prefix_cache = skip_reading_prefix_cache;
              return s.add_request(std::move(p));
            },
            py::arg("request_id"), py::arg("prompt_token_ids"), py::kw_only(), py::arg("max_tokens") = 16,
            py::arg("min_tokens") = 0, py::arg("eos_token_id") = -1, py::arg("stop_token_ids") = std::vector<int32_t>{},
            py::arg("ignore_eos") = false, py::arg("priority") = 0, py::arg("arrival_time") = 0.0,
-           py::arg("cache_extra_key") = 0, "Queues a request; returns its handle. Raises ValueError if it can never run.")
+           py::arg("cache_extra_key") = 0, py::arg("skip_reading_prefix_cache") = false, "Queues a request; returns its handle. Raises ValueError if it can never run.")
       .def("abort_requests", [](Scheduler& s, const std::vector<std::string>& ids) { s.abort_requests(ids); },
            py::arg("request_ids"))
       .def("schedule", &Scheduler::schedule, py::return_value_policy::reference_internal)

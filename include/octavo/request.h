@@ -27,6 +27,9 @@ struct RequestParams {
                                           // then the order of add_request does
   uint64_t cache_extra_key = 0;           // prefix-cache extra key (LoRA id, multimodal hash,
                                           // cache salt folded to 64 bits by the caller); 0 = none
+  bool skip_reading_prefix_cache = false;  // compute the whole prompt even where it is cached (its
+                                           // blocks are still cached for others): prompt logprobs
+                                           // need the hidden state of every prompt position
 };
 
 class Request {

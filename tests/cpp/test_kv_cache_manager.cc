@@ -168,6 +168,23 @@ TEST(KVCacheManager, ExtraKeySeparatesCaches) {
   EXPECT_EQ(kv.get_computed_blocks(d).num_computed_tokens, 32);
 }
 
+
+// A request that skips reading the cache computes its whole prompt, yet its blocks are still
+// cached for the requests after it.
+TEST(KVCacheManager, SkipReadingPrefixCacheStillWritesIt) {
+  KVCacheManager kv(10, 16, 256);
+  const std::vector<int32_t> prompt = token_range(40);
+  Request a = make_request(prompt);
+  admit(kv, a);
+  octavo::RequestParams p = make_params("skipper", prompt, 16);
+  p.skip_reading_prefix_cache = true;
+  Request b(std::move(p), 1000, 1000);
+  EXPECT_EQ(admit(kv, b), 0);
+  kv.free(a);
+  kv.free(b);
+  Request c = make_request(prompt);
+  EXPECT_EQ(kv.get_computed_blocks(c).num_computed_tokens, 32);
+}
 TEST(KVCacheManager, HitStopsAtFirstDifferingBlock) {
   KVCacheManager kv(16, 4, 256);
   const std::vector<int32_t> prompt = token_range(13);  // 3 full blocks + 1

@@ -98,6 +98,34 @@ def test_logprobs_are_raw_log_softmax(tiny):
                         rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("budget", [None, 16])  # everything in one step; chunked prefill
+def test_prompt_logprobs_are_raw_log_softmax_of_every_prompt_token(tiny, tiny_path, budget):
+    llm, reference, tokenizer = tiny
+    if budget:
+        llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+                  max_num_batched_tokens=budget)
+    ids = tokenizer.encode("Hello world, this prompt is long enough to span several blocks of sixteen tokens.")
+    assert len(ids) > 2 * 16
+    with torch.no_grad():
+        logp = torch.log_softmax(reference(torch.tensor([ids])).logits[0].double(), -1)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=2, prompt_logprobs=2, n=2)
+    # Prompt logprobs are raw: temperature does not touch them. Twice: the second run would hit the
+    # prefix cache, which prompt logprobs must not read.
+    for out in llm.generate([ids, ids], params, use_tqdm=False):
+        entries = out.prompt_logprobs
+        assert len(entries) == len(ids) and entries[0] is None
+        for j in range(1, len(ids)):
+            expected = logp[j - 1]
+            entry = entries[j]
+            assert math.isclose(entry[ids[j]].logprob, float(expected[ids[j]]), abs_tol=1e-4)
+            assert entry[ids[j]].rank == int((expected >= expected[ids[j]] - 1e-6).sum())
+            top = expected.topk(2).indices.tolist()
+            assert set(entry) == set(top) | {ids[j]}
+            assert [entry[t].rank for t in top] == [1, 2] or ids[j] in top
+            assert entry[ids[j]].decoded_token == tokenizer.decode([ids[j]])
+    assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
+
+
 def test_chat_uses_the_template(tiny):
     llm, _, tokenizer = tiny
     conversation = [{"role": "user", "content": "hi"}]
@@ -114,8 +142,8 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny):
         llm.generate("Hello", SamplingParams(max_tokens=500), use_tqdm=False)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match="prompt_logprobs is not supported"):
-        llm.generate("Hello", SamplingParams(prompt_logprobs=1), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias is not supported"):
+        llm.generate("Hello", SamplingParams(logit_bias={1: 2.0}), use_tqdm=False)
     with pytest.raises(TypeError, match="prompt"):
         llm.generate([3.5], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()

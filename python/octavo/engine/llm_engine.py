@@ -21,6 +21,7 @@ from ..runner.model_runner import ModelRunner, kv_cache_block_bytes
 from ..runner.sampler import SamplingState, sample
 from ..sampling_params import SamplingParams
 from .detokenizer import IncrementalDetokenizer, check_stop_strings
+from .prompt_logprobs import prompt_chunks, record_prompt_logprobs
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
 
@@ -47,6 +48,7 @@ class _Request:
     params: SamplingParams
     metrics: RequestMetrics
     samples: list[_Sample] = field(default_factory=list)
+    prompt_logprobs: list | None = None  # one entry per prompt token (the first stays None)
 
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
@@ -59,6 +61,7 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors"):
+        self.model_path = Path(model)
         self.model = load_model(model, dtype, load_format)
         self.tokenizer = tokenizer
         config = self.model.config
@@ -88,9 +91,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
-        for unsupported in ("logit_bias", "prompt_logprobs"):
-            if getattr(params, unsupported) is not None:
-                raise ValueError(f"{unsupported} is not supported yet")
+        if params.logit_bias is not None:
+            raise ValueError("logit_bias is not supported yet")
         if params.max_tokens is None:  # vLLM: up to the model's context length
             params = params.clone()
             params.max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
@@ -104,6 +106,9 @@ class LLMEngine:
         metrics = RequestMetrics(arrival_time=now, last_token_time=now, first_scheduled_time=None,
                                  first_token_time=None, time_in_queue=None)
         request = _Request(request_id, prompt, list(prompt_token_ids), params, metrics)
+        wants_prompt_logprobs = params.prompt_logprobs is not None
+        if wants_prompt_logprobs:
+            request.prompt_logprobs = [None] * len(prompt_token_ids)
         eos = -1 if self.tokenizer is None or self.tokenizer.eos_token_id is None else self.tokenizer.eos_token_id
         stop_ids = list(params.stop_token_ids or []) + ([] if params.ignore_eos or eos < 0 else [eos])
         for i in range(params.n):
@@ -112,7 +117,7 @@ class LLMEngine:
             handle = self.scheduler.add_request(
                 f"{request_id}#{i}", request.prompt_token_ids, max_tokens=params.max_tokens,
                 min_tokens=params.min_tokens, eos_token_id=eos, stop_token_ids=list(params.stop_token_ids or []),
-                ignore_eos=params.ignore_eos)
+                ignore_eos=params.ignore_eos, skip_reading_prefix_cache=wants_prompt_logprobs and i == 0)
             sample_ = _Sample(i, handle, state, self._detokenizer(request),
                               logprobs=[] if params.logprobs is not None else None)
             request.samples.append(sample_)
@@ -146,7 +151,11 @@ class LLMEngine:
         touched: dict[str, _Request] = {}
         if out.num_reqs:
             batch = [self._by_handle[h] for h in out.req_handles]
-            sampled = sample(self.runner.execute(out), [s.state for _, s in batch])
+            chunks = prompt_chunks(out, batch) if self._wants_prompt_logprobs() else []
+            logits = self.runner.execute(out, np.concatenate([c.rows() for c in chunks]) if chunks else None)
+            if chunks:
+                record_prompt_logprobs(chunks, logits[out.num_reqs:], self._decode)
+            sampled = sample(logits[:out.num_reqs], [s.state for _, s in batch])
             update = self.scheduler.update_from_output(sampled.token_ids)
             offsets = update.new_token_offsets
             for i, handle in enumerate(update.req_handles):
@@ -163,6 +172,9 @@ class LLMEngine:
         else:
             self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
         return [self._output(r) for r in touched.values()]
+
+    def _wants_prompt_logprobs(self) -> bool:
+        return any(r.prompt_logprobs is not None for r in self._requests.values())
 
     def _append(self, request: _Request, sample_: _Sample, new: list[int], sampled, i: int) -> None:
         now = time.time()
@@ -211,5 +223,5 @@ class LLMEngine:
                                     logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
                    for s in request.samples]
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
-                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=None, outputs=outputs,
-                             finished=finished, metrics=request.metrics)
+                             prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.prompt_logprobs,
+                             outputs=outputs, finished=finished, metrics=request.metrics)

@@ -34,9 +34,11 @@ class ModelRunner:
             attn.kv_cache = (empty_kv_cache(shape, model.dtype), empty_kv_cache(shape, model.dtype))
 
     @torch.inference_mode()
-    def execute(self, out) -> torch.Tensor:
-        """out: a SchedulerOutput -> float32 logits [num_reqs, vocab] in batch order."""
+    def execute(self, out, extra_rows: np.ndarray | None = None) -> torch.Tensor:
+        """out: a SchedulerOutput -> float32 logits [num_reqs, vocab] in batch order, followed
+        by the logits of the flat token rows ``extra_rows`` when given (prompt logprobs)."""
         meta = AttentionMetadata(slot_mapping=_tensor(out.slot_mapping), query_start_loc=_tensor(out.query_start_loc),
                                  seq_lens=_tensor(out.seq_lens), block_tables=_tensor(out.block_table))
         hidden = self.model(_tensor(out.input_ids), _tensor(out.positions), meta)
-        return self.model.compute_logits(hidden, _tensor(out.logits_indices).long())
+        indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])
+        return self.model.compute_logits(hidden, _tensor(indices).long())
