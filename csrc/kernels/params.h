@@ -62,6 +62,15 @@ struct PagedAttentionParams {
   DType dtype;
 };
 
+struct LinearParams {
+  void* out;             // [rows, out_features], row stride out_stride
+  const void* input;     // [rows, in_features], row stride in_stride
+  const void* weight;    // [out_features, in_features], contiguous
+  const void* bias;      // [out_features] or null
+  int64_t rows, in_features, out_features, in_stride, out_stride;
+  DType dtype;           // of out, input, weight and bias
+};
+
 struct SampleParams {
   const float* logits;  // [num_reqs, vocab_size], row stride logits_stride
   int64_t num_reqs, vocab_size, logits_stride;

@@ -92,6 +92,16 @@ void bind_kernels(py::module_& ops) {
       py::arg("out"), py::arg("input"), py::arg("approximate") = "none",
       "out = gelu(input[..., :d]) * input[..., d:]; approximate is 'none' (erf) or 'tanh'.");
   ops.def(
+      "linear",
+      [](py::handle out, py::handle input, py::handle weight, py::handle bias) {
+        PyTensor o = tensor(out, "out"), i = tensor(input, "input"), w = tensor(weight, "weight");
+        OptTensor b(bias, "bias");
+        py::gil_scoped_release nogil;
+        linear(o.view, i.view, w.view, b.view());
+      },
+      py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
+      "out = input @ weight.T (+ bias); weight [N, K] contiguous, for small row counts (decode).");
+  ops.def(
       "reshape_and_cache",
       [](py::handle key, py::handle value, py::handle key_cache, py::handle value_cache, py::handle slot_mapping) {
         PyTensor k = tensor(key, "key"), v = tensor(value, "value"), kc = tensor(key_cache, "key_cache");

@@ -57,6 +57,13 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
                      const TensorView& block_tables, double scale, int64_t sliding_window = 0, double softcap = 0.0);
 
+// out = input · weightᵀ (+ bias): the dense projections of a decode step, read at memory speed.
+// input: [M, K] (any leading shape, rows of K); weight: [N, K] contiguous (torch's Linear
+// layout); bias: [N] or null; out: [M, N]. One dtype for all. Each output row is computed the
+// same way whatever M is (batch invariant). Meant for small M (decode batches); for large M a
+// BLAS GEMM is faster (see csrc/kernels/cpu/linear.cc for the measured crossover).
+void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias);
+
 // Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,
 // penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones
 // may be null. The draw of request b depends only on (seeds[b], counters[b]) and its own row, so

@@ -15,6 +15,7 @@
   void reshape_and_cache(const CacheWriteParams& p);                     \
   void paged_attention(const PagedAttentionParams& p);                   \
   void sample(const SampleParams& p);                                    \
+  void linear(const LinearParams& p);                                    \
   }
 
 OCTAVO_DECLARE_CPU_KERNELS(scalar)

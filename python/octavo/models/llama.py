@@ -1,6 +1,6 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) on Octavo's kernels.
 
-Dense projections go through torch with fused weights (one QKV and one gate_up matrix);
+Dense projections go through ``layers.linear`` (Octavo's kernel or torch) with fused weights (one QKV and one gate_up matrix);
 norms, RoPE, attention over the paged cache and the activation go through ``octavo._C.ops``.
 The variants differ only in flags read from the config: q/k/v biases (Qwen2), per-head q/k
 RMSNorm (Qwen3) and a sliding window (Mistral).
@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from .. import _C
 from ..config import ModelConfig
 from ..layers.attention import Attention, AttentionMetadata
+from ..layers.linear import linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin_cache, rope_is_neox
 
@@ -38,14 +39,14 @@ class LlamaAttention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, bool],
                 meta: AttentionMetadata) -> torch.Tensor:
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
+        qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         cos_sin_cache, is_neox = rope
         _C.ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, is_neox)
-        return F.linear(self.attn(q, k, v, meta), self.o_weight)
+        return linear(self.attn(q, k, v, meta), self.o_weight)
 
 
 class LlamaMLP(torch.nn.Module):
@@ -55,10 +56,10 @@ class LlamaMLP(torch.nn.Module):
         self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(x, self.gate_up_weight)
+        gate_up = linear(x, self.gate_up_weight)
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype)
         _C.ops.silu_and_mul(out, gate_up)
-        return F.linear(out, self.down_weight)
+        return linear(out, self.down_weight)
 
 
 class LlamaDecoderLayer(torch.nn.Module):
@@ -107,7 +108,7 @@ class LlamaForCausalLM(torch.nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden[logits_indices], self.lm_head).float()
+        return linear(hidden[logits_indices], self.lm_head).float()
 
     # ---- weights ------------------------------------------------------------------------------
 

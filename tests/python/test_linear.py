@@ -1,0 +1,92 @@
+"""The CPU ``linear`` kernel (out = input · weightᵀ + bias) against float64 on every compiled ISA,
+its batch invariance, the torch/Octavo crossover in octavo.layers.linear, and its argument checks."""
+
+import pytest
+import torch
+from octavo import _C
+from octavo.layers.linear import TORCH_FROM_ROWS, linear
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["f32", "bf16", "f16"]
+# max |out - ref| / max |ref|, ref in float64 on the same (rounded) inputs: float32 accumulation
+# error for float32; for 16-bit outputs the final rounding (2^-8 bf16, 2^-11 f16) dominates.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(7)
+
+
+def reference(x, w, b):
+    ref = x.double() @ w.double().T
+    return ref if b is None else ref + b.double()
+
+
+def assert_close(out, ref, dtype):
+    err = ((out.double() - ref).abs().max() / ref.abs().max()).item()
+    assert err < TOLERANCE[dtype], f"relative error {err:.3g} >= {TOLERANCE[dtype]:g} ({dtype})"
+
+
+# K covers: below one vector, a vector tail (not a multiple of 16 or 32), exact multiples, and the
+# default model's widths. N covers partial row tiles; M covers every accumulator-group size.
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 1), (1, 7, 5), (2, 33, 100), (3, 64, 576), (4, 9, 1536),
+                                   (5, 130, 48), (17, 66, 576), (64, 40, 200)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_linear_matches_float64(isa, dtype, m, n, k, bias):
+    x, w = torch.randn(m, k).to(dtype), torch.randn(n, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    _C.ops.linear(out, x, w, b)
+    assert_close(out, reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_linear_large_enough_to_use_every_thread(dtype):
+    x, w = torch.randn(3, 1000).to(dtype), torch.randn(3000, 1000).to(dtype)  # past the serial cutoff
+    out = torch.empty(3, 3000, dtype=dtype)
+    _C.ops.linear(out, x, w, None)
+    assert_close(out, reference(x, w, None), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_each_row_is_the_same_whatever_the_batch(dtype):
+    x, w = torch.randn(37, 576).to(dtype), torch.randn(700, 576).to(dtype)
+    batch = torch.empty(37, 700, dtype=dtype)
+    _C.ops.linear(batch, x, w, None)
+    for i in (0, 5, 36):
+        alone = torch.empty(1, 700, dtype=dtype)
+        _C.ops.linear(alone, x[i:i + 1], w, None)
+        assert torch.equal(alone[0], batch[i])
+
+
+def test_row_strided_input_and_output():
+    x = torch.randn(6, 80)[:, 8:72]  # rows of 64 with a stride of 80
+    w = torch.randn(20, 64)
+    out = torch.empty(6, 32)[:, :20]
+    _C.ops.linear(out, x, w, None)
+    assert_close(out, reference(x, w, None), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layer_picks_a_path_and_both_agree(dtype):
+    w, b = torch.randn(48, 96).to(dtype), torch.randn(48).to(dtype)
+    for m in (1, 31, 32, 40):
+        x = torch.randn(m, 96).to(dtype)
+        assert_close(linear(x, w, b), reference(x, w, b), dtype)
+    assert TORCH_FROM_ROWS[torch.bfloat16] > 1  # decode rows always take the kernel
+
+
+def test_bad_arguments_are_named():
+    x, w = torch.randn(2, 8), torch.randn(4, 8)
+    with pytest.raises(ValueError, match="weight"):
+        _C.ops.linear(torch.empty(2, 4), x, torch.randn(4, 9), None)
+    with pytest.raises(ValueError, match="out"):
+        _C.ops.linear(torch.empty(2, 5), x, w, None)
+    with pytest.raises(ValueError, match="bias"):
+        _C.ops.linear(torch.empty(2, 4), x, w, torch.randn(5))
+    with pytest.raises(TypeError, match="weight"):
+        _C.ops.linear(torch.empty(2, 4), x, w.double(), None)
+    with pytest.raises(ValueError, match="weight"):
+        _C.ops.linear(torch.empty(2, 4), x, torch.randn(8, 4).T, None)  # not contiguous
