@@ -126,6 +126,21 @@ def test_prompt_logprobs_are_raw_log_softmax_of_every_prompt_token(tiny, tiny_pa
     assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
 
 
+def test_n_samples_share_the_prompt_blocks(tiny):
+    llm, _, _ = tiny
+    engine, block = llm.llm_engine, llm.llm_engine.scheduler.block_pool
+    prompt = list(range(5, 5 + 4 * 16 + 6))  # four full blocks and a partial one
+    engine.add_request("shared", prompt, SamplingParams(n=4, temperature=1.0, seed=5, max_tokens=3, ignore_eos=True))
+    engine.step()  # every sample is prefilled in this first step
+    # Unshared, four samples would hold 4 x 5 blocks; shared, the four full blocks are held once
+    # (the first sample computes them, the others hit them within the same step) and each sample
+    # keeps its own partial block.
+    assert block.num_used_blocks == 4 + 4
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert block.num_used_blocks == 0
+
+
 def test_chat_uses_the_template(tiny):
     llm, _, tokenizer = tiny
     conversation = [{"role": "user", "content": "hi"}]

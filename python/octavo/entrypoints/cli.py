@@ -70,7 +70,27 @@ def add_generate(subparsers) -> None:
     p.set_defaults(func=_generate)
 
 
-SUBCOMMANDS = [add_convert_gguf, add_generate]
+def _bench(args: argparse.Namespace) -> int:
+    from octavo.benchmarks import latency, throughput
+
+    {"latency": latency, "throughput": throughput}[args.benchmark].run(args)
+    return 0
+
+
+def add_bench(subparsers) -> None:
+    from octavo.benchmarks import latency, throughput  # light: they import torch/octavo lazily
+
+    p = subparsers.add_parser("bench", help="run a benchmark (results to compare with bench/RESULTS.md)",
+                              description="Run one of Octavo's benchmarks.")
+    benchmarks = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module in (("throughput", throughput), ("latency", latency)):
+        b = benchmarks.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        module.add_arguments(b)
+    p.set_defaults(func=_bench)
+
+
+SUBCOMMANDS = [add_convert_gguf, add_generate, add_bench]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,67 @@
+"""Single-request latency: time to first token and decode tok/s for a 128-token prompt, against
+the memory-bandwidth roofline (weight bytes per token ÷ measured read bandwidth)."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+
+def time_one_request(engine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[float]]:
+    """-> (time to first token, the times at which each later token arrived), in seconds."""
+    from octavo import SamplingParams
+
+    start = time.perf_counter()
+    engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    stamps = []
+    while engine.has_unfinished_requests():
+        engine.step()  # one token per step for a single decoding request
+        stamps.append(time.perf_counter())
+    return stamps[0] - start, stamps
+
+
+def run(args: argparse.Namespace) -> dict:
+    from octavo import LLM
+
+    from .memory import decode_weight_bytes, read_bandwidth  # torch: imported only when run
+
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    engine = llm.llm_engine
+    vocab = engine.model.config.vocab_size
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, vocab - 100, args.prompt_len).tolist() for _ in range(args.repeats + 1)]
+    time_one_request(engine, prompts[0], 8, "warmup")  # first-call costs (allocations, page faults)
+    ttfts, rates = [], []
+    bandwidths = [read_bandwidth()]
+    for i, prompt in enumerate(prompts[1:]):  # distinct prompts: no prefix-cache hits
+        ttft, stamps = time_one_request(engine, prompt, args.max_tokens, f"r{i}")
+        ttfts.append(ttft)
+        rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
+        bandwidths.append(read_bandwidth())
+    weight_bytes = decode_weight_bytes(engine.model)
+    bandwidth = statistics.mean(bandwidths)
+    roofline = bandwidth / weight_bytes
+    result = {"dtype": str(engine.model.dtype).removeprefix("torch."), "ttft_ms": 1e3 * statistics.median(ttfts),
+              "decode_tok_s": statistics.median(rates), "weight_mb": weight_bytes / 1e6,
+              "read_gb_s": bandwidth / 1e9, "read_gb_s_range": (min(bandwidths) / 1e9, max(bandwidths) / 1e9),
+              "roofline_tok_s": roofline}
+    result["of_roofline"] = result["decode_tok_s"] / roofline
+    print(f"latency, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
+          f"median of {args.repeats}")
+    print(f"  time to first token {result['ttft_ms']:.1f} ms; decode {result['decode_tok_s']:.1f} tok/s "
+          f"(runs: {', '.join(f'{r:.1f}' for r in rates)})")
+    print(f"  weights read per token {result['weight_mb']:.0f} MB; read bandwidth {result['read_gb_s']:.1f} GB/s "
+          f"(measured {len(bandwidths)}x: {result['read_gb_s_range'][0]:.1f}-{result['read_gb_s_range'][1]:.1f})")
+    print(f"  roofline {roofline:.1f} tok/s; decode reaches {result['of_roofline']:.2f} of it")
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the default model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--prompt-len", type=int, default=128)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)

@@ -1,0 +1,113 @@
+"""Offline throughput of LLM.generate against transformers' ``generate`` on the same model,
+prompts and dtype (issue #4's workload).
+
+Requests: prompt lengths uniform in [32, 512], output lengths uniform in [32, 256], random token
+ids, ignore_eos, sampling with a fixed seed per request. Octavo runs all of them in one
+``generate`` call. transformers runs, at each batch size b in --baseline-batch, the first
+max(b, 16) of the same requests (it is slow; the rates are what is compared), left-padded, each
+batch generating up to its longest requested output; only the requested tokens count as output.
+Reported: output tok/s, total (prompt + output) tok/s, and the ratio to transformers' best.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+BASELINE_MIN_REQUESTS = 16
+# torch is imported inside the functions that use it, so that building the `octavo` CLI parser
+# (which reads add_arguments below) stays fast.
+
+
+def workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
+    """num (prompt token ids, output length) pairs."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = rng.integers(32, 513, num)
+    output_lens = rng.integers(32, 257, num)
+    return [(rng.integers(100, vocab - 100, int(p)).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
+
+
+def rates(requests, seconds: float) -> tuple[float, float]:
+    """-> (output tok/s, total tok/s)."""
+    output = sum(o for _, o in requests)
+    return output / seconds, (output + sum(len(p) for p, _ in requests)) / seconds
+
+
+def run_octavo(llm, requests) -> float:
+    from octavo import SamplingParams
+
+    params = [SamplingParams(temperature=1.0, seed=i, max_tokens=o, ignore_eos=True)
+              for i, (_, o) in enumerate(requests)]
+    start = time.perf_counter()
+    outputs = llm.generate([p for p, _ in requests], params, use_tqdm=True)
+    seconds = time.perf_counter() - start
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [o for _, o in requests]
+    return seconds
+
+
+def run_transformers(model, requests, batch: int, pad_id: int) -> float:
+    import torch
+
+    start = time.perf_counter()
+    for i in range(0, len(requests), batch):
+        chunk = requests[i:i + batch]
+        width = max(len(p) for p, _ in chunk)
+        ids = torch.full((len(chunk), width), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (p, _) in enumerate(chunk):  # left padding, as decoder-only generation needs
+            ids[row, width - len(p):] = torch.tensor(p)
+            mask[row, width - len(p):] = 1
+        new = max(o for _, o in chunk)
+        with torch.no_grad():
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                           do_sample=True, pad_token_id=pad_id)
+    return time.perf_counter() - start
+
+
+def run(args: argparse.Namespace) -> dict:
+    from octavo import LLM
+
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              max_model_len=1024, max_num_seqs=args.max_num_seqs)
+    engine = llm.llm_engine
+    requests = workload(args.num_requests, engine.model.config.vocab_size)
+    dtype = engine.model.dtype
+    seconds = run_octavo(llm, requests)
+    ours = rates(requests, seconds)
+    print(f"octavo ({str(dtype).removeprefix('torch.')}): {len(requests)} requests, "
+          f"{sum(len(p) for p, _ in requests)} prompt + {sum(o for _, o in requests)} output tokens in "
+          f"{seconds:.1f} s: {ours[0]:.1f} output tok/s, {ours[1]:.1f} total tok/s")
+    result = {"octavo_seconds": seconds, "octavo_output_tok_s": ours[0], "octavo_total_tok_s": ours[1]}
+    if not args.baseline_batch:
+        return result
+
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(engine.model_path), dtype=dtype).eval()
+    tokenizer = llm.get_tokenizer()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    best = (0.0, 0.0, 0)
+    for batch in args.baseline_batch:
+        subset = requests[:max(batch, BASELINE_MIN_REQUESTS)]
+        theirs = rates(subset, run_transformers(model, subset, batch, pad))
+        print(f"transformers batch {batch} ({len(subset)} requests): {theirs[0]:.1f} output tok/s, "
+              f"{theirs[1]:.1f} total tok/s", flush=True)
+        result[f"transformers_batch_{batch}"] = theirs
+        best = max(best, (*theirs, batch))
+    result["ratio_output"] = ours[0] / best[0]
+    result["ratio_total"] = ours[1] / best[1]
+    print(f"octavo / transformers at its best batch size ({best[2]}): {result['ratio_output']:.2f}x output tok/s, "
+          f"{result['ratio_total']:.2f}x total tok/s")
+    return result
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="Hugging Face model directory (default: the default model)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--num-requests", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
+    p.add_argument("--baseline-batch", type=int, nargs="*", default=[1, 8, 32, 64],
+                   help="transformers batch sizes to try (none: skip the baseline)")
