@@ -1,0 +1,54 @@
+"""`octavo bench latency` and `octavo bench throughput` end to end on a tiny random Llama, and the
+weight-byte count behind the latency roofline."""
+import argparse
+
+import pytest
+
+from octavo.benchmarks import latency, throughput
+from octavo.benchmarks.memory import decode_weight_bytes
+from octavo.entrypoints.cli import build_parser
+from octavo.loader import load_model
+from test_detokenizer import _byte_level_bpe
+from test_models import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-bench")
+    tokenizer = _byte_level_bpe()
+    tokenizer.save_pretrained(path)
+    # Long enough positions for the throughput workload (prompts up to 512, outputs up to 256).
+    tiny_checkpoint("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+                    max_position_embeddings=1024)
+    return path
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(argv)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_decode_weight_bytes_counts_each_weight_once(tmp_path, tied):
+    tiny_checkpoint("llama", tmp_path, tie_word_embeddings=tied)
+    model = load_model(str(tmp_path), "float32", "safetensors")
+    params = {id(p): p for p in model.parameters()}.values()
+    table = model.embed_tokens.numel() * 4
+    expected = sum(p.numel() * 4 for p in params) - (0 if tied else table - model.embed_tokens.shape[1] * 4)
+    assert decode_weight_bytes(model) == expected
+
+
+def test_latency_reports_against_the_roofline(tiny_path, capsys):
+    result = latency.run(parse(["bench", "latency", "--model", str(tiny_path), "--prompt-len", "16",
+                                "--max-tokens", "6", "--repeats", "2"]))
+    assert result["ttft_ms"] > 0 and result["decode_tok_s"] > 0 and result["read_gb_s"] > 0
+    assert result["of_roofline"] == pytest.approx(result["decode_tok_s"] / result["roofline_tok_s"])
+    assert "of it" in capsys.readouterr().out
+
+
+def test_throughput_runs_octavo_and_the_baseline(tiny_path, capsys):
+    result = throughput.run(parse(["bench", "throughput", "--model", str(tiny_path), "--num-requests", "3",
+                                   "--kv-cache-memory-bytes", str(64 << 20), "--baseline-batch", "1", "2"]))
+    out = capsys.readouterr().out
+    assert "octavo (float32): 3 requests" in out and "transformers batch 2 (3 requests)" in out
+    best = max(result["transformers_batch_1"][0], result["transformers_batch_2"][0])
+    assert result["ratio_output"] == pytest.approx(result["octavo_output_tok_s"] / best)
