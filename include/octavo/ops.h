@@ -59,7 +59,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 
 // out = input · weightᵀ (+ bias): the dense projections of a decode step, read at memory speed.
 // input: [M, K] (any leading shape, rows of K); weight: [N, K] contiguous (torch's Linear
-// layout); bias: [N] or null; out: [M, N]. One dtype for all. Each output row is computed the
+// layout); bias: [N] or null; out: [M, N], not overlapping input. One dtype for all. Each output row is computed the
 // same way whatever M is (batch invariant). Meant for small M (decode batches); for large M a
 // BLAS GEMM is faster (see csrc/kernels/cpu/linear.cc for the measured crossover).
 void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias);

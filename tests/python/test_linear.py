@@ -6,8 +6,8 @@ import torch
 from octavo import _C
 from octavo.layers.linear import TORCH_FROM_ROWS, linear
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-DTYPE_IDS = ["f32", "bf16", "f16"]
+from test_elementwise_ops import DTYPE_IDS, DTYPES
+
 # max |out - ref| / max |ref|, ref in float64 on the same (rounded) inputs: float32 accumulation
 # error for float32; for 16-bit outputs the final rounding (2^-8 bf16, 2^-11 f16) dominates.
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 2e-3}

@@ -60,7 +60,8 @@ void dot_tile(const T* w, int64_t K, int nr, const T* x, int64_t x_stride, float
 #if defined(__AVX512BF16__)
 // bfloat16 on CPUs with AVX512_BF16: vdpbf16ps multiplies 32 bf16 pairs and adds them pairwise
 // into 16 float32 lanes, so one instruction consumes a whole cache line of each operand and no
-// conversions are needed. (It flushes denormals, which decoder activations and weights never are.)
+// conversions are needed. (It flushes denormal inputs to zero; their products lie far below the
+// float32 sums' resolution, so results match the FMA path within rounding.)
 template <int NC>
 void dot_tile(const bf16* w, int64_t K, int nr, const bf16* x, int64_t x_stride, float acc_out[kRows][kCols]) {
   __m512 acc[kRows][NC];

@@ -1,7 +1,7 @@
 """Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) on Octavo's kernels.
 
-Dense projections go through ``layers.linear`` (Octavo's kernel or torch) with fused weights (one QKV and one gate_up matrix);
-norms, RoPE, attention over the paged cache and the activation go through ``octavo._C.ops``.
+Dense projections go through ``layers.linear`` (Octavo's kernel or torch) with fused weights
+(one QKV and one gate_up matrix); norms, RoPE, attention over the paged cache and the activation go through ``octavo._C.ops``.
 The variants differ only in flags read from the config: q/k/v biases (Qwen2), per-head q/k
 RMSNorm (Qwen3) and a sliding window (Mistral).
 """
