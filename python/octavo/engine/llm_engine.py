@@ -89,19 +89,7 @@ class LLMEngine:
                     prompt: str | None = None) -> None:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        if params.logit_bias is not None:
-            raise ValueError("logit_bias is not supported yet")
-        if params.max_tokens is None:  # vLLM: up to the model's context length
-            params = params.clone()
-            params.max_tokens = max(1, self.max_model_len - len(prompt_token_ids))
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
-        vocab = self.model.config.vocab_size
-        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params = self.check_request(prompt_token_ids, params)
         now = time.time()
         metrics = RequestMetrics(arrival_time=now, last_token_time=now, first_scheduled_time=None,
                                  first_token_time=None, time_in_queue=None)
@@ -123,6 +111,27 @@ class LLMEngine:
             request.samples.append(sample_)
             self._by_handle[handle] = (request, sample_)
         self._requests[request_id] = request
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raises ValueError for a request the engine cannot run; returns the params it will use
+        (max_tokens=None filled in). Reads only the engine's configuration, so any thread may call it."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if params.logit_bias is not None:
+            raise ValueError("logit_bias is not supported yet")
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
+                             f"max_model_len ({self.max_model_len})")
+        if params.max_tokens is None:  # vLLM: up to the model's context length
+            params = params.clone()
+            params.max_tokens = self.max_model_len - len(prompt_token_ids)
+        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
+                             f"max_model_len ({self.max_model_len})")
+        vocab = self.model.config.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        return params
 
     def _detokenizer(self, request: _Request) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

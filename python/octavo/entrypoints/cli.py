@@ -90,7 +90,24 @@ def add_bench(subparsers) -> None:
     p.set_defaults(func=_bench)
 
 
-SUBCOMMANDS = [add_convert_gguf, add_generate, add_bench]
+def _serve(args: argparse.Namespace) -> int:
+    from octavo.entrypoints.openai import api_server
+
+    api_server.run(args)
+    return 0
+
+
+def add_serve(subparsers) -> None:
+    from octavo.entrypoints.openai import cli_args
+
+    p = subparsers.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                              description="Serve a model over an OpenAI-compatible HTTP API (vllm serve's routes "
+                              "and options).")
+    cli_args.add_arguments(p)
+    p.set_defaults(func=_serve)
+
+
+SUBCOMMANDS = [add_convert_gguf, add_generate, add_bench, add_serve]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,218 @@
+"""``AsyncLLM``: the engine for a server. The step loop runs in its own thread, continuously,
+while requests arrive on an asyncio event loop; each request's outputs stream back as deltas.
+
+Threads: the engine thread alone touches the ``LLMEngine`` (it is not thread-safe). The event
+loop hands it requests and aborts through a command queue and receives outputs through
+``loop.call_soon_threadsafe``, so a coroutine never waits for a model step. The forward pass
+releases the GIL inside Octavo's kernels and torch, so the event loop keeps running meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from ..outputs import CompletionOutput, RequestOutput
+from ..sampling_params import SamplingParams
+from .llm_engine import LLMEngine
+from .stats import EngineStats
+
+logger = logging.getLogger("octavo.engine")
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full; the caller should retry later."""
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped (shutdown or a fatal error)."""
+
+
+@dataclass
+class _Stream:
+    """One request as the event loop sees it: a queue of delta outputs."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    def put(self, item) -> None:  # called from the engine thread
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+@dataclass
+class _Sent:
+    """How much of each sample has been handed to the stream: deltas start here."""
+
+    text: list[int]
+    tokens: list[int]
+    logprobs: list[int]
+    hold_back: int  # SamplingParams.output_text_buffer_length
+    finished: list[bool]
+
+
+class AsyncLLM:
+    """Wraps an ``LLMEngine`` whose steps run in a background thread.
+
+    ``generate()`` is an async generator of delta ``RequestOutput``s: each carries only the text,
+    token ids and logprobs that are new since the previous one; the last has ``finished=True``.
+    Leaving the generator early (client disconnect, timeout, cancellation) aborts the request
+    and its KV blocks go back to the pool.
+    """
+
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int | None = None, model_name: str = "octavo"):
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.stats = EngineStats(engine, model_name)
+        self._commands: collections.deque = collections.deque()  # appended by the loop, drained by the thread
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}  # written by the loop, read by the thread (dict ops are atomic)
+        self._sent: dict[str, _Sent] = {}  # engine thread only
+        self._num_pending = 0  # requests submitted but not yet added by the engine thread
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the event loop's side ------------------------------------------------------------
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        """Raises ValueError for a request the engine would refuse, before any response starts."""
+        return self.engine.check_request(prompt_token_ids, params)
+
+    def num_waiting(self) -> int:
+        return self.stats.num_waiting + self._num_pending
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+        if not self.is_running:
+            raise EngineDeadError("the engine is not running")
+        if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
+            raise EngineOverloadedError(f"the server has {self.num_waiting()} requests waiting "
+                                        f"(limit {self.max_waiting_requests})")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        stream = _Stream(asyncio.get_running_loop())
+        self._streams[request_id] = stream
+        self._num_pending += 1
+        self._submit(("add", request_id, list(prompt_token_ids), params, prompt, time.time()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Aborts whatever is still running and stops the engine thread."""
+        self._stopping = True
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    def _submit(self, command: tuple) -> None:
+        self._commands.append(command)
+        self._wakeup.set()
+
+    # ---- the engine thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        engine = self.engine
+        while not self._stopping:
+            self._drain_commands()
+            if not engine.has_unfinished_requests():
+                self._wakeup.wait(timeout=1.0)
+                self._wakeup.clear()
+                continue
+            try:
+                started = time.perf_counter()
+                outputs = engine.step()
+                self.stats.record_step(time.perf_counter() - started)
+            except Exception as e:  # a bug, not bad input: fail the batch, keep serving the rest
+                logger.exception("engine step failed; aborting its requests")
+                self._fail_all(RuntimeError(f"engine step failed: {e}"))
+                continue
+            for output in outputs:
+                self._deliver(output)
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    def _drain_commands(self) -> None:
+        while self._commands:
+            command = self._commands.popleft()
+            if command[0] == "add":
+                self._num_pending -= 1
+                self._add(*command[1:])
+            else:
+                self._abort(command[1])
+
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt,
+             arrival: float) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:  # the client left before the engine saw the request
+            return
+        try:
+            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+        except ValueError as e:
+            stream.put(e)
+            return
+        n = params.n
+        self._sent[request_id] = _Sent([0] * n, [0] * n, [0] * n, params.output_text_buffer_length, [False] * n)
+        self.stats.record_arrival(request_id, len(prompt_token_ids), arrival)
+
+    def _abort(self, request_id: str) -> None:
+        if self._sent.pop(request_id, None) is not None:
+            self.engine.abort_request([request_id])
+            self.stats.record_abort(request_id)
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._sent):
+            self._abort(request_id)
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.put(error)
+
+    def _deliver(self, output: RequestOutput) -> None:
+        sent = self._sent.get(output.request_id)
+        stream = self._streams.get(output.request_id)
+        if sent is None:
+            return
+        if output.finished:
+            del self._sent[output.request_id]
+        self.stats.record_output(output)
+        if stream is not None:
+            stream.put(self._delta(output, sent))
+
+    def _delta(self, output: RequestOutput, sent: _Sent) -> RequestOutput:
+        """Only what is new since the previous delta; a sample that finished in an earlier delta
+        is left out. Until a sample finishes, its last ``output_text_buffer_length`` characters
+        are held back: they may be the start of a stop string that must never be shown."""
+        deltas = []
+        for o in output.outputs:
+            i = o.index
+            if sent.finished[i]:
+                continue
+            sent.finished[i] = o.finish_reason is not None
+            text_end = max(len(o.text) - (sent.hold_back if o.finish_reason is None else 0), sent.text[i])
+            tokens, logprobs = o.token_ids[sent.tokens[i]:], o.logprobs[sent.logprobs[i]:] if o.logprobs else None
+            deltas.append(CompletionOutput(index=i, text=o.text[sent.text[i]:text_end], token_ids=list(tokens),
+                                           cumulative_logprob=o.cumulative_logprob, logprobs=logprobs,
+                                           finish_reason=o.finish_reason, stop_reason=o.stop_reason))
+            sent.text[i], sent.tokens[i] = text_end, len(o.token_ids)
+            sent.logprobs[i] = len(o.logprobs) if o.logprobs else 0
+        return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, output.prompt_logprobs,
+                             deltas, output.finished, output.metrics)

@@ -1,0 +1,248 @@
+"""``octavo serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncLLM``.
+
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /tokenize,
+/detokenize, /metrics. With an API key, every /v1 route needs ``Authorization: Bearer KEY``;
+the others stay open (load balancers and Prometheus scrape them), as in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Awaitable
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from ... import __version__
+from .chat import ChatRun
+from .completions import CompletionRun
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest, error_body
+from .serving import ServedModel
+
+logger = logging.getLogger("octavo.server")
+
+
+def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="Octavo", version=__version__, lifespan=_lifespan(served))
+    _add_error_handlers(app)
+    if api_key:
+        _add_api_key_check(app, api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = served.engine.is_running
+        return Response(status_code=HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        data = [{"id": name, "object": "model", "created": served.created, "owned_by": "octavo", "root": served.root,
+                 "parent": None, "max_model_len": served.max_model_len} for name in served.names]
+        return {"object": "list", "data": data}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(served.engine.stats.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/tokenize")
+    async def tokenize(raw: Request) -> dict:
+        request = await _parse(raw, TokenizeRequest)
+        served.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise APIError("Give exactly one of prompt and messages.", param="prompt")
+        if request.messages is not None:
+            text = served.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
+                                      request.chat_template, request.chat_template_kwargs)
+            tokens = served.encode(text, add_special_tokens=False)
+        else:
+            tokens = served.encode(request.prompt, request.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(raw: Request) -> dict:
+        request = await _parse(raw, DetokenizeRequest)
+        served.check_model(request.model)
+        vocab = len(served.tokenizer)
+        if any(t < 0 or t >= vocab for t in request.tokens):
+            raise APIError(f"Token ids must be in [0, {vocab}).", param="tokens")
+        return {"prompt": served.tokenizer.decode(request.tokens)}
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        run = CompletionRun(served, await _parse(raw, CompletionRequest))
+        return await _respond(raw, run)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(raw: Request) -> Response:
+        run = ChatRun(served, await _parse(raw, ChatCompletionRequest))
+        return await _respond(raw, run)
+
+    return app
+
+
+async def _parse(raw: Request, model):
+    """The body as ``model``, or a 400 naming the first bad field (vLLM answers 400, not 422)."""
+    try:
+        body = await raw.json()
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"The body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise APIError("The body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _validation_error(e.errors()) from None
+
+
+def _validation_error(errors) -> APIError:
+    first = errors[0]
+    param = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
+    return APIError(f"{param}: {first.get('msg')} (got {first.get('input')!r})", param=param or None)
+
+
+async def _respond(raw: Request, run) -> Response:
+    """Streams server-sent events, or waits for the whole response. Either way a client that
+    disconnects aborts its requests (StreamingResponse cancels the generator; the wait below
+    races the response against the disconnect)."""
+    if run.request.stream:
+        return StreamingResponse(run.stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    result = await _unless_disconnected(raw, run.response())
+    return JSONResponse(result) if result is not None else Response(status_code=499)
+
+
+async def _unless_disconnected(raw: Request, work: Awaitable):
+    """The result of ``work``, or None when the client disconnected first (``work`` is then
+    cancelled, which aborts its engine requests)."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return None if task.cancelled() else task.result()
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        error = _validation_error(e.errors())
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, _) -> JSONResponse:
+        return JSONResponse(error_body(f"{request.url.path} not found", 404), status_code=404)
+
+    @app.exception_handler(405)
+    async def method_not_allowed(request: Request, _) -> JSONResponse:
+        return JSONResponse(error_body(f"{request.method} is not allowed on {request.url.path}", 405),
+                            status_code=405)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return JSONResponse(error_body(f"Internal error: {e}", 500), status_code=500)
+
+
+def _add_api_key_check(app: FastAPI, api_key: str) -> None:
+    app.add_middleware(_APIKeyCheck, expected=f"Bearer {api_key}".encode())
+
+
+class _APIKeyCheck:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which would sit between streaming
+    responses and the client's disconnect)."""
+
+    def __init__(self, app, expected: bytes):
+        self.app, self.expected = app, expected
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1") \
+                and dict(scope["headers"]).get(b"authorization") != self.expected:
+            response = JSONResponse(error_body("Invalid or missing API key.", 401), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
+def _lifespan(served: ServedModel):
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        yield
+        # uvicorn has stopped taking requests and waited (up to its graceful timeout) for the
+        # in-flight ones; whatever is still running is aborted here, then the engine stops.
+        served.engine.shutdown()
+    return lifespan
+
+
+def api_key_from(args_key: str | None) -> str | None:
+    return args_key or os.environ.get("OCTAVO_API_KEY") or None
+
+
+def served_model(args) -> ServedModel:
+    """Loads the model and starts the engine thread."""
+    from transformers import AutoTokenizer
+
+    from ...engine.async_llm import AsyncLLM
+    from ...llm import LLM
+
+    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+              enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    engine = llm.llm_engine
+    names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),
+                       tokenizer=AutoTokenizer.from_pretrained(str(engine.model_path)), names=names,
+                       root=str(engine.model_path), max_model_len=engine.max_model_len,
+                       sampling_defaults=sampling_defaults(engine.model_path), max_logprobs=args.max_logprobs,
+                       request_timeout=args.request_timeout)
+
+
+def sampling_defaults(model_path) -> dict:
+    """The sampling fields of the model's generation_config.json (vLLM's --generation-config auto)."""
+    from .serving import SAMPLING_DEFAULT_FIELDS
+
+    path = model_path / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}
+
+
+def run(args) -> None:
+    """Serves until SIGINT/SIGTERM."""
+    import uvicorn
+
+    served = served_model(args)
+    app = build_app(served, api_key_from(args.api_key))
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    try:
+        uvicorn.Server(config).run()
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down cleanly
+        pass
+    finally:
+        served.engine.shutdown()

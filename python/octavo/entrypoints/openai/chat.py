@@ -1,0 +1,97 @@
+"""POST /v1/chat/completions: messages through the model's chat template, optionally streamed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ...outputs import CompletionOutput, Logprob, RequestOutput
+from .protocol import MIN_LOGPROB, APIError, ChatCompletionRequest
+from .serving import ServedModel, random_id, sse, usage
+
+
+class ChatRun:
+    """One /v1/chat/completions request: checks, then the response built from the engine's deltas."""
+
+    def __init__(self, served: ServedModel, request: ChatCompletionRequest):
+        served.check_model(request.model)
+        if request.tools:
+            raise APIError("tools are not supported.", param="tools")
+        if request.response_format and request.response_format.get("type", "text") != "text":
+            raise APIError("Only response_format {'type': 'text'} is supported.", param="response_format")
+        if request.top_logprobs and not request.logprobs:
+            raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
+        self.top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        served.check_logprobs(self.top_logprobs, "top_logprobs")
+        self.served, self.request = served, request
+        text = served.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
+                                  request.chat_template, request.chat_template_kwargs)
+        self.prompts = [(text, served.encode(text, request.add_special_tokens))]
+        max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        self.params = request.sampling_params(served.sampling_defaults, max_tokens, self.top_logprobs)
+        served.check_prompt(self.prompts[0][1], self.params)
+        served.check_capacity()
+        self.id = random_id("chatcmpl")
+        self.created = int(time.time())
+
+    def _logprobs(self, o: CompletionOutput) -> dict[str, list] | None:
+        if self.top_logprobs is None:
+            return None
+        return {"content": [self._token_logprob(t, entry) for t, entry in zip(o.token_ids, o.logprobs or [])]}
+
+    def _token_logprob(self, token_id: int, entry: dict[int, Logprob]) -> dict[str, Any]:
+        top = sorted((lp.rank, t, lp) for t, lp in entry.items() if lp.rank is not None and lp.rank <= self.top_logprobs)
+        return {**self._candidate(token_id, entry[token_id]),
+                "top_logprobs": [self._candidate(t, lp) for _, t, lp in top]}
+
+    def _candidate(self, token_id: int, lp: Logprob) -> dict[str, Any]:
+        token = lp.decoded_token if lp.decoded_token is not None else self.served.tokenizer.decode([token_id])
+        return {"token": token, "logprob": max(lp.logprob, MIN_LOGPROB), "bytes": list(token.encode("utf-8"))}
+
+    def _chunk(self, choices: list[dict], **extra) -> dict[str, Any]:
+        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                "model": self.served.name, "choices": choices, **extra}
+
+    def _usage(self, completion_tokens: int) -> dict[str, int]:
+        return usage(len(self.prompts[0][1]), completion_tokens)
+
+    async def response(self) -> dict[str, Any]:
+        final: RequestOutput | None = None
+        async for _, delta in self.served.stream(self.id, self.prompts, self.params):
+            if final is None:
+                final = delta
+            else:
+                final.add(delta, aggregate=True)
+        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
+                    "logprobs": self._logprobs(o), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                   for o in final.outputs]
+        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
+                "choices": choices, "usage": self._usage(sum(len(o.token_ids) for o in final.outputs))}
+
+    async def stream(self) -> AsyncIterator[str]:
+        options = self.request.stream_options
+        include_usage = options is not None and options.include_usage
+        extra = {"usage": None} if include_usage else {}
+        # The role comes first, in a chunk of its own per choice, as OpenAI and vLLM send it.
+        yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                "finish_reason": None} for i in range(self.params.n)], **extra))
+        completion_tokens = 0
+        try:
+            async for _, delta in self.served.stream(self.id, self.prompts, self.params):
+                choices = []
+                for o in delta.outputs:
+                    if not (o.text or o.token_ids or o.finish_reason):
+                        continue
+                    completion_tokens += len(o.token_ids)
+                    choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {},
+                                    "logprobs": self._logprobs(o), "finish_reason": o.finish_reason,
+                                    "stop_reason": o.stop_reason})
+                if choices:
+                    yield sse(self._chunk(choices, **extra))
+        except APIError as e:
+            yield sse(e.body())
+        else:
+            if include_usage:
+                yield sse(self._chunk([], usage=self._usage(completion_tokens)))
+        yield sse("[DONE]")

@@ -1,0 +1,152 @@
+"""Request bodies of the OpenAI-compatible API (the fields vLLM accepts that Octavo supports),
+the OpenAI-style error body, and the mapping from a request to ``SamplingParams``.
+
+Unknown fields are accepted and ignored, as in vLLM, so clients that send extra OpenAI fields
+keep working; a field Octavo cannot honour (logit_bias, tools, ...) is refused with a 400.
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ...sampling_params import SamplingParams
+
+# Past this, JSON cannot carry the value (-inf); vLLM reports -9999.0 the same way.
+MIN_LOGPROB = -9999.0
+
+
+class APIError(Exception):
+    """An error the client caused or must know about, sent as an OpenAI-style error body."""
+
+    def __init__(self, message: str, status: int = HTTPStatus.BAD_REQUEST, param: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.headers = message, int(status), param, headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.status, self.param)
+
+
+_ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+                429: "rate_limit_error", 503: "server_overloaded", 504: "timeout"}
+
+
+def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:
+    """OpenAI's shape ({"error": {message, type, param, code}}) with vLLM's integer code."""
+    return {"error": {"message": message, "type": _ERROR_TYPES.get(status, "server_error"), "param": param,
+                      "code": status}}
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM's extra sampling fields.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+
+    def check_stream_options(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
+
+    def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        """``defaults``: the model's generation_config sampling defaults, used for fields the
+        request leaves out (vLLM's --generation-config auto)."""
+        self.check_stream_options()
+        if self.logit_bias:
+            raise APIError("logit_bias is not supported by this server yet", param="logit_bias")
+
+        def pick(name: str, fallback):
+            value = getattr(self, name)
+            return value if value is not None else defaults.get(name, fallback)
+
+        try:
+            return SamplingParams(
+                n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0), temperature=pick("temperature", 1.0),
+                top_p=pick("top_p", 1.0), top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=self.seed,
+                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
+                max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
+                spaces_between_special_tokens=self.spaces_between_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[dict[str, Any]]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM's extra chat fields.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    tokens: list[int]
+
+
+FinishReason = Literal["stop", "length", "abort"]

@@ -1,0 +1,174 @@
+"""What every endpoint shares: the served model, request checks, and running a group of prompts
+on the ``AsyncLLM`` as one merged stream of delta outputs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any
+
+from ...engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from ...outputs import RequestOutput
+from ...sampling_params import SamplingParams
+from .protocol import APIError
+
+# generation_config.json fields that become sampling defaults (vLLM's --generation-config auto).
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event, as OpenAI streams them."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+@dataclass
+class ServedModel:
+    """The model the server answers for, and the limits it enforces on each request."""
+
+    engine: AsyncLLM
+    tokenizer: Any  # the event loop's own copy: HF tokenizers must not be shared across threads
+    names: list[str]
+    root: str
+    max_model_len: int
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    max_logprobs: int = 20
+    request_timeout: float | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
+
+    def check_capacity(self) -> None:
+        """503 + Retry-After when the waiting queue is full, before any response starts."""
+        engine = self.engine
+        if not engine.is_running:
+            raise APIError("The server is shutting down.", HTTPStatus.SERVICE_UNAVAILABLE)
+        limit = engine.max_waiting_requests
+        if limit is not None and engine.num_waiting() >= limit:
+            raise APIError(f"The server is overloaded: {engine.num_waiting()} requests are waiting (limit {limit}). "
+                           "Retry later.", HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
+
+    def check_logprobs(self, num: int | None, param: str) -> None:
+        if num is not None and num > self.max_logprobs:
+            raise APIError(f"{param}={num} is more than the server's limit of {self.max_logprobs}", param=param)
+
+    def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise APIError("The prompt must not be empty.", param="prompt")
+        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
+            raise APIError("Prompt token ids must be integers.", param="prompt")
+        asked = len(token_ids) + (params.max_tokens or 1)
+        if asked > self.max_model_len:
+            raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                           f"requested {asked} tokens ({len(token_ids)} in the messages, {params.max_tokens or 1} "
+                           "in the completion). Please reduce the length of the messages or completion.",
+                           param="max_tokens")
+        try:
+            self.engine.check_request(token_ids, params)
+        except ValueError as e:
+            raise APIError(str(e), param="prompt") from None
+
+    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
+                    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None) -> str:
+        conversation = [_text_message(m, i) for i, m in enumerate(messages)]
+        if not conversation:
+            raise APIError("messages must not be empty.", param="messages")
+        if add_generation_prompt and continue_final_message:
+            raise APIError("add_generation_prompt and continue_final_message cannot both be true.",
+                           param="continue_final_message")
+        try:
+            return self.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, chat_template=chat_template, tokenize=False,
+                **(chat_template_kwargs or {}))
+        except Exception as e:  # a template error is the request's fault (bad roles, bad template)
+            raise APIError(f"The chat template could not render these messages: {e}", param="messages") from None
+
+    async def stream(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
+                     params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Runs every prompt and yields (prompt index, delta output) as outputs arrive, until all
+        have finished. Leaving early aborts the ones still running."""
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, text: str | None, token_ids: list[int]) -> None:
+            try:
+                async for output in self.engine.generate(f"{request_id}-{i}", token_ids, params, prompt=text):
+                    queue.put_nowait((i, output))
+            except Exception as e:
+                queue.put_nowait((i, e))
+
+        tasks = [asyncio.create_task(pump(i, text, ids)) for i, (text, ids) in enumerate(prompts)]
+        deadline = None if self.request_timeout is None else asyncio.get_running_loop().time() + self.request_timeout
+        try:
+            remaining = len(tasks)
+            while remaining:
+                i, item = await self._next(queue, deadline)
+                if isinstance(item, Exception):
+                    raise _api_error(item)
+                remaining -= item.finished
+                yield i, item
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def _next(self, queue: asyncio.Queue, deadline: float | None):
+        if deadline is None:
+            return await queue.get()
+        try:
+            return await asyncio.wait_for(queue.get(), max(0.0, deadline - asyncio.get_running_loop().time()))
+        except asyncio.TimeoutError:
+            raise APIError(f"The request did not finish within the server's {self.request_timeout} s timeout.",
+                           HTTPStatus.GATEWAY_TIMEOUT) from None
+
+
+def _api_error(e: Exception) -> APIError:
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineOverloadedError):
+        return APIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
+    if isinstance(e, EngineDeadError):
+        return APIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
+    if isinstance(e, ValueError):
+        return APIError(str(e))
+    return APIError(f"Internal error: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def _text_message(message: Any, i: int) -> dict[str, Any]:
+    """A chat message with its content as one string (text parts joined), or a 400."""
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise APIError(f"messages[{i}] must be an object with a string 'role'.", param="messages")
+    content = message.get("content")
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise APIError(f"messages[{i}].content: only text parts are supported.", param="messages")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    elif content is None:
+        content = ""
+    elif not isinstance(content, str):
+        raise APIError(f"messages[{i}].content must be a string or a list of text parts.", param="messages")
+    return {**message, "content": content}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
