@@ -52,3 +52,20 @@ def test_throughput_runs_octavo_and_the_baseline(tiny_path, capsys):
     assert "octavo (float32): 3 requests" in out and "transformers batch 2 (3 requests)" in out
     best = max(result["transformers_batch_1"][0], result["transformers_batch_2"][0])
     assert result["ratio_output"] == pytest.approx(result["octavo_output_tok_s"] / best)
+
+
+def test_serving_benchmark_against_a_server_it_starts(tiny_path, capsys):
+    pytest.importorskip("fastapi")
+    pytest.importorskip("httpx")
+    from octavo.benchmarks import serving
+
+    runs = serving.run(parse(["bench", "serve", "--model", str(tiny_path), "--num-prompts", "6", "--input-len", "8",
+                              "--output-len", "5", "--request-rate", "inf", "50", "--vocab-range", "10", "100",
+                              "--server-args", "--kv-cache-memory-bytes 16777216"]))
+    assert [r["request_rate"] for r in runs] == [float("inf"), 50.0]
+    for r in runs:
+        assert r["completed"] == 6 and r["failed"] == 0, r["errors"]
+        assert r["output_throughput"] == pytest.approx(6 * 5 / r["seconds"])
+        for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_s"):
+            assert 0 < r[name]["p50"] <= r[name]["p90"] <= r[name]["p99"]
+    assert "TTFT p50" in capsys.readouterr().out

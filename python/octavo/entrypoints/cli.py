@@ -71,19 +71,19 @@ def add_generate(subparsers) -> None:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from octavo.benchmarks import latency, throughput
+    from octavo.benchmarks import latency, serving, throughput
 
-    {"latency": latency, "throughput": throughput}[args.benchmark].run(args)
+    {"latency": latency, "throughput": throughput, "serve": serving}[args.benchmark].run(args)
     return 0
 
 
 def add_bench(subparsers) -> None:
-    from octavo.benchmarks import latency, throughput  # light: they import torch/octavo lazily
+    from octavo.benchmarks import latency, serving, throughput  # light: they import torch/octavo lazily
 
     p = subparsers.add_parser("bench", help="run a benchmark (results to compare with bench/RESULTS.md)",
                               description="Run one of Octavo's benchmarks.")
     benchmarks = p.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
-    for name, module in (("throughput", throughput), ("latency", latency)):
+    for name, module in (("throughput", throughput), ("latency", latency), ("serve", serving)):
         b = benchmarks.add_parser(name, help=module.__doc__.splitlines()[0], description=module.__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(b)

@@ -1,0 +1,204 @@
+"""Online serving benchmark: requests sent at a given rate (Poisson arrivals) or concurrency to
+any OpenAI-compatible /v1/completions endpoint, streamed; reports throughput and the p50 / p90 /
+p99 of time to first token (TTFT), inter-token latency (ITL: the gap between streamed chunks),
+time per output token (TPOT: (end - first token) / (output tokens - 1), per request) and end-to-end
+latency, like vLLM's serving benchmark.
+
+Requests: random token-id prompts of --input-len tokens, --output-len tokens each (ignore_eos),
+sent as token ids so both lengths are exact. Without --url it starts `octavo serve` on the
+default model (or --model) on a free local port and stops it afterwards. Each --request-rate
+(requests/s; inf = all at once) is one run over the same --num-prompts requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default=None, help="server base URL (default: start octavo serve locally)")
+    parser.add_argument("--model", default=None, help="model name for requests (default: the server's first); "
+                        "without --url, the model directory octavo serve loads")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-prompts", type=int, default=100)
+    parser.add_argument("--input-len", type=int, default=128)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--request-rate", type=float, nargs="+", default=[math.inf],
+                        help="requests per second, one run each (inf: send all at once)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    parser.add_argument("--vocab-range", type=int, nargs=2, default=(100, 20000),
+                        help="prompt token ids are drawn from [LOW, HIGH)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--server-args", default="", help="extra octavo serve options when it is started here")
+    parser.add_argument("--result-json", default=None, help="write every run's figures to this file")
+
+
+def make_prompts(num: int, length: int, vocab_range: tuple[int, int], seed: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return rng.integers(vocab_range[0], vocab_range[1], (num, length)).tolist()
+
+
+async def send_one(client, url: str, model: str, prompt: list[int], output_len: int) -> RequestResult:
+    import httpx
+
+    result = RequestResult()
+    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "ignore_eos": True, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not any(c.get("text") for c in chunk.get("choices", [])):
+                    continue
+                now = time.perf_counter()
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+        result.latency = time.perf_counter() - start
+        result.ok = True
+    except httpx.HTTPError as e:
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_rate(url: str, model: str, prompts, output_len: int, rate: float, max_concurrency: int | None,
+                   headers: dict, seed: int) -> tuple[list[RequestResult], float]:
+    import httpx
+
+    rng = np.random.default_rng(seed)
+    limit = asyncio.Semaphore(max_concurrency or len(prompts))
+
+    async def limited(client, prompt):
+        async with limit:
+            return await send_one(client, url, model, prompt, output_len)
+
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, limits=limits, headers=headers) as client:
+        start = time.perf_counter()
+        tasks = []
+        for prompt in prompts:
+            tasks.append(asyncio.create_task(limited(client, prompt)))
+            if math.isfinite(rate):
+                await asyncio.sleep(rng.exponential(1.0 / rate))
+        results = await asyncio.gather(*tasks)
+        return results, time.perf_counter() - start
+
+
+def summarize(results: list[RequestResult], seconds: float, input_len: int) -> dict:
+    done = [r for r in results if r.ok]
+    output = sum(r.output_tokens for r in done)
+
+    def pct(values, unit=1e3):
+        values = np.asarray(values) * unit
+        if not len(values):
+            return {"mean": float("nan"), "p50": float("nan"), "p90": float("nan"), "p99": float("nan")}
+        return {"mean": float(values.mean()), "p50": float(np.percentile(values, 50)),
+                "p90": float(np.percentile(values, 90)), "p99": float(np.percentile(values, 99))}
+
+    tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
+    return {"completed": len(done), "failed": len(results) - len(done), "seconds": seconds,
+            "request_throughput": len(done) / seconds, "output_throughput": output / seconds,
+            "total_throughput": (output + input_len * len(done)) / seconds,
+            "ttft_ms": pct([r.ttft for r in done]), "tpot_ms": pct(tpot),
+            "itl_ms": pct([x for r in done for x in r.itl]), "e2e_s": pct([r.latency for r in done], unit=1.0),
+            "errors": sorted({r.error for r in results if not r.ok})[:5]}
+
+
+def print_table(rows: list[tuple[float, dict]]) -> None:
+    head = (f"{'rate':>6} {'done':>5} {'req/s':>6} {'out tok/s':>9} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} ms | "
+            f"{'ITL p50':>7} {'p90':>6} {'p99':>6} ms | {'TPOT p50':>8} ms | {'E2E p50':>7} {'p90':>6} {'p99':>6} s")
+    print(head)
+    print("-" * len(head))
+    for rate, s in rows:
+        t, i, p, e = s["ttft_ms"], s["itl_ms"], s["tpot_ms"], s["e2e_s"]
+        print(f"{rate:>6} {s['completed']:>5} {s['request_throughput']:>6.2f} {s['output_throughput']:>9.1f} | "
+              f"{t['p50']:>8.0f} {t['p90']:>7.0f} {t['p99']:>7.0f}    | {i['p50']:>7.1f} {i['p90']:>6.1f} "
+              f"{i['p99']:>6.1f}    | {p['p50']:>8.1f}    | {e['p50']:>7.2f} {e['p90']:>6.2f} {e['p99']:>6.2f}")
+
+
+@contextlib.contextmanager
+def local_server(model: str | None, server_args: str):
+    """`octavo serve` on a free port; yields its URL."""
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", *([model] if model else []),
+               "--port", str(port), "--uvicorn-log-level", "warning", *server_args.split()]
+    process = subprocess.Popen(command)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise RuntimeError(f"octavo serve exited with {process.returncode}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("octavo serve did not start")
+            time.sleep(0.3)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(60)
+
+
+def run(args: argparse.Namespace) -> list[dict]:
+    import httpx
+
+    with contextlib.ExitStack() as stack:
+        url = args.url.rstrip("/") if args.url else stack.enter_context(local_server(args.model, args.server_args))
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        model = args.model if args.url and args.model else \
+            httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
+        prompts = make_prompts(args.num_prompts, args.input_len, tuple(args.vocab_range), args.seed)
+        print(f"{url} model={model}: {args.num_prompts} requests of {args.input_len} prompt + "
+              f"{args.output_len} output tokens, max concurrency {args.max_concurrency or 'unlimited'}")
+        asyncio.run(run_rate(url, model, prompts[:2], 4, math.inf, None, headers, args.seed))  # warm-up
+        rows = []
+        for rate in args.request_rate:
+            results, seconds = asyncio.run(run_rate(url, model, prompts, args.output_len, rate, args.max_concurrency,
+                                                    headers, args.seed))
+            rows.append((rate, summarize(results, seconds, args.input_len)))
+            print(f"rate {rate}: {rows[-1][1]['completed']} done, {rows[-1][1]['failed']} failed in {seconds:.1f} s")
+        print_table(rows)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump([{"request_rate": r, **s} for r, s in rows], f, indent=2)
+    return [{"request_rate": r, **s} for r, s in rows]
