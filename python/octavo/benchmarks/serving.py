@@ -7,7 +7,8 @@ latency, like vLLM's serving benchmark.
 Requests: random token-id prompts of --input-len tokens, --output-len tokens each (ignore_eos),
 sent as token ids so both lengths are exact. Without --url it starts `octavo serve` on the
 default model (or --model) on a free local port and stops it afterwards. Each --request-rate
-(requests/s; inf = all at once) is one run over the same --num-prompts requests.
+(requests/s; inf = all at once) is one run of --num-prompts requests, with prompts of its own:
+reused prompts would hit the prefix cache and skip their prefill.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt token ids are drawn from [LOW, HIGH)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--server-args", default="", help="extra octavo serve options when it is started here")
+    parser.add_argument("--offline-baseline", action="store_true",
+                        help="afterwards, with the server stopped, time the same requests through LLM.generate "
+                             "in this process: the engine's ceiling without HTTP")
     parser.add_argument("--result-json", default=None, help="write every run's figures to this file")
 
 
@@ -187,18 +191,39 @@ def run(args: argparse.Namespace) -> list[dict]:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         model = args.model if args.url and args.model else \
             httpx.get(f"{url}/v1/models", headers=headers).json()["data"][0]["id"]
-        prompts = make_prompts(args.num_prompts, args.input_len, tuple(args.vocab_range), args.seed)
         print(f"{url} model={model}: {args.num_prompts} requests of {args.input_len} prompt + "
               f"{args.output_len} output tokens, max concurrency {args.max_concurrency or 'unlimited'}")
-        asyncio.run(run_rate(url, model, prompts[:2], 4, math.inf, None, headers, args.seed))  # warm-up
+        warm_up = make_prompts(2, args.input_len, tuple(args.vocab_range), args.seed + len(args.request_rate) + 1)
+        asyncio.run(run_rate(url, model, warm_up, 4, math.inf, None, headers, args.seed))
         rows = []
-        for rate in args.request_rate:
+        for k, rate in enumerate(args.request_rate):
+            prompts = make_prompts(args.num_prompts, args.input_len, tuple(args.vocab_range), args.seed + k)
             results, seconds = asyncio.run(run_rate(url, model, prompts, args.output_len, rate, args.max_concurrency,
                                                     headers, args.seed))
             rows.append((rate, summarize(results, seconds, args.input_len)))
             print(f"rate {rate}: {rows[-1][1]['completed']} done, {rows[-1][1]['failed']} failed in {seconds:.1f} s")
         print_table(rows)
+    results = [{"request_rate": r, **s} for r, s in rows]
+    if args.offline_baseline:
+        results.append(offline_baseline(args.model, prompts, args.output_len))
     if args.result_json:
         with open(args.result_json, "w") as f:
-            json.dump([{"request_rate": r, **s} for r, s in rows], f, indent=2)
-    return [{"request_rate": r, **s} for r, s in rows]
+            json.dump(results, f, indent=2)
+    return results
+
+
+def offline_baseline(model: str | None, prompts: list[list[int]], output_len: int) -> dict:
+    """The last run's requests through ``LLM.generate`` (all at once, no HTTP) in a new engine,
+    whose prefix cache has not seen them."""
+    from octavo import LLM, SamplingParams
+
+    llm = LLM(model=model)
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    llm.generate([p[::-1] for p in prompts[:2]], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    output = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"offline LLM.generate, same requests: {len(prompts) / seconds:.2f} req/s, {output / seconds:.1f} output tok/s")
+    return {"offline_baseline": True, "seconds": seconds, "request_throughput": len(prompts) / seconds,
+            "output_throughput": output / seconds}

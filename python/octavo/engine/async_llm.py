@@ -41,7 +41,10 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item) -> None:  # called from the engine thread
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed: nobody is listening any more
+            pass
 
 
 @dataclass
@@ -72,7 +75,10 @@ class AsyncLLM:
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # written by the loop, read by the thread (dict ops are atomic)
         self._sent: dict[str, _Sent] = {}  # engine thread only
-        self._num_pending = 0  # requests submitted but not yet added by the engine thread
+        # Requests submitted (counted by the event loop) and taken in (by the engine thread): one
+        # writer each, so the difference (not yet seen by the engine) needs no lock.
+        self._num_submitted = 0
+        self._num_taken = 0
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
         self._thread.start()
@@ -88,7 +94,7 @@ class AsyncLLM:
         return self.engine.check_request(prompt_token_ids, params)
 
     def num_waiting(self) -> int:
-        return self.stats.num_waiting + self._num_pending
+        return self.stats.num_waiting + self._num_submitted - self._num_taken
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -101,7 +107,7 @@ class AsyncLLM:
             raise ValueError(f"request_id {request_id!r} is already in use")
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
-        self._num_pending += 1
+        self._num_submitted += 1
         self._submit(("add", request_id, list(prompt_token_ids), params, prompt, time.time()))
         finished = False
         try:
@@ -140,22 +146,21 @@ class AsyncLLM:
                 self._wakeup.clear()
                 continue
             try:
-                started = time.perf_counter()
                 outputs = engine.step()
-                self.stats.record_step(time.perf_counter() - started)
+                self.stats.snapshot()
             except Exception as e:  # a bug, not bad input: fail the batch, keep serving the rest
                 logger.exception("engine step failed; aborting its requests")
                 self._fail_all(RuntimeError(f"engine step failed: {e}"))
                 continue
             for output in outputs:
                 self._deliver(output)
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError("the server is shutting down"), include_pending=True)
 
     def _drain_commands(self) -> None:
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
-                self._num_pending -= 1
+                self._num_taken += 1
                 self._add(*command[1:])
             else:
                 self._abort(command[1])
@@ -179,9 +184,13 @@ class AsyncLLM:
             self.engine.abort_request([request_id])
             self.stats.record_abort(request_id)
 
-    def _fail_all(self, error: Exception) -> None:
-        for request_id in list(self._sent):
+    def _fail_all(self, error: Exception, include_pending: bool = False) -> None:
+        """Aborts every request the engine holds and sends ``error`` to their streams; with
+        ``include_pending`` also to the streams of requests still in the command queue."""
+        failed = list(self._sent)
+        for request_id in failed:
             self._abort(request_id)
+        for request_id in list(self._streams) if include_pending else failed:
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.put(error)

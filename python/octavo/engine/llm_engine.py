@@ -24,6 +24,11 @@ from .detokenizer import IncrementalDetokenizer, check_stop_strings
 from .prompt_logprobs import prompt_chunks, record_prompt_logprobs
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
+# Tokens per step when chunked prefill is on. Large steps lose on the CPU: 64 requests of 128
+# prompt + 128 output tokens (default model, 2 cores) ran at 240 output tok/s with 8192, 346 with
+# 4096, 393 with 1024 and 390 with 512 (bench/RESULTS.md, serving section). Without chunked
+# prefill the budget must hold a whole prompt, so it is max_model_len there.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 
 
 @dataclass
@@ -74,7 +79,8 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, num_blocks, block_size)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens or max(2048, self.max_model_len),
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens or self._default_budget(enable_chunked_prefill),
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching))
         tokens = (num_blocks - 1) * block_size
         print(f"octavo: KV cache of {num_blocks} blocks = {tokens} tokens; "
@@ -82,6 +88,12 @@ class LLMEngine:
         self._rng = np.random.default_rng(seed)
         self._requests: dict[str, _Request] = {}
         self._by_handle: dict[int, tuple[_Request, _Sample]] = {}
+        self._num_wanting_prompt_logprobs = 0  # live requests with prompt_logprobs (read every step)
+
+    def _default_budget(self, enable_chunked_prefill: bool) -> int:
+        if enable_chunked_prefill:
+            return DEFAULT_MAX_NUM_BATCHED_TOKENS
+        return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_model_len)
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -97,6 +109,7 @@ class LLMEngine:
         wants_prompt_logprobs = params.prompt_logprobs is not None
         if wants_prompt_logprobs:
             request.prompt_logprobs = [None] * len(prompt_token_ids)
+            self._num_wanting_prompt_logprobs += 1
         eos = -1 if self.tokenizer is None or self.tokenizer.eos_token_id is None else self.tokenizer.eos_token_id
         stop_ids = list(params.stop_token_ids or []) + ([] if params.ignore_eos or eos < 0 else [eos])
         for i in range(params.n):
@@ -142,11 +155,10 @@ class LLMEngine:
 
     def abort_request(self, request_ids: list[str]) -> None:
         for rid in request_ids:
-            request = self._requests.pop(rid, None)
+            request = self._requests.get(rid)
             if request is not None:
                 self.scheduler.abort_requests([f"{rid}#{s.index}" for s in request.samples])
-                for s in request.samples:
-                    self._by_handle.pop(s.handle, None)
+                self._forget(request)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -183,7 +195,15 @@ class LLMEngine:
         return [self._output(r) for r in touched.values()]
 
     def _wants_prompt_logprobs(self) -> bool:
-        return any(r.prompt_logprobs is not None for r in self._requests.values())
+        return self._num_wanting_prompt_logprobs > 0
+
+    def _forget(self, request: _Request) -> None:
+        """Drops a finished or aborted request from the engine's maps."""
+        del self._requests[request.request_id]
+        for s in request.samples:
+            self._by_handle.pop(s.handle, None)
+        if request.prompt_logprobs is not None:
+            self._num_wanting_prompt_logprobs -= 1
 
     def _append(self, request: _Request, sample_: _Sample, new: list[int], sampled, i: int) -> None:
         now = time.time()
@@ -223,9 +243,7 @@ class LLMEngine:
         finished = request.finished()
         if finished:
             request.metrics.finished_time = time.time()
-            self._requests.pop(request.request_id, None)
-            for s in request.samples:
-                self._by_handle.pop(s.handle, None)
+            self._forget(request)
         outputs = [CompletionOutput(index=s.index, text=s.detokenizer.text if s.detokenizer else "",
                                     token_ids=list(s.state.output_token_ids),
                                     cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,

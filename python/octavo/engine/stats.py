@@ -66,7 +66,6 @@ class EngineStats:
         self._timings: dict[str, _Timing] = {}
         self._native_seen = {"queries": 0, "hits": 0, "preemptions": 0}
         self.num_waiting = 0
-        self.step_seconds = 0.0
         self.snapshot()
 
     # Called by the engine thread.
@@ -99,10 +98,6 @@ class EngineStats:
             self.e2e.observe(now - timing.arrival)
             reasons = {o.finish_reason for o in output.outputs}
             self.finished.labels(self._model_name, "stop" if "stop" in reasons else reasons.pop()).inc()
-
-    def record_step(self, seconds: float) -> None:
-        self.step_seconds = seconds
-        self.snapshot()
 
     def snapshot(self) -> None:
         """Copies the scheduler's and block pool's state into the gauges and counters."""
