@@ -107,7 +107,9 @@ async def _parse(raw: Request, model):
 def _validation_error(errors) -> APIError:
     first = errors[0]
     param = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    return APIError(f"{param}: {first.get('msg')} (got {first.get('input')!r})", param=param or None)
+    got = repr(first.get("input"))
+    got = got if len(got) <= 80 else got[:77] + "..."
+    return APIError(f"{param}: {first.get('msg')} (got {got})", param=param or None)
 
 
 async def _respond(raw: Request, run) -> Response:

@@ -8,7 +8,7 @@ keep working; a field Octavo cannot honour (logit_bias, tools, ...) is refused w
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -147,6 +147,3 @@ class DetokenizeRequest(BaseModel):
 
     model: str | None = None
     tokens: list[int]
-
-
-FinishReason = Literal["stop", "length", "abort"]
