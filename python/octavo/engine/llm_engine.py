@@ -24,10 +24,10 @@ from .detokenizer import IncrementalDetokenizer, check_stop_strings
 from .prompt_logprobs import prompt_chunks, record_prompt_logprobs
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
-# Tokens per step when chunked prefill is on. Large steps lose on the CPU: 64 requests of 128
-# prompt + 128 output tokens (default model, 2 cores) ran at 240 output tok/s with 8192, 346 with
-# 4096, 393 with 1024 and 390 with 512 (bench/RESULTS.md, serving section). Without chunked
-# prefill the budget must hold a whole prompt, so it is max_model_len there.
+# Tokens per step when chunked prefill is on. Measured on the default model, 2 cores (table in
+# bench/RESULTS.md, serving section): 64 requests of 128 in / 128 out ran at 240 output tok/s with
+# 8192, 257 with 2048 and 390 with 1024 or 512; issue #4's mixed workload at 267 with 2048 and
+# 232-248 with 1024. Without chunked prefill a step must hold a whole prompt: max_model_len.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 
 
