@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "octavo/ops.h"
 #include "octavo/tensor_view.h"
 
 namespace octavo {
@@ -65,10 +66,18 @@ struct PagedAttentionParams {
 struct LinearParams {
   void* out;             // [rows, out_features], row stride out_stride
   const void* input;     // [rows, in_features], row stride in_stride
-  const void* weight;    // [out_features, in_features], contiguous
+  const void* weight;    // [out_features, in_features] contiguous, or rows of blocks (weight_format)
   const void* bias;      // [out_features] or null
   int64_t rows, in_features, out_features, in_stride, out_stride;
-  DType dtype;           // of out, input, weight and bias
+  DType dtype;           // of out, input and bias (and of a dense weight)
+  WeightFormat weight_format;
+};
+
+struct DequantizeParams {
+  float* out;            // [rows, cols], contiguous
+  const uint8_t* weight; // [rows, cols / 32 * block bytes], contiguous
+  int64_t rows, cols;
+  WeightFormat format;
 };
 
 struct SampleParams {

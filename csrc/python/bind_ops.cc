@@ -93,14 +93,30 @@ void bind_kernels(py::module_& ops) {
       "out = gelu(input[..., :d]) * input[..., d:]; approximate is 'none' (erf) or 'tanh'.");
   ops.def(
       "linear",
-      [](py::handle out, py::handle input, py::handle weight, py::handle bias) {
+      [](py::handle out, py::handle input, py::handle weight, py::handle bias, const std::string& weight_format) {
         PyTensor o = tensor(out, "out"), i = tensor(input, "input"), w = tensor(weight, "weight");
         OptTensor b(bias, "bias");
+        const WeightFormat f = parse_weight_format(weight_format.c_str());
         py::gil_scoped_release nogil;
-        linear(o.view, i.view, w.view, b.view());
+        linear(o.view, i.view, w.view, b.view(), f);
       },
       py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
-      "out = input @ weight.T (+ bias); weight [N, K] contiguous, for small row counts (decode).");
+      py::arg("weight_format") = "dense",
+      "out = input @ weight.T (+ bias), for small row counts (decode). weight_format 'dense': weight [N, K] "
+      "contiguous in input's dtype; 'q8_0', 'q4_0', 'q4_1': uint8 [N, K / 32 * block bytes], GGUF blocks.");
+  ops.def(
+      "dequantize",
+      [](py::handle out, py::handle weight, const std::string& weight_format) {
+        PyTensor o = tensor(out, "out"), w = tensor(weight, "weight");
+        const WeightFormat f = parse_weight_format(weight_format.c_str());
+        py::gil_scoped_release nogil;
+        dequantize(o.view, w.view, f);
+      },
+      py::arg("out"), py::arg("weight"), py::arg("weight_format"),
+      "out [N, K] float32 = the weights of GGUF blocks weight (uint8 [N, K / 32 * block bytes]) in "
+      "weight_format 'q8_0', 'q4_0' or 'q4_1', as the gguf package dequantizes them.");
+  ops.def("weight_block_bytes", [](const std::string& f) { return weight_block_bytes(parse_weight_format(f.c_str())); },
+          py::arg("weight_format"), "Bytes per block of 32 weights in weight_format (0 for 'dense').");
   ops.def(
       "reshape_and_cache",
       [](py::handle key, py::handle value, py::handle key_cache, py::handle value_cache, py::handle slot_mapping) {

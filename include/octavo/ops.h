@@ -57,12 +57,29 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
                      const TensorView& block_tables, double scale, int64_t sliding_window = 0, double softcap = 0.0);
 
+// How `linear`'s weight is stored. kDense: [N, K] in the activations' dtype (torch's Linear
+// layout). The GGUF block formats keep a file's quantized tensor as it is: weight is uint8
+// [N, K / 32 * block_bytes], each row K / 32 blocks of 32 weights (ggml's block_q8_0, block_q4_0,
+// block_q4_1), so K must be a multiple of 32.
+enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1 };
+const char* weight_format_name(WeightFormat format);  // "dense", "q8_0", "q4_0", "q4_1"
+WeightFormat parse_weight_format(const char* name);   // the inverse; throws for an unknown name
+int64_t weight_block_bytes(WeightFormat format);      // bytes per 32 weights; 0 for kDense
+
 // out = input · weightᵀ (+ bias): the dense projections of a decode step, read at memory speed.
-// input: [M, K] (any leading shape, rows of K); weight: [N, K] contiguous (torch's Linear
-// layout); bias: [N] or null; out: [M, N], not overlapping input. One dtype for all. Each output row is computed the
-// same way whatever M is (batch invariant). Meant for small M (decode batches); for large M a
-// BLAS GEMM is faster (see csrc/kernels/cpu/linear.cc for the measured crossover).
-void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias);
+// input: [M, K] (any leading shape, rows of K); weight: [N, K] contiguous in `format` (see
+// WeightFormat); bias: [N] or null; out: [M, N], not overlapping input. out, input and bias
+// share one float dtype (and a dense weight too). Quantized weights are decoded in registers to
+// exactly the floats `dequantize` gives, so the result equals the dense kernel's on those
+// floats, bit for bit. Each output row is computed the same way whatever M is (batch
+// invariant). Meant for small M (decode batches); for large M a BLAS GEMM may be faster (see
+// python/octavo/layers/linear.py for the measured crossover).
+void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
+            WeightFormat format = WeightFormat::kDense);
+
+// out [N, K] float32 = the weights a quantized `weight` ([N, K / 32 * block_bytes] uint8 in
+// `format`) stands for, computed as the gguf package's dequantization does (bit for bit).
+void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format);
 
 // Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,
 // penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones

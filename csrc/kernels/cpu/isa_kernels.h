@@ -16,6 +16,7 @@
   void paged_attention(const PagedAttentionParams& p);                   \
   void sample(const SampleParams& p);                                    \
   void linear(const LinearParams& p);                                    \
+  void dequantize(const DequantizeParams& p);                            \
   }
 
 OCTAVO_DECLARE_CPU_KERNELS(scalar)

@@ -22,9 +22,16 @@ constexpr int kCols = 4;  // input rows per accumulator group: kRows * kCols acc
 // short row streams of a decode step's small matrices; on the development machine it measured
 // neutral within the bandwidth drift, and it costs one instruction per cache line.
 constexpr int64_t kPrefetchRows = 2 * kRows;
-// Below this many weight elements the job runs on the calling thread (waking the pool costs
-// more than it saves for the tiny matrices of tests).
-constexpr int64_t kSerialWeightElems = 1 << 16;
+// Below this many weight bytes the job runs on the calling thread (waking the pool costs more
+// than it saves for the tiny matrices of tests).
+constexpr int64_t kSerialWeightBytes = 1 << 18;
+
+// A float16 stored at p (GGUF scales are unaligned in their blocks).
+inline float half_at(const uint8_t* p) {
+  f16 h;
+  std::memcpy(&h.bits, p, 2);
+  return to_float(h);
+}
 
 // acc[r][c] = dot(w[r], x[c]) over K, for nr <= kRows weight rows and NC input rows.
 template <int NC, typename T>
@@ -105,20 +112,103 @@ void dot_tile_any(int nc, const T* w, int64_t K, int nr, const T* x, int64_t x_s
   }
 }
 
-// Output features [n_begin, n_end) of every row.
-template <typename T>
-void linear_slab(const LinearParams& p, int64_t n_begin, int64_t n_end) {
-  const T* weight = static_cast<const T*>(p.weight);
+// ---- GGUF block formats ------------------------------------------------------------------
+// A block holds 32 weights: a float16 scale d (Q4_1 also a float16 minimum m) and the quants.
+// Q8_0: w = d * q, q int8. Q4_0: w = d * (q - 8), Q4_1: w = d * q + m, q a nibble: byte j holds
+// weight j in its low nibble and weight j + 16 in its high one. The float arithmetic is the gguf
+// package's (one product, then for Q4_1 a separate sum: this file is built without FMA
+// contraction), so a decoded weight is the float `dequantize` writes, bit for bit.
+constexpr int kBlock = 32;
+
+template <WeightFormat F>
+struct Gguf;
+template <>
+struct Gguf<WeightFormat::kQ8_0> {
+  static constexpr int kBytes = 34;
+  static VecF min(const uint8_t*) { return VecF::zero(); }
+  static VecF decode(const uint8_t* b, int j, VecF d, VecF) {
+    return VecF::load_i8(reinterpret_cast<const int8_t*>(b + 2) + j) * d;
+  }
+};
+template <>
+struct Gguf<WeightFormat::kQ4_0> {
+  static constexpr int kBytes = 18;
+  static VecF min(const uint8_t*) { return VecF::zero(); }
+  static VecF decode(const uint8_t* b, int j, VecF d, VecF) {
+    return (VecF::load_u4(b + 2 + (j & 15), j < 16 ? 0 : 4) - VecF::set1(8.0f)) * d;
+  }
+};
+template <>
+struct Gguf<WeightFormat::kQ4_1> {
+  static constexpr int kBytes = 20;
+  static VecF min(const uint8_t* b) { return VecF::set1(half_at(b + 2)); }
+  static VecF decode(const uint8_t* b, int j, VecF d, VecF m) {
+    return VecF::load_u4(b + 4 + (j & 15), j < 16 ? 0 : 4) * d + m;
+  }
+};
+
+template <WeightFormat F>
+VecF block_scale(const uint8_t* b) {
+  return VecF::set1(half_at(b));
+}
+
+// As dot_tile, for nr rows of `blocks` GGUF blocks each (row_bytes apart). Weights are decoded
+// once per vector and used by all NC input rows; the lanes accumulate in the dense kernel's order.
+template <WeightFormat F, int NC, typename T>
+void dot_tile_gguf(const uint8_t* w, int64_t row_bytes, int64_t blocks, int nr, const T* x, int64_t x_stride,
+                   float acc_out[kRows][kCols]) {
+  using Fmt = Gguf<F>;
+  VecF acc[kRows][NC];
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < NC; ++c) acc[r][c] = VecF::zero();
+  const uint8_t* wr[kRows];
+  for (int r = 0; r < kRows; ++r) wr[r] = w + (r < nr ? r : 0) * row_bytes;
+  for (int64_t blk = 0; blk < blocks; ++blk) {
+    VecF d[kRows], m[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      const uint8_t* b = wr[r] + blk * Fmt::kBytes;
+      __builtin_prefetch(b + kPrefetchRows * row_bytes);
+      d[r] = block_scale<F>(b);
+      m[r] = Fmt::min(b);
+    }
+    const T* xb = x + blk * kBlock;
+    for (int j = 0; j < kBlock; j += kW) {
+      VecF xv[NC];
+      for (int c = 0; c < NC; ++c) xv[c] = VecF::load(xb + c * x_stride + j);
+      for (int r = 0; r < kRows; ++r) {
+        const VecF wv = Fmt::decode(wr[r] + blk * Fmt::kBytes, j, d[r], m[r]);
+        for (int c = 0; c < NC; ++c) acc[r][c] = fma(wv, xv[c], acc[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r)
+    for (int c = 0; c < NC; ++c) acc_out[r][c] = reduce_add(acc[r][c]);
+}
+
+template <WeightFormat F, typename T>
+void dot_tile_gguf_any(int nc, const uint8_t* w, int64_t row_bytes, int64_t blocks, int nr, const T* x,
+                       int64_t x_stride, float acc[kRows][kCols]) {
+  switch (nc) {
+    case 1: return dot_tile_gguf<F, 1>(w, row_bytes, blocks, nr, x, x_stride, acc);
+    case 2: return dot_tile_gguf<F, 2>(w, row_bytes, blocks, nr, x, x_stride, acc);
+    case 3: return dot_tile_gguf<F, 3>(w, row_bytes, blocks, nr, x, x_stride, acc);
+    default: return dot_tile_gguf<F, 4>(w, row_bytes, blocks, nr, x, x_stride, acc);
+  }
+}
+
+// Output features [n_begin, n_end) of every row; tile(nc, n, nr, x, acc) fills acc[r][c] with
+// the dot products of weight rows n.. n+nr-1 and input rows x, x + in_stride, ... (nc of them).
+template <typename T, typename Tile>
+void linear_slab(const LinearParams& p, int64_t n_begin, int64_t n_end, const Tile& tile) {
   const T* input = static_cast<const T*>(p.input);
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out);
-  const int64_t K = p.in_features;
   float acc[kRows][kCols];
   for (int64_t n = n_begin; n < n_end; n += kRows) {
     const int nr = static_cast<int>(n_end - n < kRows ? n_end - n : kRows);
     for (int64_t m = 0; m < p.rows; m += kCols) {
       const int nc = static_cast<int>(p.rows - m < kCols ? p.rows - m : kCols);
-      dot_tile_any(nc, weight + n * K, K, nr, input + m * p.in_stride, p.in_stride, acc);
+      tile(nc, n, nr, input + m * p.in_stride, acc);
       for (int c = 0; c < nc; ++c)
         for (int r = 0; r < nr; ++r) {
           const float b = bias != nullptr ? to_float(bias[n + r]) : 0.0f;
@@ -128,15 +218,58 @@ void linear_slab(const LinearParams& p, int64_t n_begin, int64_t n_end) {
   }
 }
 
-template <typename T>
-void run_linear(const LinearParams& p) {
+template <typename T, typename Tile>
+void run_linear(const LinearParams& p, int64_t weight_bytes, const Tile& tile) {
   const int64_t tiles = (p.out_features + kRows - 1) / kRows;
   const int threads = get_num_threads();
   // One contiguous slab per thread: each streams its part of the weight front to back.
-  const int64_t grain = p.out_features * p.in_features < kSerialWeightElems ? tiles : (tiles + threads - 1) / threads;
+  const int64_t grain = weight_bytes < kSerialWeightBytes ? tiles : (tiles + threads - 1) / threads;
   parallel_for(tiles, grain, [&](int64_t begin, int64_t end) {
     const int64_t n_end = end * kRows < p.out_features ? end * kRows : p.out_features;
-    linear_slab<T>(p, begin * kRows, n_end);
+    linear_slab<T>(p, begin * kRows, n_end, tile);
+  });
+}
+
+template <typename T>
+void run_dense(const LinearParams& p) {
+  const T* weight = static_cast<const T*>(p.weight);
+  const int64_t K = p.in_features;
+  run_linear<T>(p, p.out_features * K * static_cast<int64_t>(sizeof(T)),
+                [&](int nc, int64_t n, int nr, const T* x, float acc[kRows][kCols]) {
+                  dot_tile_any(nc, weight + n * K, K, nr, x, p.in_stride, acc);
+                });
+}
+
+template <WeightFormat F, typename T>
+void run_gguf(const LinearParams& p) {
+  const uint8_t* weight = static_cast<const uint8_t*>(p.weight);
+  const int64_t blocks = p.in_features / kBlock, row_bytes = blocks * Gguf<F>::kBytes;
+  run_linear<T>(p, p.out_features * row_bytes, [&](int nc, int64_t n, int nr, const T* x, float acc[kRows][kCols]) {
+    dot_tile_gguf_any<F>(nc, weight + n * row_bytes, row_bytes, blocks, nr, x, p.in_stride, acc);
+  });
+}
+
+template <typename T>
+void run_typed(const LinearParams& p) {
+  switch (p.weight_format) {
+    case WeightFormat::kDense: return run_dense<T>(p);
+    case WeightFormat::kQ8_0: return run_gguf<WeightFormat::kQ8_0, T>(p);
+    case WeightFormat::kQ4_0: return run_gguf<WeightFormat::kQ4_0, T>(p);
+    case WeightFormat::kQ4_1: return run_gguf<WeightFormat::kQ4_1, T>(p);
+  }
+}
+
+template <WeightFormat F>
+void dequantize_rows(const DequantizeParams& p) {
+  using Fmt = Gguf<F>;
+  const int64_t blocks = p.cols / kBlock;
+  parallel_for(p.rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row)
+      for (int64_t blk = 0; blk < blocks; ++blk) {
+        const uint8_t* b = p.weight + (row * blocks + blk) * Fmt::kBytes;
+        const VecF d = block_scale<F>(b), m = Fmt::min(b);
+        for (int j = 0; j < kBlock; j += kW) Fmt::decode(b, j, d, m).store(p.out + row * p.cols + blk * kBlock + j);
+      }
   });
 }
 
@@ -145,10 +278,19 @@ void run_linear(const LinearParams& p) {
 void linear(const LinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
   switch (p.dtype) {
-    case DType::kFloat32: return run_linear<float>(p);
-    case DType::kBFloat16: return run_linear<bf16>(p);
-    case DType::kFloat16: return run_linear<f16>(p);
+    case DType::kFloat32: return run_typed<float>(p);
+    case DType::kBFloat16: return run_typed<bf16>(p);
+    case DType::kFloat16: return run_typed<f16>(p);
     default: OCTAVO_CHECK(false, "linear: unsupported dtype " << dtype_name(p.dtype));
+  }
+}
+
+void dequantize(const DequantizeParams& p) {
+  switch (p.format) {
+    case WeightFormat::kQ8_0: return dequantize_rows<WeightFormat::kQ8_0>(p);
+    case WeightFormat::kQ4_0: return dequantize_rows<WeightFormat::kQ4_0>(p);
+    case WeightFormat::kQ4_1: return dequantize_rows<WeightFormat::kQ4_1>(p);
+    default: OCTAVO_CHECK(false, "dequantize: not a quantized format");
   }
 }
 

@@ -91,6 +91,15 @@ struct VecF {
   static VecF load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
+  // kWidth signed bytes as floats (quantized weights).
+  static VecF load_i8(const int8_t* p) {
+    return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+  }
+  // The low (shift 0) or high (shift 4) nibbles of kWidth bytes as floats in [0, 15].
+  static VecF load_u4(const uint8_t* p, int shift) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(b, _mm512_set1_epi32(shift)), _mm512_set1_epi32(15)))};
+  }
   void store(float* p) const { _mm512_storeu_ps(p, v); }
   void store(bf16* p) const {
 #if defined(__AVX512BF16__)
@@ -143,6 +152,13 @@ struct VecF {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
   static VecF load(const f16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static VecF load_i8(const int8_t* p) {
+    return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
+  }
+  static VecF load_u4(const uint8_t* p, int shift) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srlv_epi32(b, _mm256_set1_epi32(shift)), _mm256_set1_epi32(15)))};
+  }
   void store(float* p) const { _mm256_storeu_ps(p, v); }
   void store(bf16* p) const {
     const __m256i u = _mm256_castps_si256(v);
@@ -199,6 +215,8 @@ struct VecF {
   static VecF set1(float x) { return {x}; }
   template <typename T>
   static VecF load(const T* p) { return {to_float(*p)}; }
+  static VecF load_i8(const int8_t* p) { return {static_cast<float>(*p)}; }
+  static VecF load_u4(const uint8_t* p, int shift) { return {static_cast<float>((*p >> shift) & 15)}; }
   template <typename T>
   void store(T* p) const { *p = from_float<T>(v); }
 
