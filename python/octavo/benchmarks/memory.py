@@ -20,10 +20,11 @@ def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
 
 
 def decode_weight_bytes(model: torch.nn.Module) -> int:
-    """Weight bytes one decode step reads: every parameter once (a tied embedding counts once, as
-    the LM head), except that an untied input embedding contributes one row, not the table."""
+    """Weight bytes one decode step reads: every parameter and buffer once (a tied embedding counts
+    once, as the LM head; quantized weights count their blocks), except that an input embedding
+    the LM head does not read contributes one row, not the table."""
     seen, total = set(), 0
-    for p in model.parameters():
+    for p in [*model.parameters(), *model.buffers()]:
         if id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()

@@ -24,8 +24,39 @@ from .. import _C
 TORCH_FROM_ROWS = {torch.float32: math.inf, torch.float16: math.inf, torch.bfloat16: 32}
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous), weight [N, K] contiguous, bias [N] or None -> [M, N]."""
+class QuantizedWeight(torch.nn.Module):
+    """A projection weight kept in a GGUF block format ("q8_0", "q4_0", "q4_1"): ``blocks`` is
+    uint8 [N, K / 32 * block bytes] as the file stores it; ``linear`` decodes it in registers."""
+
+    def __init__(self, blocks: torch.Tensor, weight_format: str, in_features: int):
+        super().__init__()
+        self.register_buffer("blocks", blocks.contiguous())
+        self.weight_format, self.in_features = weight_format, in_features
+        expected = in_features // 32 * _C.ops.weight_block_bytes(weight_format)
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != expected:
+            raise ValueError(f"{weight_format} blocks for {in_features} inputs must be uint8 [N, {expected}], "
+                             f"got {blocks.dtype} {list(blocks.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.blocks.shape[0], self.in_features
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 [N, K] weights the blocks stand for."""
+        out = torch.empty(self.shape)
+        _C.ops.dequantize(out, self.blocks, self.weight_format)
+        return out
+
+    def extra_repr(self) -> str:
+        return f"{self.weight_format}, shape={list(self.shape)}"
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N]."""
+    if isinstance(weight, QuantizedWeight):  # Octavo's kernel at every M (no torch kernel reads the blocks)
+        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        _C.ops.linear(out, x, weight.blocks, bias, weight_format=weight.weight_format)
+        return out
     if x.device.type != "cpu" or x.shape[0] >= TORCH_FROM_ROWS.get(x.dtype, 0):
         return F.linear(x, weight, bias)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)

@@ -39,11 +39,16 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors"):
-    """Builds the model for ``path``'s config.json and fills its weights.
+    """Builds the model for ``path``'s config.json and fills its weights (or, for a ``.gguf``
+    file, the model it holds, see gguf_file.py).
 
     dtype "auto" takes the checkpoint's ``torch_dtype``. load_format "dummy" skips the files and
     fills every weight with small random values (benchmarks of large shapes).
     """
+    from .gguf_file import is_gguf, load_gguf_model
+
+    if is_gguf(path):
+        return load_gguf_model(path, dtype)
     config = ModelConfig.from_pretrained(path)
     if dtype == "auto":
         dtype = config.torch_dtype

@@ -206,10 +206,9 @@ def api_key_from(args_key: str | None) -> str | None:
 
 def served_model(args) -> ServedModel:
     """Loads the model and starts the engine thread."""
-    from transformers import AutoTokenizer
-
     from ...engine.async_llm import AsyncLLM
     from ...llm import LLM
+    from ...loader import load_tokenizer
 
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -217,7 +216,7 @@ def served_model(args) -> ServedModel:
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),
-                       tokenizer=AutoTokenizer.from_pretrained(str(engine.model_path)), names=names,
+                       tokenizer=load_tokenizer(engine.model_path), names=names,
                        root=str(engine.model_path), max_model_len=engine.max_model_len,
                        sampling_defaults=sampling_defaults(engine.model_path), max_logprobs=args.max_logprobs,
                        request_timeout=args.request_timeout)
@@ -228,7 +227,7 @@ def sampling_defaults(model_path) -> dict:
     from .serving import SAMPLING_DEFAULT_FIELDS
 
     path = model_path / "generation_config.json"
-    if not path.is_file():
+    if not model_path.is_dir() or not path.is_file():
         return {}
     config = json.loads(path.read_text())
     return {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}

@@ -1,0 +1,130 @@
+"""Llama-architecture GGUF files run as they are: the model's projections keep the file's Q8_0 /
+Q4_0 / Q4_1 blocks (``QuantizedWeight``), everything else is read as floats.
+
+The config and tokenizer come from the file's metadata through transformers' GGUF support. The
+tensors are read with the ``gguf`` package: llama.cpp's names are mapped to Hugging Face's, and
+the rows of attn_q / attn_k are put back in Hugging Face's order (llama.cpp's converter
+interleaves the two rotary halves of every head; this is the inverse, as transformers applies it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import _C
+from ..config import ModelConfig
+from ..layers.linear import QuantizedWeight
+from ..models import model_class
+
+KEPT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> weight format
+FLOAT_TYPES = {"F32", "F16", "BF16"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+
+_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+
+
+def is_gguf(path: str | Path) -> bool:
+    return str(path).endswith(".gguf") and Path(path).is_file()
+
+
+def hf_name(name: str) -> str:
+    """llama.cpp's tensor name -> Hugging Face's ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight")."""
+    parts = name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER:
+        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP:
+        return f"{_TOP[parts[0]]}.{parts[1]}"
+    raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model")
+
+
+def gguf_config(path: Path) -> ModelConfig:
+    from transformers import AutoConfig
+
+    try:
+        hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
+    except ValueError as e:
+        raise ValueError(f"cannot read the GGUF metadata of {path}: {e}") from e
+    if hf.get("model_type") not in ARCHITECTURES:
+        raise ValueError(f"{path} is a {hf.get('model_type')!r} GGUF; Octavo runs GGUF files of the architectures "
+                         f"{', '.join(ARCHITECTURES)}")
+    hf["architectures"] = [ARCHITECTURES[hf["model_type"]]]
+    hf.pop("quantization_config", None)
+    return ModelConfig.from_dict(hf)
+
+
+def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
+    """Undoes llama.cpp's q/k row order: within each head, rows (2i, 2i+1) go back to (i, i + d/2)."""
+    half = rows.shape[0] // heads // 2
+    return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+
+def _read_tensors(path: Path, config: ModelConfig) -> dict[str, tuple[str | None, np.ndarray]]:
+    """HF name -> (weight format or None for floats, array in HF row order)."""
+    import gguf
+
+    tensors = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        name, kind = hf_name(t.name), t.tensor_type.name
+        data = np.asarray(t.data)
+        if kind not in KEPT_FORMATS and kind not in FLOAT_TYPES:
+            try:
+                data = gguf.quants.dequantize(data, t.tensor_type)
+            except NotImplementedError:
+                raise ValueError(f"GGUF tensor {t.name!r} is of type {kind}, which Octavo cannot read "
+                                 f"(supported: {', '.join(sorted(KEPT_FORMATS) + sorted(FLOAT_TYPES))})") from None
+            kind = "F32"
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
+            data = _unpermute_rows(data, heads)
+        tensors[name] = (KEPT_FORMATS.get(kind), data)
+    return tensors
+
+
+def _as_float(weight_format: str | None, data: np.ndarray) -> torch.Tensor:
+    if weight_format is None:
+        return torch.from_numpy(np.array(data)).float()
+    return QuantizedWeight(torch.from_numpy(np.array(data)), weight_format,
+                           data.shape[1] // _C.ops.weight_block_bytes(weight_format) * 32).dequantize()
+
+
+def _keep_quantized(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> None:
+    """Replaces each fused projection whose parts share one kept format by its blocks."""
+    groups: dict[int, list] = {}
+    for name, (param, start, _) in model._targets().items():
+        if name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight"):
+            groups.setdefault(id(param), []).append((start, name))
+    if model.config.tie_word_embeddings:  # the LM head reads the embedding's blocks
+        groups[id(model.lm_head)] = [(0, "model.embed_tokens.weight")]
+    owners = {id(p): (module, attr) for module in model.modules() for attr, p in module._parameters.items()
+              if p is not None and attr != "embed_tokens"}
+    for key, parts in groups.items():
+        formats = {tensors[name][0] for _, name in parts}
+        if key not in owners or len(formats) != 1 or None in formats:
+            continue
+        module, attr = owners[key]
+        blocks = np.concatenate([tensors[name][1] for _, name in sorted(parts)])
+        in_features = module._parameters[attr].shape[1]
+        del module._parameters[attr]
+        setattr(module, attr, QuantizedWeight(torch.from_numpy(blocks), formats.pop(), in_features))
+
+
+def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto"):
+    """The model of a Llama GGUF file, with its quantized projections kept quantized. Float
+    parts (norms, the embedding table for lookups) are in ``dtype`` ("auto": float32)."""
+    path = Path(path)
+    config = gguf_config(path)
+    if dtype in ("auto", "float32"):
+        dtype = torch.float32
+    elif isinstance(dtype, str):
+        dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+    model = model_class(config.architecture)(config, dtype)
+    tensors = _read_tensors(path, config)
+    model.load_weights((name, _as_float(fmt, data)) for name, (fmt, data) in tensors.items())
+    _keep_quantized(model, tensors)
+    return model.eval()

