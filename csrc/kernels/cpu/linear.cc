@@ -118,39 +118,70 @@ void dot_tile_any(int nc, const T* w, int64_t K, int nr, const T* x, int64_t x_s
 // weight j in its low nibble and weight j + 16 in its high one. The float arithmetic is the gguf
 // package's (one product, then for Q4_1 a separate sum: this file is built without FMA
 // contraction), so a decoded weight is the float `dequantize` writes, bit for bit.
+//
+// Each format has scale(block) -> BlockScale, computed once per block and row, and
+// decode(block, j, scale) -> weights [j, j + kW) of the block as floats.
 constexpr int kBlock = 32;
+
+struct BlockScale {
+  VecF a, b;
+};
 
 template <WeightFormat F>
 struct Gguf;
 template <>
 struct Gguf<WeightFormat::kQ8_0> {
   static constexpr int kBytes = 34;
-  static VecF min(const uint8_t*) { return VecF::zero(); }
-  static VecF decode(const uint8_t* b, int j, VecF d, VecF) {
-    return VecF::load_i8(reinterpret_cast<const int8_t*>(b + 2) + j) * d;
+  static BlockScale scale(const uint8_t* b) { return {VecF::set1(half_at(b)), VecF::zero()}; }
+  static VecF decode(const uint8_t* b, int j, const BlockScale& s) {
+    return VecF::load_i8(reinterpret_cast<const int8_t*>(b + 2) + j) * s.a;
   }
 };
+
+#if defined(__AVX512F__)
+// 4-bit formats on AVX-512: a nibble has 16 values, so the block's 16 possible weights are
+// computed once (the same product / sum as below, hence the same floats) and one vpermps per 16
+// weights looks them up: vpermps reads only an index's low 4 bits, so low nibbles need no mask.
+inline VecF nibble_values(float offset) {
+  return {_mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(offset))};
+}
+inline VecF lookup_nibbles(const uint8_t* q, int j, const BlockScale& s) {
+  __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  if (j >= 16) idx = _mm512_srli_epi32(idx, 4);
+  return {_mm512_permutexvar_ps(idx, s.a.v)};
+}
 template <>
 struct Gguf<WeightFormat::kQ4_0> {
   static constexpr int kBytes = 18;
-  static VecF min(const uint8_t*) { return VecF::zero(); }
-  static VecF decode(const uint8_t* b, int j, VecF d, VecF) {
-    return (VecF::load_u4(b + 2 + (j & 15), j < 16 ? 0 : 4) - VecF::set1(8.0f)) * d;
+  static BlockScale scale(const uint8_t* b) { return {nibble_values(8.0f) * VecF::set1(half_at(b)), VecF::zero()}; }
+  static VecF decode(const uint8_t* b, int j, const BlockScale& s) { return lookup_nibbles(b + 2, j, s); }
+};
+template <>
+struct Gguf<WeightFormat::kQ4_1> {
+  static constexpr int kBytes = 20;
+  static BlockScale scale(const uint8_t* b) {
+    return {nibble_values(0.0f) * VecF::set1(half_at(b)) + VecF::set1(half_at(b + 2)), VecF::zero()};
+  }
+  static VecF decode(const uint8_t* b, int j, const BlockScale& s) { return lookup_nibbles(b + 4, j, s); }
+};
+#else
+template <>
+struct Gguf<WeightFormat::kQ4_0> {
+  static constexpr int kBytes = 18;
+  static BlockScale scale(const uint8_t* b) { return {VecF::set1(half_at(b)), VecF::zero()}; }
+  static VecF decode(const uint8_t* b, int j, const BlockScale& s) {
+    return (VecF::load_u4(b + 2 + (j & 15), j < 16 ? 0 : 4) - VecF::set1(8.0f)) * s.a;
   }
 };
 template <>
 struct Gguf<WeightFormat::kQ4_1> {
   static constexpr int kBytes = 20;
-  static VecF min(const uint8_t* b) { return VecF::set1(half_at(b + 2)); }
-  static VecF decode(const uint8_t* b, int j, VecF d, VecF m) {
-    return VecF::load_u4(b + 4 + (j & 15), j < 16 ? 0 : 4) * d + m;
+  static BlockScale scale(const uint8_t* b) { return {VecF::set1(half_at(b)), VecF::set1(half_at(b + 2))}; }
+  static VecF decode(const uint8_t* b, int j, const BlockScale& s) {
+    return VecF::load_u4(b + 4 + (j & 15), j < 16 ? 0 : 4) * s.a + s.b;
   }
 };
-
-template <WeightFormat F>
-VecF block_scale(const uint8_t* b) {
-  return VecF::set1(half_at(b));
-}
+#endif
 
 // As dot_tile, for nr rows of `blocks` GGUF blocks each (row_bytes apart). Weights are decoded
 // once per vector and used by all NC input rows; the lanes accumulate in the dense kernel's order.
@@ -164,19 +195,18 @@ void dot_tile_gguf(const uint8_t* w, int64_t row_bytes, int64_t blocks, int nr, 
   const uint8_t* wr[kRows];
   for (int r = 0; r < kRows; ++r) wr[r] = w + (r < nr ? r : 0) * row_bytes;
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    VecF d[kRows], m[kRows];
+    BlockScale scale[kRows];
     for (int r = 0; r < kRows; ++r) {
       const uint8_t* b = wr[r] + blk * Fmt::kBytes;
       __builtin_prefetch(b + kPrefetchRows * row_bytes);
-      d[r] = block_scale<F>(b);
-      m[r] = Fmt::min(b);
+      scale[r] = Fmt::scale(b);
     }
     const T* xb = x + blk * kBlock;
     for (int j = 0; j < kBlock; j += kW) {
       VecF xv[NC];
       for (int c = 0; c < NC; ++c) xv[c] = VecF::load(xb + c * x_stride + j);
       for (int r = 0; r < kRows; ++r) {
-        const VecF wv = Fmt::decode(wr[r] + blk * Fmt::kBytes, j, d[r], m[r]);
+        const VecF wv = Fmt::decode(wr[r] + blk * Fmt::kBytes, j, scale[r]);
         for (int c = 0; c < NC; ++c) acc[r][c] = fma(wv, xv[c], acc[r][c]);
       }
     }
@@ -267,8 +297,8 @@ void dequantize_rows(const DequantizeParams& p) {
     for (int64_t row = begin; row < end; ++row)
       for (int64_t blk = 0; blk < blocks; ++blk) {
         const uint8_t* b = p.weight + (row * blocks + blk) * Fmt::kBytes;
-        const VecF d = block_scale<F>(b), m = Fmt::min(b);
-        for (int j = 0; j < kBlock; j += kW) Fmt::decode(b, j, d, m).store(p.out + row * p.cols + blk * kBlock + j);
+        const BlockScale scale = Fmt::scale(b);
+        for (int j = 0; j < kBlock; j += kW) Fmt::decode(b, j, scale).store(p.out + row * p.cols + blk * kBlock + j);
       }
   });
 }
