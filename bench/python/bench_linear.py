@@ -1,15 +1,16 @@
 """Octavo's `linear` kernel against torch's F.linear at the default model's projection shapes.
 
     python bench/python/bench_linear.py [--rows 1 4 16 32 64 512] [--dtypes float32 bfloat16 float16]
-                                        [--formats q8_0 q4_0 q4_1]
+                                        [--formats q8_0 q4_0 q4_1 int8 int4]
 
 Per shape (N x K weight), row count M and dtype: microseconds per call and weight GB/s (weight
 bytes ÷ time). The small matrices stay in the L3 cache when one is called in a loop, so their
 GB/s can exceed DRAM bandwidth; the 49152x576 LM head does not fit and shows DRAM speed. The
 crossover in octavo/layers/linear.py comes from this table.
 
-GGUF formats (float32 activations) run the blocks as they are; GB/s counts the quantized bytes,
-and torch's column is F.linear on the float32 weights the blocks stand for. The machine's read
+Quantized formats (float32 activations): GGUF blocks as the gguf package writes them, and
+Octavo's int8 / int4 (load-time round to nearest); GB/s counts the stored bytes (scales and
+zero points included), and torch's column is F.linear on the float32 weights they stand for. The machine's read
 bandwidth (torch sum over 512 MiB) is measured first, for the fraction the issue asks.
 """
 import argparse
@@ -19,6 +20,8 @@ import octavo  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 import torch
 from octavo import _C
 from octavo.benchmarks.memory import read_bandwidth
+from octavo.layers.linear import QuantizedWeight
+from octavo.layers.quantize import METHODS, quantize
 
 SHAPES = [(960, 576), (3072, 576), (576, 1536), (49152, 576)]  # qkv, gate_up, down, LM head
 
@@ -36,7 +39,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 512])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
-    parser.add_argument("--formats", nargs="*", default=["q8_0", "q4_0", "q4_1"])
+    parser.add_argument("--formats", nargs="*", default=["q8_0", "q4_0", "q4_1", "int8", "int4"])
     args = parser.parse_args()
     print(f"threads {octavo.get_num_threads()} (torch {torch.get_num_threads()}), cpu isa {octavo.cpu_isa()}, "
           f"torch {torch.__version__}; read bandwidth {read_bandwidth() / 1e9:.1f} GB/s")
@@ -47,20 +50,26 @@ def main() -> None:
             w = torch.randn(n, k).to(dtype)
             rows(name, w, w, args.rows, lambda out, x: _C.ops.linear(out, x, w, None))
     for fmt in args.formats:
-        import gguf  # only for the GGUF rows
-
-        qtype = getattr(gguf.GGMLQuantizationType, fmt.upper())
         for n, k in SHAPES:
-            q = torch.from_numpy(gguf.quants.quantize(torch.randn(n, k).numpy(), qtype))
-            w = torch.empty(n, k)
-            _C.ops.dequantize(w, q, fmt)
-            rows(fmt, q, w, args.rows, lambda out, x: _C.ops.linear(out, x, q, None, weight_format=fmt))
+            qw = quantized(torch.randn(n, k), fmt)
+            rows(fmt, qw, qw.dequantize(), args.rows, lambda out, x: _C.ops.linear(out, x, qw.qweight, None,
+                                                                                   **qw.kernel_args()))
 
 
-def rows(name: str, stored: torch.Tensor, dense: torch.Tensor, row_counts, ours_fn) -> None:
+def quantized(w: torch.Tensor, fmt: str) -> QuantizedWeight:
+    if fmt in METHODS:
+        return quantize(w, fmt)
+    import gguf  # only for the GGUF rows
+
+    blocks = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt.upper()))
+    return QuantizedWeight(torch.from_numpy(blocks), fmt, w.shape[1])
+
+
+def rows(name: str, stored, dense: torch.Tensor, row_counts, ours_fn) -> None:
     """One line per M: Octavo on the stored weight, torch on its dense (dequantized) form."""
     n, k = dense.shape
-    gb = stored.numel() * stored.element_size() / 1e9
+    tensors = [stored] if isinstance(stored, torch.Tensor) else list(stored.buffers())
+    gb = sum(t.numel() * t.element_size() for t in tensors) / 1e9
     for m in row_counts:
         x, out = torch.randn(m, k).to(dense.dtype), torch.empty(m, n, dtype=dense.dtype)
         ours = seconds_per_call(lambda: ours_fn(out, x))

@@ -93,28 +93,37 @@ void bind_kernels(py::module_& ops) {
       "out = gelu(input[..., :d]) * input[..., d:]; approximate is 'none' (erf) or 'tanh'.");
   ops.def(
       "linear",
-      [](py::handle out, py::handle input, py::handle weight, py::handle bias, const std::string& weight_format) {
+      [](py::handle out, py::handle input, py::handle weight, py::handle bias, const std::string& weight_format,
+         py::handle scales, py::handle zeros, int64_t group_size) {
         PyTensor o = tensor(out, "out"), i = tensor(input, "input"), w = tensor(weight, "weight");
-        OptTensor b(bias, "bias");
+        OptTensor b(bias, "bias"), s(scales, "scales"), z(zeros, "zeros");
         const WeightFormat f = parse_weight_format(weight_format.c_str());
+        const WeightQuant q{s.view(), z.view(), group_size};
         py::gil_scoped_release nogil;
-        linear(o.view, i.view, w.view, b.view(), f);
+        linear(o.view, i.view, w.view, b.view(), f, q);
       },
       py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
-      py::arg("weight_format") = "dense",
+      py::arg("weight_format") = "dense", py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
+      py::arg("group_size") = 0,
       "out = input @ weight.T (+ bias), for small row counts (decode). weight_format 'dense': weight [N, K] "
-      "contiguous in input's dtype; 'q8_0', 'q4_0', 'q4_1': uint8 [N, K / 32 * block bytes], GGUF blocks.");
+      "contiguous in input's dtype; 'q8_0', 'q4_0', 'q4_1': uint8 [N, K / 32 * block bytes], GGUF blocks; "
+      "'int8': int8 [N, K] with float32 scales [N]; 'int4': uint8 [N, K / 2] with float32 scales and uint8 zeros "
+      "[N, K / group_size].");
   ops.def(
       "dequantize",
-      [](py::handle out, py::handle weight, const std::string& weight_format) {
+      [](py::handle out, py::handle weight, const std::string& weight_format, py::handle scales, py::handle zeros,
+         int64_t group_size) {
         PyTensor o = tensor(out, "out"), w = tensor(weight, "weight");
+        OptTensor s(scales, "scales"), z(zeros, "zeros");
         const WeightFormat f = parse_weight_format(weight_format.c_str());
+        const WeightQuant q{s.view(), z.view(), group_size};
         py::gil_scoped_release nogil;
-        dequantize(o.view, w.view, f);
+        dequantize(o.view, w.view, f, q);
       },
-      py::arg("out"), py::arg("weight"), py::arg("weight_format"),
-      "out [N, K] float32 = the weights of GGUF blocks weight (uint8 [N, K / 32 * block bytes]) in "
-      "weight_format 'q8_0', 'q4_0' or 'q4_1', as the gguf package dequantizes them.");
+      py::arg("out"), py::arg("weight"), py::arg("weight_format"), py::arg("scales") = py::none(),
+      py::arg("zeros") = py::none(), py::arg("group_size") = 0,
+      "out [N, K] float32 = the weights a quantized weight stands for (arguments as linear's); GGUF formats "
+      "exactly as the gguf package dequantizes them.");
   ops.def("weight_block_bytes", [](const std::string& f) { return weight_block_bytes(parse_weight_format(f.c_str())); },
           py::arg("weight_format"), "Bytes per block of 32 weights in weight_format (0 for 'dense').");
   ops.def(

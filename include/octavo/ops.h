@@ -60,11 +60,22 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
 // How `linear`'s weight is stored. kDense: [N, K] in the activations' dtype (torch's Linear
 // layout). The GGUF block formats keep a file's quantized tensor as it is: weight is uint8
 // [N, K / 32 * block_bytes], each row K / 32 blocks of 32 weights (ggml's block_q8_0, block_q4_0,
-// block_q4_1), so K must be a multiple of 32.
-enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1 };
-const char* weight_format_name(WeightFormat format);  // "dense", "q8_0", "q4_0", "q4_1"
+// block_q4_1). Octavo's own formats, for weights quantized at load time: kInt8, weight int8
+// [N, K] with one float32 scale per row (w = q * s); kInt4, weight uint8 [N, K / 2] (each 32
+// weights in 16 bytes: byte j's low nibble is weight j, its high nibble weight j + 16), float32
+// scales and uint8 zero points [N, K / group_size] (w = (q - z) * s). K must be a multiple of 32,
+// and of group_size (itself a multiple of 32) for kInt4.
+enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4 };
+const char* weight_format_name(WeightFormat format);  // "dense", "q8_0", "q4_0", "q4_1", "int8", "int4"
 WeightFormat parse_weight_format(const char* name);   // the inverse; throws for an unknown name
-int64_t weight_block_bytes(WeightFormat format);      // bytes per 32 weights; 0 for kDense
+int64_t weight_block_bytes(WeightFormat format);      // weight bytes per 32 weights; 0 for kDense
+
+// The scale / zero-point tensors of kInt8 and kInt4 weights (null members for other formats).
+struct WeightQuant {
+  const TensorView* scales = nullptr;  // float32
+  const TensorView* zeros = nullptr;   // uint8 (kInt4)
+  int64_t group_size = 0;              // kInt4
+};
 
 // out = input · weightᵀ (+ bias): the dense projections of a decode step, read at memory speed.
 // input: [M, K] (any leading shape, rows of K); weight: [N, K] contiguous in `format` (see
@@ -75,11 +86,11 @@ int64_t weight_block_bytes(WeightFormat format);      // bytes per 32 weights; 0
 // invariant). Meant for small M (decode batches); for large M a BLAS GEMM may be faster (see
 // python/octavo/layers/linear.py for the measured crossover).
 void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
-            WeightFormat format = WeightFormat::kDense);
+            WeightFormat format = WeightFormat::kDense, const WeightQuant& quant = {});
 
-// out [N, K] float32 = the weights a quantized `weight` ([N, K / 32 * block_bytes] uint8 in
-// `format`) stands for, computed as the gguf package's dequantization does (bit for bit).
-void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format);
+// out [N, K] float32, contiguous = the weights a quantized `weight` stands for; for the GGUF
+// formats exactly as the gguf package dequantizes them.
+void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format, const WeightQuant& quant = {});
 
 // Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,
 // penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones

@@ -103,8 +103,8 @@ def test_bad_arguments_are_named():
     out, x = torch.empty(2, 8), torch.randn(2, 64)
     with pytest.raises(ValueError, match="unknown weight format 'q5_k'"):
         _C.ops.linear(out, x, q, None, weight_format="q5_k")
-    with pytest.raises(ValueError, match="must be uint8 blocks"):
-        _C.ops.linear(out, x, q.float(), None, weight_format="q8_0")
+    with pytest.raises(ValueError, match="must be uint8, got float32"):
+        _C.ops.linear(out, x, q.float(), None, weight_format="q8_0")  # blocks are uint8
     with pytest.raises(ValueError, match="divisible by 32"):
         _C.ops.linear(torch.empty(2, 8), torch.randn(2, 48), torch.zeros(8, 51, dtype=torch.uint8), None,
                       weight_format="q8_0")

@@ -16,7 +16,7 @@
   void paged_attention(const PagedAttentionParams& p);                   \
   void sample(const SampleParams& p);                                    \
   void linear(const LinearParams& p);                                    \
-  void dequantize(const DequantizeParams& p);                            \
+  void dequantize(const LinearParams& p);                                \
   }
 
 OCTAVO_DECLARE_CPU_KERNELS(scalar)

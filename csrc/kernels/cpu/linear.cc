@@ -183,30 +183,95 @@ struct Gguf<WeightFormat::kQ4_1> {
 };
 #endif
 
-// As dot_tile, for nr rows of `blocks` GGUF blocks each (row_bytes apart). Weights are decoded
-// once per vector and used by all NC input rows; the lanes accumulate in the dense kernel's order.
-template <WeightFormat F, int NC, typename T>
-void dot_tile_gguf(const uint8_t* w, int64_t row_bytes, int64_t blocks, int nr, const T* x, int64_t x_stride,
-                   float acc_out[kRows][kCols]) {
-  using Fmt = Gguf<F>;
+// ---- Octavo's own quantized formats (weights quantized at load time) -----------------------
+// kInt8: w = q * s, q int8 [N, K], s float32 per output row. kInt4: w = (q - z) * s, q a nibble
+// (bytes [N, K / 2], each 32 weights in 16 bytes ordered as GGUF's), s float32 and z uint8 per
+// row and group of group_size inputs. One product (and an exact small-integer difference), so a
+// decoded weight is again exactly what `dequantize` writes.
+
+#if defined(__AVX512F__)
+inline BlockScale int4_scale(float s, float z) { return {nibble_values(z) * VecF::set1(s), VecF::zero()}; }
+inline VecF int4_decode(const uint8_t* q, int j, const BlockScale& s) { return lookup_nibbles(q, j, s); }
+#else
+inline BlockScale int4_scale(float s, float z) { return {VecF::set1(s), VecF::set1(z)}; }
+inline VecF int4_decode(const uint8_t* q, int j, const BlockScale& s) {
+  return (VecF::load_u4(q + (j & 15), j < 16 ? 0 : 4) - s.b) * s.a;
+}
+#endif
+
+// Where the rows n.. n + nr - 1 of a quantized weight live, and how their blocks of 32 decode:
+// scale(r, blk) once per block and row, decode(r, blk, j, scale) for weights [j, j + kW).
+// Rows past nr repeat row n (their results are dropped).
+template <WeightFormat F>
+struct GgufRows {
+  const uint8_t* row[kRows];
+  int64_t row_bytes;
+  GgufRows(const LinearParams& p, int64_t n, int nr) : row_bytes(p.in_features / kBlock * Gguf<F>::kBytes) {
+    for (int r = 0; r < kRows; ++r) row[r] = static_cast<const uint8_t*>(p.weight) + (n + (r < nr ? r : 0)) * row_bytes;
+  }
+  const uint8_t* block(int r, int64_t blk) const { return row[r] + blk * Gguf<F>::kBytes; }
+  BlockScale scale(int r, int64_t blk) const { return Gguf<F>::scale(block(r, blk)); }
+  VecF decode(int r, int64_t blk, int j, const BlockScale& s) const { return Gguf<F>::decode(block(r, blk), j, s); }
+};
+
+struct Int8Rows {
+  const int8_t* row[kRows];
+  float s[kRows];
+  int64_t row_bytes;
+  Int8Rows(const LinearParams& p, int64_t n, int nr) : row_bytes(p.in_features) {
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t i = n + (r < nr ? r : 0);
+      row[r] = static_cast<const int8_t*>(p.weight) + i * row_bytes;
+      s[r] = p.scales[i];
+    }
+  }
+  const int8_t* block(int r, int64_t blk) const { return row[r] + blk * kBlock; }
+  BlockScale scale(int r, int64_t) const { return {VecF::set1(s[r]), VecF::zero()}; }
+  VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return VecF::load_i8(block(r, blk) + j) * sc.a; }
+};
+
+struct Int4Rows {
+  const uint8_t* row[kRows];
+  const float* s[kRows];
+  const uint8_t* z[kRows];
+  int64_t row_bytes, blocks_per_group;
+  Int4Rows(const LinearParams& p, int64_t n, int nr)
+      : row_bytes(p.in_features / 2), blocks_per_group(p.group_size / kBlock) {
+    const int64_t groups = p.in_features / p.group_size;
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t i = n + (r < nr ? r : 0);
+      row[r] = static_cast<const uint8_t*>(p.weight) + i * row_bytes;
+      s[r] = p.scales + i * groups;
+      z[r] = p.zeros + i * groups;
+    }
+  }
+  const uint8_t* block(int r, int64_t blk) const { return row[r] + blk * (kBlock / 2); }
+  BlockScale scale(int r, int64_t blk) const {
+    const int64_t g = blk / blocks_per_group;
+    return int4_scale(s[r][g], static_cast<float>(z[r][g]));
+  }
+  VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return int4_decode(block(r, blk), j, sc); }
+};
+
+// As dot_tile, over `blocks` blocks of 32 quantized weights per row. Weights are decoded once
+// per vector and used by all NC input rows; the lanes accumulate in the dense kernel's order.
+template <int NC, typename Rows, typename T>
+void dot_tile_quant(const Rows& w, int64_t blocks, const T* x, int64_t x_stride, float acc_out[kRows][kCols]) {
   VecF acc[kRows][NC];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = VecF::zero();
-  const uint8_t* wr[kRows];
-  for (int r = 0; r < kRows; ++r) wr[r] = w + (r < nr ? r : 0) * row_bytes;
   for (int64_t blk = 0; blk < blocks; ++blk) {
     BlockScale scale[kRows];
     for (int r = 0; r < kRows; ++r) {
-      const uint8_t* b = wr[r] + blk * Fmt::kBytes;
-      __builtin_prefetch(b + kPrefetchRows * row_bytes);
-      scale[r] = Fmt::scale(b);
+      __builtin_prefetch(reinterpret_cast<const char*>(w.block(r, blk)) + kPrefetchRows * w.row_bytes);
+      scale[r] = w.scale(r, blk);
     }
     const T* xb = x + blk * kBlock;
     for (int j = 0; j < kBlock; j += kW) {
       VecF xv[NC];
       for (int c = 0; c < NC; ++c) xv[c] = VecF::load(xb + c * x_stride + j);
       for (int r = 0; r < kRows; ++r) {
-        const VecF wv = Fmt::decode(wr[r] + blk * Fmt::kBytes, j, scale[r]);
+        const VecF wv = w.decode(r, blk, j, scale[r]);
         for (int c = 0; c < NC; ++c) acc[r][c] = fma(wv, xv[c], acc[r][c]);
       }
     }
@@ -215,14 +280,14 @@ void dot_tile_gguf(const uint8_t* w, int64_t row_bytes, int64_t blocks, int nr, 
     for (int c = 0; c < NC; ++c) acc_out[r][c] = reduce_add(acc[r][c]);
 }
 
-template <WeightFormat F, typename T>
-void dot_tile_gguf_any(int nc, const uint8_t* w, int64_t row_bytes, int64_t blocks, int nr, const T* x,
-                       int64_t x_stride, float acc[kRows][kCols]) {
+template <typename Rows, typename T>
+void dot_tile_quant_any(int nc, const Rows& w, int64_t blocks, const T* x, int64_t x_stride,
+                        float acc[kRows][kCols]) {
   switch (nc) {
-    case 1: return dot_tile_gguf<F, 1>(w, row_bytes, blocks, nr, x, x_stride, acc);
-    case 2: return dot_tile_gguf<F, 2>(w, row_bytes, blocks, nr, x, x_stride, acc);
-    case 3: return dot_tile_gguf<F, 3>(w, row_bytes, blocks, nr, x, x_stride, acc);
-    default: return dot_tile_gguf<F, 4>(w, row_bytes, blocks, nr, x, x_stride, acc);
+    case 1: return dot_tile_quant<1>(w, blocks, x, x_stride, acc);
+    case 2: return dot_tile_quant<2>(w, blocks, x, x_stride, acc);
+    case 3: return dot_tile_quant<3>(w, blocks, x, x_stride, acc);
+    default: return dot_tile_quant<4>(w, blocks, x, x_stride, acc);
   }
 }
 
@@ -270,12 +335,12 @@ void run_dense(const LinearParams& p) {
                 });
 }
 
-template <WeightFormat F, typename T>
-void run_gguf(const LinearParams& p) {
-  const uint8_t* weight = static_cast<const uint8_t*>(p.weight);
-  const int64_t blocks = p.in_features / kBlock, row_bytes = blocks * Gguf<F>::kBytes;
+template <typename Rows, typename T>
+void run_quant(const LinearParams& p) {
+  const int64_t blocks = p.in_features / kBlock;
+  const int64_t row_bytes = Rows(p, 0, 1).row_bytes;
   run_linear<T>(p, p.out_features * row_bytes, [&](int nc, int64_t n, int nr, const T* x, float acc[kRows][kCols]) {
-    dot_tile_gguf_any<F>(nc, weight + n * row_bytes, row_bytes, blocks, nr, x, p.in_stride, acc);
+    dot_tile_quant_any(nc, Rows(p, n, nr), blocks, x, p.in_stride, acc);
   });
 }
 
@@ -283,23 +348,25 @@ template <typename T>
 void run_typed(const LinearParams& p) {
   switch (p.weight_format) {
     case WeightFormat::kDense: return run_dense<T>(p);
-    case WeightFormat::kQ8_0: return run_gguf<WeightFormat::kQ8_0, T>(p);
-    case WeightFormat::kQ4_0: return run_gguf<WeightFormat::kQ4_0, T>(p);
-    case WeightFormat::kQ4_1: return run_gguf<WeightFormat::kQ4_1, T>(p);
+    case WeightFormat::kQ8_0: return run_quant<GgufRows<WeightFormat::kQ8_0>, T>(p);
+    case WeightFormat::kQ4_0: return run_quant<GgufRows<WeightFormat::kQ4_0>, T>(p);
+    case WeightFormat::kQ4_1: return run_quant<GgufRows<WeightFormat::kQ4_1>, T>(p);
+    case WeightFormat::kInt8: return run_quant<Int8Rows, T>(p);
+    case WeightFormat::kInt4: return run_quant<Int4Rows, T>(p);
   }
 }
 
-template <WeightFormat F>
-void dequantize_rows(const DequantizeParams& p) {
-  using Fmt = Gguf<F>;
-  const int64_t blocks = p.cols / kBlock;
-  parallel_for(p.rows, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t row = begin; row < end; ++row)
+template <typename Rows>
+void dequantize_rows(const LinearParams& p, float* out) {
+  const int64_t blocks = p.in_features / kBlock;
+  parallel_for(p.out_features, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const Rows w(p, n, 1);
       for (int64_t blk = 0; blk < blocks; ++blk) {
-        const uint8_t* b = p.weight + (row * blocks + blk) * Fmt::kBytes;
-        const BlockScale scale = Fmt::scale(b);
-        for (int j = 0; j < kBlock; j += kW) Fmt::decode(b, j, scale).store(p.out + row * p.cols + blk * kBlock + j);
+        const BlockScale scale = w.scale(0, blk);
+        for (int j = 0; j < kBlock; j += kW) w.decode(0, blk, j, scale).store(out + n * p.in_features + blk * kBlock + j);
       }
+    }
   });
 }
 
@@ -315,11 +382,14 @@ void linear(const LinearParams& p) {
   }
 }
 
-void dequantize(const DequantizeParams& p) {
-  switch (p.format) {
-    case WeightFormat::kQ8_0: return dequantize_rows<WeightFormat::kQ8_0>(p);
-    case WeightFormat::kQ4_0: return dequantize_rows<WeightFormat::kQ4_0>(p);
-    case WeightFormat::kQ4_1: return dequantize_rows<WeightFormat::kQ4_1>(p);
+void dequantize(const LinearParams& p) {
+  float* out = static_cast<float*>(p.out);
+  switch (p.weight_format) {
+    case WeightFormat::kQ8_0: return dequantize_rows<GgufRows<WeightFormat::kQ8_0>>(p, out);
+    case WeightFormat::kQ4_0: return dequantize_rows<GgufRows<WeightFormat::kQ4_0>>(p, out);
+    case WeightFormat::kQ4_1: return dequantize_rows<GgufRows<WeightFormat::kQ4_1>>(p, out);
+    case WeightFormat::kInt8: return dequantize_rows<Int8Rows>(p, out);
+    case WeightFormat::kInt4: return dequantize_rows<Int4Rows>(p, out);
     default: OCTAVO_CHECK(false, "dequantize: not a quantized format");
   }
 }

@@ -1,5 +1,6 @@
 // linear and dequantize: argument checks, then the CPU launchers.
 #include <cstring>
+#include <tuple>
 
 #include "cpu/isa_kernels.h"
 #include "octavo/status.h"
@@ -11,22 +12,51 @@ namespace {
 
 constexpr int64_t kBlockWeights = 32;  // weights per GGUF block, in every format here
 
-// Checks a weight of `n` rows standing for `k` inputs each in `format`; returns n.
-int64_t check_weight(const TensorView& weight, WeightFormat format, const TensorView& input, int64_t k) {
+// Checks a weight standing for `k` inputs per row in `format`, and its scales / zero points;
+// fills p's weight fields and returns the number of rows (output features).
+int64_t check_weight(const TensorView& weight, WeightFormat format, const WeightQuant& quant, const TensorView& ref,
+                     int64_t k, LinearParams& p) {
   ops::check_cpu(weight, "weight");
   check_ndim(weight, "weight", 2);
   check_contiguous(weight, "weight");
+  p.weight = weight.data;
+  p.weight_format = format;
+  const int64_t n = weight.shape[0];
   if (format == WeightFormat::kDense) {
-    ops::check_same_dtype(weight, "weight", input, "input");
+    ops::check_same_dtype(weight, "weight", ref, "input");
     check_size(weight, "weight", 1, k);
-    return weight.shape[0];
+    return n;
   }
-  OCTAVO_CHECK(weight.dtype == DType::kUInt8, "argument 'weight' in format " << weight_format_name(format)
-                                                  << " must be uint8 blocks, got " << dtype_name(weight.dtype));
+  const DType stored = format == WeightFormat::kInt8 ? DType::kInt8 : DType::kUInt8;
+  OCTAVO_CHECK(weight.dtype == stored, "argument 'weight' in format " << weight_format_name(format) << " must be "
+                                           << dtype_name(stored) << ", got " << dtype_name(weight.dtype));
   OCTAVO_CHECK(k % kBlockWeights == 0, "weight format " << weight_format_name(format) << " needs in_features "
                                            << "divisible by 32, got " << k);
   check_size(weight, "weight", 1, k / kBlockWeights * weight_block_bytes(format));
-  return weight.shape[0];
+  if (format == WeightFormat::kInt8) {
+    OCTAVO_CHECK(quant.scales != nullptr, "weight format int8 needs scales");
+    ops::check_vector(*quant.scales, "scales", DType::kFloat32, n);
+    p.scales = static_cast<const float*>(quant.scales->data);
+  } else if (format == WeightFormat::kInt4) {
+    const int64_t g = quant.group_size;
+    OCTAVO_CHECK(g > 0 && g % kBlockWeights == 0 && k % g == 0,
+                 "weight format int4 needs a group_size that is a multiple of 32 and divides " << k << ", got " << g);
+    OCTAVO_CHECK(quant.scales != nullptr && quant.zeros != nullptr, "weight format int4 needs scales and zeros");
+    for (const auto& [t, name, dtype] : {std::tuple{quant.scales, "scales", DType::kFloat32},
+                                         std::tuple{quant.zeros, "zeros", DType::kUInt8}}) {
+      ops::check_cpu(*t, name);
+      OCTAVO_CHECK(t->dtype == dtype, "argument '" << name << "' must be " << dtype_name(dtype) << ", got "
+                                                    << dtype_name(t->dtype));
+      check_ndim(*t, name, 2);
+      check_contiguous(*t, name);
+      check_size(*t, name, 0, n);
+      check_size(*t, name, 1, k / g);
+    }
+    p.scales = static_cast<const float*>(quant.scales->data);
+    p.zeros = static_cast<const uint8_t*>(quant.zeros->data);
+    p.group_size = g;
+  }
+  return n;
 }
 
 }  // namespace
@@ -37,14 +67,17 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::kQ8_0: return "q8_0";
     case WeightFormat::kQ4_0: return "q4_0";
     case WeightFormat::kQ4_1: return "q4_1";
+    case WeightFormat::kInt8: return "int8";
+    case WeightFormat::kInt4: return "int4";
   }
   return "?";
 }
 
 WeightFormat parse_weight_format(const char* name) {
-  for (WeightFormat f : {WeightFormat::kDense, WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1})
+  for (WeightFormat f : {WeightFormat::kDense, WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
+                         WeightFormat::kInt8, WeightFormat::kInt4})
     if (std::strcmp(name, weight_format_name(f)) == 0) return f;
-  OCTAVO_CHECK(false, "unknown weight format '" << name << "' (expected dense, q8_0, q4_0 or q4_1)");
+  OCTAVO_CHECK(false, "unknown weight format '" << name << "' (expected dense, q8_0, q4_0, q4_1, int8 or int4)");
   return WeightFormat::kDense;
 }
 
@@ -53,22 +86,24 @@ int64_t weight_block_bytes(WeightFormat format) {
     case WeightFormat::kQ8_0: return 2 + 32;      // float16 scale, 32 int8
     case WeightFormat::kQ4_0: return 2 + 16;      // float16 scale, 32 nibbles
     case WeightFormat::kQ4_1: return 2 + 2 + 16;  // float16 scale and minimum, 32 nibbles
+    case WeightFormat::kInt8: return 32;          // scales kept apart
+    case WeightFormat::kInt4: return 16;          // scales and zero points kept apart
     default: return 0;
   }
 }
 
 void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
-            WeightFormat format) {
+            WeightFormat format, const WeightQuant& quant) {
   ops::check_cpu(out, "out");
   ops::check_cpu(input, "input");
   ops::check_float(input, "input");
   ops::check_same_dtype(out, "out", input, "input");
   const ops::Rows in = ops::last_dim_rows(input, "input");
   const ops::Rows o = ops::last_dim_rows(out, "out");
-  const int64_t n = check_weight(weight, format, input, in.cols);
+  LinearParams p{};
+  const int64_t n = check_weight(weight, format, quant, input, in.cols, p);
   OCTAVO_CHECK(o.rows == in.rows && o.cols == n, "argument 'out' must be [" << in.rows << ", " << n << "], got "
                                                                              << o.rows << " rows of " << o.cols);
-  LinearParams p{};
   if (bias != nullptr) {
     ops::check_cpu(*bias, "bias");
     ops::check_vector(*bias, "bias", input.dtype, n);
@@ -76,27 +111,27 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
   }
   p.out = out.data;
   p.input = input.data;
-  p.weight = weight.data;
   p.rows = in.rows;
   p.in_features = in.cols;
   p.out_features = n;
   p.in_stride = in.stride;
   p.out_stride = o.stride;
   p.dtype = input.dtype;
-  p.weight_format = format;
   cpu_dispatch(linear, p);
 }
 
-void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format) {
+void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format, const WeightQuant& quant) {
   OCTAVO_CHECK(format != WeightFormat::kDense, "dequantize needs a quantized weight format, got dense");
   ops::check_cpu(out, "out");
   check_ndim(out, "out", 2);
   check_contiguous(out, "out");
   OCTAVO_CHECK(out.dtype == DType::kFloat32, "argument 'out' must be float32, got " << dtype_name(out.dtype));
-  const int64_t n = check_weight(weight, format, out, out.shape[1]);
+  LinearParams p{};
+  const int64_t n = check_weight(weight, format, quant, out, out.shape[1], p);
   check_size(out, "out", 0, n);
-  DequantizeParams p{static_cast<float*>(out.data), static_cast<const uint8_t*>(weight.data), n, out.shape[1],
-                     format};
+  p.out = out.data;
+  p.out_features = n;
+  p.in_features = out.shape[1];
   cpu_dispatch(dequantize, p);
 }
 

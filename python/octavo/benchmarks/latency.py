@@ -28,7 +28,8 @@ def run(args: argparse.Namespace) -> dict:
 
     from .memory import decode_weight_bytes, read_bandwidth  # torch: imported only when run
 
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+              quantization=args.quantization)
     engine = llm.llm_engine
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -62,6 +63,8 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the default model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize the projections at load time (round to nearest)")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)

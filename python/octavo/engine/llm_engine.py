@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .. import FINISH_REASONS, Scheduler, SchedulerConfig
+from ..layers.quantize import quantize_model
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.model_runner import ModelRunner, kv_cache_block_bytes
@@ -65,9 +66,12 @@ class LLMEngine:
     def __init__(self, model: str | Path, tokenizer=None, dtype="auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, block_size: int = 16,
-                 kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors"):
+                 kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors",
+                 quantization: str | None = None):
         self.model_path = Path(model)
         self.model = load_model(model, dtype, load_format)
+        if quantization is not None:  # "int8" / "int4": round-to-nearest at load time (layers/quantize.py)
+            quantize_model(self.model, quantization)
         self.tokenizer = tokenizer
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings

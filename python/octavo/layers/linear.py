@@ -25,37 +25,49 @@ TORCH_FROM_ROWS = {torch.float32: math.inf, torch.float16: math.inf, torch.bfloa
 
 
 class QuantizedWeight(torch.nn.Module):
-    """A projection weight kept in a GGUF block format ("q8_0", "q4_0", "q4_1"): ``blocks`` is
-    uint8 [N, K / 32 * block bytes] as the file stores it; ``linear`` decodes it in registers."""
+    """A projection weight in a quantized format that ``linear`` decodes in registers.
 
-    def __init__(self, blocks: torch.Tensor, weight_format: str, in_features: int):
+    GGUF blocks as a file stores them ("q8_0", "q4_0", "q4_1": ``qweight`` uint8 [N, K / 32 *
+    block bytes]), or Octavo's own load-time formats ("int8": ``qweight`` int8 [N, K] and
+    ``scales`` [N]; "int4": ``qweight`` uint8 [N, K / 2], ``scales`` float32 and ``zeros`` uint8
+    [N, K / group_size]; see ``octavo.layers.quantize``)."""
+
+    def __init__(self, data: torch.Tensor, weight_format: str, in_features: int, scales: torch.Tensor | None = None,
+                 zeros: torch.Tensor | None = None, group_size: int = 0):
         super().__init__()
-        self.register_buffer("blocks", blocks.contiguous())
-        self.weight_format, self.in_features = weight_format, in_features
+        self.register_buffer("qweight", data.contiguous())
+        self.register_buffer("scales", None if scales is None else scales.contiguous())
+        self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+        self.weight_format, self.in_features, self.group_size = weight_format, in_features, group_size
         expected = in_features // 32 * _C.ops.weight_block_bytes(weight_format)
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != expected:
-            raise ValueError(f"{weight_format} blocks for {in_features} inputs must be uint8 [N, {expected}], "
-                             f"got {blocks.dtype} {list(blocks.shape)}")
+        if data.dim() != 2 or data.shape[1] != expected or data.element_size() != 1:
+            raise ValueError(f"{weight_format} data for {in_features} inputs must be [N, {expected}] bytes, "
+                             f"got {data.dtype} {list(data.shape)}")
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.blocks.shape[0], self.in_features
+        return self.qweight.shape[0], self.in_features
+
+    def kernel_args(self) -> dict:
+        return {"weight_format": self.weight_format, "scales": self.scales, "zeros": self.zeros,
+                "group_size": self.group_size}
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 [N, K] weights the blocks stand for."""
+        """The float32 [N, K] weights the quantized data stands for."""
         out = torch.empty(self.shape)
-        _C.ops.dequantize(out, self.blocks, self.weight_format)
+        _C.ops.dequantize(out, self.qweight, **self.kernel_args())
         return out
 
     def extra_repr(self) -> str:
-        return f"{self.weight_format}, shape={list(self.shape)}"
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"{self.weight_format}, shape={list(self.shape)}{group}"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N]."""
-    if isinstance(weight, QuantizedWeight):  # Octavo's kernel at every M (no torch kernel reads the blocks)
+    if isinstance(weight, QuantizedWeight):  # Octavo's kernel at every M (no torch kernel reads the format)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-        _C.ops.linear(out, x, weight.blocks, bias, weight_format=weight.weight_format)
+        _C.ops.linear(out, x, weight.qweight, bias, **weight.kernel_args())
         return out
     if x.device.type != "cpu" or x.shape[0] >= TORCH_FROM_ROWS.get(x.dtype, 0):
         return F.linear(x, weight, bias)

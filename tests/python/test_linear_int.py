@@ -1,0 +1,100 @@
+"""Octavo's load-time formats: int8 per output row and int4 per group with zero points. The
+quantizers against their formulas, ``dequantize`` against a float reference built from the
+quantized integers, and ``linear`` bit-exact against the dense kernel on the dequantized weights
+and close to float64, on every compiled ISA."""
+
+import pytest
+import torch
+
+from octavo import _C
+from octavo.layers.linear import QuantizedWeight, linear
+from octavo.layers.quantize import int4_group_size, pack_nibbles, quantize_int4, quantize_int8, quantize_model
+from test_elementwise_ops import DTYPE_IDS, DTYPES
+from test_linear import assert_close, reference
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(11)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    n, half = packed.shape
+    chunks = packed.view(n, half // 16, 16)
+    return torch.stack([chunks & 15, chunks >> 4], dim=2).reshape(n, half * 2)
+
+
+def test_int8_quantizer_and_dequantize(isa):
+    w = torch.randn(40, 96) * torch.logspace(-3, 1, 40)[:, None]
+    w[5] = 0
+    qw = quantize_int8(w)
+    q, s = qw.qweight, qw.scales
+    assert q.dtype == torch.int8 and q.abs().max() == 127 and s.shape == (40,)
+    assert torch.equal(q, torch.round(w / s[:, None]).to(torch.int8))
+    assert torch.equal(qw.dequantize(), q.float() * s[:, None])
+    assert ((qw.dequantize() - w).abs() <= s[:, None] / 2 * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("k,wanted,group", [(576, 128, 96), (1536, 128, 128), (96, 128, 96), (64, 32, 32), (160, 128, 32)])
+def test_int4_quantizer_and_dequantize(isa, k, wanted, group):
+    assert int4_group_size(k, wanted) == group
+    w = torch.randn(24, k)
+    qw = quantize_int4(w, wanted)
+    q, s, z = unpack_nibbles(qw.qweight), qw.scales, qw.zeros
+    assert qw.group_size == group and s.shape == z.shape == (24, k // group) and int(q.max()) <= 15
+    assert torch.equal(pack_nibbles(q), qw.qweight)
+    expected = ((q.view(24, k // group, group).float() - z[..., None].float()) * s[..., None]).reshape(24, k)
+    assert torch.equal(qw.dequantize(), expected)
+    assert ((qw.dequantize() - w).abs() <= s.repeat_interleave(group, 1) * (0.5 + 1e-4)).all()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 64), (2, 33, 128), (3, 64, 576), (5, 9, 1536), (17, 66, 576), (64, 40, 256)])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, method, m, n, k, bias):
+    qw = quantize_int8(torch.randn(n, k)) if method == "int8" else quantize_int4(torch.randn(n, k))
+    w = qw.dequantize()
+    x = torch.randn(m, k).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    _C.ops.linear(out, x, qw.qweight, b, **qw.kernel_args())
+    assert torch.equal(out, linear(x, qw, b))
+    if dtype == torch.float32:
+        dense = torch.empty_like(out)
+        _C.ops.linear(dense, x, w, b)
+        assert torch.equal(out, dense)
+    assert_close(out, reference(x, w, b), dtype)
+
+
+def test_bad_quantization_arguments_are_named():
+    qw = quantize_int4(torch.randn(8, 128), 64)
+    out, x = torch.empty(2, 8), torch.randn(2, 128)
+    with pytest.raises(ValueError, match="needs scales and zeros"):
+        _C.ops.linear(out, x, qw.qweight, None, weight_format="int4", group_size=64)
+    with pytest.raises(ValueError, match="group_size"):
+        _C.ops.linear(out, x, qw.qweight, None, weight_format="int4", scales=qw.scales, zeros=qw.zeros, group_size=48)
+    with pytest.raises(ValueError, match="scales"):  # [8, 2] scales for group size 32 (needs [8, 4])
+        _C.ops.linear(out, x, qw.qweight, None, weight_format="int4", scales=qw.scales, zeros=qw.zeros, group_size=32)
+    with pytest.raises(ValueError, match="int8 needs scales"):
+        _C.ops.linear(out, x, torch.zeros(8, 128, dtype=torch.int8), None, weight_format="int8")
+    with pytest.raises(ValueError, match="must be int8"):
+        _C.ops.linear(out, x, qw.qweight, None, weight_format="int8", scales=torch.ones(8))
+    with pytest.raises(ValueError, match="unsupported quantization method 'fp8'"):
+        quantize_model(torch.nn.Module(), "fp8")
+
+
+def test_quantize_model_replaces_the_projections():
+    from test_models import tiny_checkpoint
+    from octavo.loader import load_model
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as path:
+        tiny_checkpoint("llama", path, tie_word_embeddings=True)
+        model = quantize_model(load_model(path, "float32"), "int4")
+    layer = model.layers[0]
+    for weight in (layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight,
+                   layer.mlp.down_weight):
+        assert isinstance(weight, QuantizedWeight) and weight.weight_format == "int4"
+    assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.weight_format == "int8"
+    assert isinstance(model.embed_tokens, torch.nn.Parameter)  # lookups stay float
