@@ -98,3 +98,41 @@ def test_quantize_model_replaces_the_projections():
         assert isinstance(weight, QuantizedWeight) and weight.weight_format == "int4"
     assert isinstance(model.lm_head, QuantizedWeight) and model.lm_head.weight_format == "int8"
     assert isinstance(model.embed_tokens, torch.nn.Parameter)  # lookups stay float
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_octavo_quantize_writes_a_checkpoint_that_loads_as_it_is(tmp_path, method):
+    from octavo import LLM, SamplingParams
+    from octavo.entrypoints.cli import main
+    from test_detokenizer import _byte_level_bpe
+    from test_models import tiny_checkpoint
+
+    src = tmp_path / "float"
+    tokenizer = _byte_level_bpe()
+    tokenizer.save_pretrained(src)
+    tiny_checkpoint("llama", src, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--method", method]) == 0
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    on_the_fly = LLM(model=str(src), quantization=method, kv_cache_memory_bytes=16 << 20)
+    saved = LLM(model=str(tmp_path / "q"), kv_cache_memory_bytes=16 << 20)
+    weight = saved.llm_engine.model.layers[1].mlp.gate_up_weight
+    assert isinstance(weight, QuantizedWeight) and weight.weight_format == method
+    assert torch.equal(weight.dequantize(), on_the_fly.llm_engine.model.layers[1].mlp.gate_up_weight.dequantize())
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    assert [o.outputs[0].token_ids for o in saved.generate(prompts, params, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in on_the_fly.generate(prompts, params, use_tqdm=False)]
+    assert main(["quantize", str(src), str(tmp_path / "q"), "--method", method]) == 1  # dst is not empty
+
+
+def test_a_foreign_quantization_method_is_named(tmp_path):
+    import json
+
+    from octavo.loader import load_model
+    from test_models import tiny_checkpoint
+
+    tiny_checkpoint("llama", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="'bitsandbytes'"):
+        load_model(tmp_path)

@@ -90,6 +90,23 @@ def add_bench(subparsers) -> None:
     p.set_defaults(func=_bench)
 
 
+def _quantize(args: argparse.Namespace) -> int:
+    from octavo.loader.quantized_checkpoint import write_quantized_checkpoint
+
+    print(write_quantized_checkpoint(args.src, args.dst, args.method))
+    return 0
+
+
+def add_quantize(subparsers) -> None:
+    p = subparsers.add_parser("quantize", help="write an int8 / int4 copy of a float checkpoint",
+                              description="Quantize a Hugging Face checkpoint's projections (round to nearest; "
+                              "the LM head in int8) and write a checkpoint that LLM(DST) loads as it is.")
+    p.add_argument("src", help="the float checkpoint directory")
+    p.add_argument("dst", help="the directory to create (must not exist or be empty)")
+    p.add_argument("--method", "-q", required=True, choices=["int8", "int4"])
+    p.set_defaults(func=_quantize)
+
+
 def _serve(args: argparse.Namespace) -> int:
     from octavo.entrypoints.openai import api_server
 
@@ -107,7 +124,7 @@ def add_serve(subparsers) -> None:
     p.set_defaults(func=_serve)
 
 
-SUBCOMMANDS = [add_convert_gguf, add_generate, add_bench, add_serve]
+SUBCOMMANDS = [add_convert_gguf, add_generate, add_bench, add_serve, add_quantize]
 
 
 def build_parser() -> argparse.ArgumentParser:

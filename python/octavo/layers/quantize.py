@@ -83,3 +83,34 @@ def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
     if head is not None:
         replace_weight(model, "lm_head", quantize_int8(head.data))
     return model
+
+
+# ---- Octavo's quantized checkpoints (octavo quantize) ----------------------------------------
+# A directory like the source's (config.json, tokenizer and generation files) whose config.json
+# gains quantization_config {"quant_method": "octavo", "format": METHOD}, and whose
+# model.safetensors holds the quantized model's state_dict: float parameters under their module
+# names and, per quantized projection, "<name>.qweight" / ".scales" / ".zeros" buffers. Loading
+# puts empty QuantizedWeights of the saved shapes where the projections are, then loads it.
+
+QUANT_METHOD = "octavo"
+
+
+def quantized_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """(tensors to save, {projection name: its format and group size})."""
+    layouts = {name: {"format": m.weight_format, "group_size": m.group_size, "in_features": m.in_features}
+               for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
+    return {k: v.contiguous() for k, v in model.state_dict().items()}, layouts
+
+
+def load_quantized_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layouts: dict[str, dict]) -> None:
+    for name, layout in layouts.items():
+        parent, _, attr = name.rpartition(".")
+        module = model.get_submodule(parent)
+
+        def saved(part: str) -> torch.Tensor | None:
+            return tensors.get(f"{name}.{part}")
+
+        replace_weight(module, attr, QuantizedWeight(torch.empty_like(saved("qweight")), layout["format"],
+                                                     layout["in_features"], saved("scales"), saved("zeros"),
+                                                     layout["group_size"]))
+    model.load_state_dict(tensors, strict=True)

@@ -10,7 +10,16 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
+from ..layers.quantize import QUANT_METHOD, load_quantized_state
 from ..models import model_class
+
+
+def reject_foreign_quantization(config: ModelConfig) -> None:
+    """A checkpoint quantized by a method Octavo does not read fails here, naming the method."""
+    method = (config.hf.get("quantization_config") or {}).get("quant_method")
+    if method is not None:
+        raise ValueError(f"quantization method {method!r} of this checkpoint is not supported "
+                         f"(Octavo reads {QUANT_METHOD!r} checkpoints from `octavo quantize`)")
 
 
 def _files(path: Path) -> list[Path]:
@@ -59,7 +68,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         generator = torch.Generator().manual_seed(0)
         for param in model.parameters():
             param.data.uniform_(-1e-2, 1e-2, generator=generator)
+    elif load_format == "safetensors" and config.hf.get("quantization_config", {}).get("quant_method") == QUANT_METHOD:
+        tensors = dict(iter_safetensors(path))  # written by `octavo quantize`
+        load_quantized_state(model, tensors, config.hf["quantization_config"]["layouts"])
     elif load_format == "safetensors":
+        reject_foreign_quantization(config)
         model.load_weights(iter_safetensors(path))
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
