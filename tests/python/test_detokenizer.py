@@ -112,9 +112,11 @@ def _random_output(tok, rng):
 
 def test_tokenizers_split_characters_across_tokens(toks):
     # The invariants below only mean something if characters really are split across tokens.
+    # 🦜 is not in the training corpus, so no trainer can have made it one token; the others may
+    # be, depending on how the trainer breaks frequency ties (limit_alphabet).
     for name in ("byte_level", "byte_fallback"):
         tok = toks[name]
-        pieces = [tok.decode([i]) for i in _encode(tok, "😀 日本語")]
+        pieces = [tok.decode([i]) for i in _encode(tok, "😀 日本語 🦜")]
         assert any(REPLACEMENT in p for p in pieces), name
 
 
