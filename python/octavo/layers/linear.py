@@ -37,11 +37,13 @@ class QuantizedWeight(torch.nn.Module):
     [N, K / group_size]; see ``octavo.layers.quantize``)."""
 
     def __init__(self, data: torch.Tensor, weight_format: str, in_features: int, scales: torch.Tensor | None = None,
-                 zeros: torch.Tensor | None = None, group_size: int = 0):
+                 zeros: torch.Tensor | None = None, group_size: int = 0, input_order: torch.Tensor | None = None):
         super().__init__()
         self.register_buffer("qweight", data.contiguous())
         self.register_buffer("scales", None if scales is None else scales.contiguous())
         self.register_buffer("zeros", None if zeros is None else zeros.contiguous())
+        # Act-order GPTQ: the stored inputs are the activations' columns in this order.
+        self.register_buffer("input_order", input_order)
         self.weight_format, self.in_features, self.group_size = weight_format, in_features, group_size
         expected = in_features // 32 * _C.ops.weight_block_bytes(weight_format)
         if data.dim() != 2 or data.shape[1] != expected or data.element_size() != 1:
@@ -57,9 +59,11 @@ class QuantizedWeight(torch.nn.Module):
                 "group_size": self.group_size}
 
     def dequantize(self) -> torch.Tensor:
-        """The float32 [N, K] weights the quantized data stands for."""
+        """The float32 [N, K] weights the quantized data stands for (inputs in the activations' order)."""
         out = torch.empty(self.shape)
         _C.ops.dequantize(out, self.qweight, **self.kernel_args())
+        if self.input_order is not None:
+            out[:, self.input_order] = out.clone()
         return out
 
     def extra_repr(self) -> str:
@@ -70,6 +74,8 @@ class QuantizedWeight(torch.nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N]."""
     if isinstance(weight, QuantizedWeight):  # Octavo's kernel at every M (no torch kernel reads the format)
+        if weight.input_order is not None:
+            x = x.index_select(-1, weight.input_order)
         out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
         _C.ops.linear(out, x, weight.qweight, bias, **weight.kernel_args())
         return out

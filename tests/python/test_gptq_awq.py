@@ -1,0 +1,109 @@
+"""GPTQ (v1 and v2 zero points, with and without act-order) and AWQ checkpoints: a tiny Llama
+whose projections are packed by this test from known integers, following the layouts written in
+octavo/loader/gptq_awq.py, loads with every projection in int4 and runs exactly like the float
+checkpoint of the weights those integers stand for."""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from octavo import LLM, SamplingParams
+from octavo.layers.linear import QuantizedWeight
+from octavo.loader import load_model
+from test_detokenizer import _byte_level_bpe
+from test_models import tiny_checkpoint
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def as_int32(values: torch.Tensor) -> torch.Tensor:
+    return ((values + 2**31) % 2**32 - 2**31).to(torch.int32)
+
+
+def pack(nibbles: torch.Tensor, dim: int, order=tuple(range(8))) -> torch.Tensor:
+    """Eight 4-bit values along ``dim`` per int32; slot i holds the value at offset order[i]."""
+    moved = nibbles.long().movedim(dim, -1)
+    groups = moved.reshape(*moved.shape[:-1], -1, 8)
+    packed = sum(groups[..., order[i]] << (4 * i) for i in range(8))
+    return as_int32(packed).movedim(-1, dim)
+
+
+def quantize_layer(n: int, k: int, g: int, method: str, g_idx: torch.Tensor, v1: bool, gen):
+    """Packed tensors of a Linear [n, k] and the float weights they stand for."""
+    q = torch.randint(0, 16, (k, n), generator=gen)
+    zeros = torch.randint(1 if v1 else 0, 16, (k // g, n), generator=gen)
+    scales = (torch.rand(k // g, n, generator=gen) * 0.02 + 0.001).half()
+    weight = ((q - zeros[g_idx]).float() * scales.float()[g_idx]).t().contiguous()
+    if method == "gptq":
+        tensors = {"qweight": pack(q, 0), "qzeros": pack(zeros - (1 if v1 else 0), 1), "scales": scales,
+                   "g_idx": g_idx.to(torch.int32)}
+    else:
+        tensors = {"qweight": pack(q, 1, AWQ_ORDER), "qzeros": pack(zeros, 1, AWQ_ORDER), "scales": scales}
+    return tensors, weight
+
+
+def write_checkpoints(tmp_path, method: str, g: int, act_order: bool = False, v1: bool = True):
+    """(quantized checkpoint, float checkpoint of the same weights)."""
+    float_dir, quant_dir = tmp_path / "float", tmp_path / method
+    tokenizer = _byte_level_bpe()
+    for d in (float_dir, quant_dir):
+        tokenizer.save_pretrained(d)
+    tiny_checkpoint("llama", float_dir, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    tensors = load_file(str(float_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(g + act_order)
+    # Act-order groups follow the input's Hessian, which projections reading the same input
+    # share: one order per input width here (q/k/v and gate/up read the same activations).
+    orders = {}
+    quantized = {}
+    for name in list(tensors):
+        prefix = name.removesuffix(".weight")
+        if prefix.rsplit(".", 1)[-1] in PROJECTIONS:
+            n, k = tensors[name].shape
+            if k not in orders:
+                orders[k] = (torch.randperm(k, generator=gen) // g) if act_order else torch.arange(k) // g
+            packed, tensors[name] = quantize_layer(n, k, g, method, orders[k], v1, gen)
+            quantized.update({f"{prefix}.{part}": t for part, t in packed.items()})
+        else:
+            quantized[name] = tensors[name]
+    save_file(tensors, str(float_dir / "model.safetensors"))
+    save_file(quantized, str(quant_dir / "model.safetensors"))
+    config = json.loads((float_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": g, "desc_act": act_order}
+    if method == "gptq":
+        config["quantization_config"]["checkpoint_format"] = "gptq" if v1 else "gptq_v2"
+    else:
+        config["quantization_config"].update(version="gemm", zero_point=True)
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    return quant_dir, float_dir
+
+
+@pytest.mark.parametrize("method,g,act_order,v1", [("gptq", 32, False, True), ("gptq", 64, True, True),
+                                                   ("gptq", 128, False, False), ("awq", 32, False, True),
+                                                   ("awq", 128, False, True)])
+def test_checkpoint_runs_like_its_float_weights(tmp_path, method, g, act_order, v1):
+    quant_dir, float_dir = write_checkpoints(tmp_path, method, g, act_order, v1)
+    model, reference = load_model(quant_dir, "float32"), load_model(float_dir, "float32")
+    for layer, ref in zip(model.layers, reference.layers):
+        for ours, theirs in ((layer.self_attn.qkv_weight, ref.self_attn.qkv_weight),
+                             (layer.mlp.gate_up_weight, ref.mlp.gate_up_weight),
+                             (layer.mlp.down_weight, ref.mlp.down_weight)):
+            assert isinstance(ours, QuantizedWeight) and ours.weight_format == "int4" and ours.group_size == g
+            assert (ours.input_order is not None) == act_order
+            assert torch.equal(ours.dequantize(), theirs.data)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [20, 21]]
+    runs = [LLM(model=str(d), kv_cache_memory_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
+            for d in (quant_dir, float_dir)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+
+
+def test_unsupported_gptq_and_awq_variants_are_named(tmp_path):
+    quant_dir, _ = write_checkpoints(tmp_path, "gptq", 32)
+    config = json.loads((quant_dir / "config.json").read_text())
+    for change, message in (({"bits": 8}, "8 bits"), ({"quant_method": "awq", "version": "gemv"}, "gemv")):
+        (quant_dir / "config.json").write_text(json.dumps({**config, "quantization_config": {
+            **config["quantization_config"], **change}}))
+        with pytest.raises(ValueError, match=message):
+            load_model(quant_dir)
