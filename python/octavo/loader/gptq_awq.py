@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.linear import QuantizedWeight
+from ..layers.quantize import pack_nibbles, replace_weight
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 METHODS = ("gptq", "awq")
@@ -63,14 +64,41 @@ def unpack(method: str, qweight: torch.Tensor, qzeros: torch.Tensor, scales: tor
     return q.contiguous(), zeros.contiguous(), scales.t().float().contiguous(), order
 
 
-def quantized_weight(parts: list[tuple], group_size: int) -> QuantizedWeight | None:
+def quantized_weight(parts: list[tuple]) -> QuantizedWeight | None:
     """One int4 weight from the unpacked parts of a fused projection (rows concatenated), or None
     when the parts' input orders differ (the fused weight is then kept in floats)."""
-    from ..layers.quantize import pack_nibbles
-
     orders = [p[3] for p in parts]
+    group_size = parts[0][0].shape[1] // parts[0][2].shape[1]
     if any((o is None) != (orders[0] is None) or (o is not None and not torch.equal(o, orders[0])) for o in orders):
         return None
     q = torch.cat([p[0] for p in parts])
     return QuantizedWeight(pack_nibbles(q), "int4", q.shape[1], scales=torch.cat([p[2] for p in parts]),
                            zeros=torch.cat([p[1] for p in parts]), group_size=group_size, input_order=orders[0])
+
+
+def load_gptq_awq(model, tensors: dict[str, torch.Tensor], quant: dict) -> None:
+    """Float tensors as they are; each GPTQ / AWQ Linear unpacked, dequantized for the shape
+    checks of load_weights, then kept in int4 wherever all parts of a fused weight agree."""
+    check_config(quant)
+    method = quant["quant_method"]
+    zero_offset = 1 if method == "gptq" and quant.get("checkpoint_format", "gptq") == "gptq" else 0
+    unpacked, floats = {}, []
+    for name, tensor in tensors.items():
+        if name.endswith(".qweight"):
+            prefix = name[: -len(".qweight")]
+            parts = unpack(method, tensor, tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
+                           tensors.get(f"{prefix}.g_idx"), zero_offset)
+            unpacked[f"{prefix}.weight"] = parts
+            floats.append((f"{prefix}.weight", quantized_weight([parts]).dequantize()))
+        elif not name.endswith((".qzeros", ".scales", ".g_idx")):
+            floats.append((name, tensor))
+    model.load_weights(floats)
+    fused: dict[int, list] = {}  # fused parameter -> [(first row, HF name)] of all its parts
+    for name, (param, start, _) in model._targets().items():
+        fused.setdefault(id(param), []).append((start, name))
+    owners = {id(p): (m, attr) for m in model.modules() for attr, p in m._parameters.items() if p is not None}
+    for key, parts in fused.items():
+        if key in owners and all(name in unpacked for _, name in parts):
+            weight = quantized_weight([unpacked[name] for _, name in sorted(parts)])
+            if weight is not None:
+                replace_weight(*owners[key], weight)

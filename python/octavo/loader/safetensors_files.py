@@ -10,10 +10,10 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
-from ..layers.quantize import QUANT_METHOD, load_quantized_state, replace_weight
-from .gptq_awq import METHODS as GPTQ_AWQ
-from .gptq_awq import check_config, quantized_weight, unpack
+from ..layers.quantize import QUANT_METHOD, load_quantized_state
 from ..models import model_class
+from .gptq_awq import METHODS as GPTQ_AWQ
+from .gptq_awq import load_gptq_awq
 
 
 def quant_method(config: ModelConfig) -> str | None:
@@ -26,41 +26,6 @@ def reject_foreign_quantization(config: ModelConfig) -> None:
     if method is not None:
         raise ValueError(f"quantization method {method!r} of this checkpoint is not supported "
                          f"(Octavo reads {', '.join(GPTQ_AWQ)} and {QUANT_METHOD!r} from `octavo quantize`)")
-
-
-def load_gptq_awq(model, tensors: dict[str, torch.Tensor], quant: dict) -> None:
-    """Float tensors as they are; each GPTQ / AWQ Linear unpacked, dequantized for the shape
-    checks of load_weights, then kept in int4 wherever its fused parts agree (gptq_awq.py)."""
-    check_config(quant)
-    method = quant["quant_method"]
-    zero_offset = 1 if method == "gptq" and quant.get("checkpoint_format", "gptq") == "gptq" else 0
-    unpacked, floats = {}, []
-    for name, tensor in tensors.items():
-        if name.endswith(".qweight"):
-            prefix = name[: -len(".qweight")]
-            parts = unpack(method, tensor, tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
-                           tensors.get(f"{prefix}.g_idx"), zero_offset)
-            unpacked[f"{prefix}.weight"] = parts
-            floats.append((f"{prefix}.weight", quantized_weight([parts], _group_size(parts)).dequantize()))
-        elif not name.endswith((".qzeros", ".scales", ".g_idx")):
-            floats.append((name, tensor))
-    model.load_weights(floats)
-    fused: dict[int, list] = {}
-    for name, (param, start, _) in model._targets().items():
-        if name in unpacked:
-            fused.setdefault(id(param), []).append((start, name, param))
-    owners = {id(p): (m, attr) for m in model.modules() for attr, p in m._parameters.items() if p is not None}
-    for key, parts in fused.items():
-        ordered = [unpacked[name] for _, name, _ in sorted(parts, key=lambda p: p[0])]
-        if len(parts) == len([1 for n, (p, _, _) in model._targets().items() if id(p) == key]):
-            weight = quantized_weight(ordered, _group_size(ordered[0]))
-            if weight is not None:
-                replace_weight(*owners[key], weight)
-
-
-def _group_size(parts: tuple) -> int:
-    q, _, scales, _ = parts
-    return q.shape[1] // scales.shape[1]
 
 
 def _files(path: Path) -> list[Path]:
@@ -109,7 +74,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         generator = torch.Generator().manual_seed(0)
         for param in model.parameters():
             param.data.uniform_(-1e-2, 1e-2, generator=generator)
-    elif load_format == "safetensors" and config.hf.get("quantization_config", {}).get("quant_method") == QUANT_METHOD:
+    elif load_format == "safetensors" and quant_method(config) == QUANT_METHOD:
         tensors = dict(iter_safetensors(path))  # written by `octavo quantize`
         load_quantized_state(model, tensors, config.hf["quantization_config"]["layouts"])
     elif load_format == "safetensors" and quant_method(config) in GPTQ_AWQ:
