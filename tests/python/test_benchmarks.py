@@ -66,6 +66,6 @@ def test_serving_benchmark_against_a_server_it_starts(tiny_path, capsys):
     for r in runs:
         assert r["completed"] == 6 and r["failed"] == 0, r["errors"]
         assert r["output_throughput"] == pytest.approx(6 * 5 / r["seconds"])
-        for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_s"):
+        for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_s", "health_ms"):
             assert 0 < r[name]["p50"] <= r[name]["p90"] <= r[name]["p99"]
     assert "TTFT p50" in capsys.readouterr().out

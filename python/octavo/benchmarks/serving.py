@@ -2,7 +2,8 @@
 any OpenAI-compatible /v1/completions endpoint, streamed; reports throughput and the p50 / p90 /
 p99 of time to first token (TTFT), inter-token latency (ITL: the gap between streamed chunks),
 time per output token (TPOT: (end - first token) / (output tokens - 1), per request) and end-to-end
-latency, like vLLM's serving benchmark.
+latency, like vLLM's serving benchmark; and the latency of GET /health polled meanwhile, which
+shows whether the server's event loop waits on model steps.
 
 Requests: random token-id prompts of --input-len tokens, --output-len tokens each (ignore_eos),
 sent as token ids so both lengths are exact. Without --url it starts `octavo serve` on the
@@ -100,7 +101,9 @@ async def send_one(client, url: str, model: str, prompt: list[int], output_len: 
 
 
 async def run_rate(url: str, model: str, prompts, output_len: int, rate: float, max_concurrency: int | None,
-                   headers: dict, seed: int) -> tuple[list[RequestResult], float]:
+                   headers: dict, seed: int) -> tuple[list[RequestResult], float, list[float]]:
+    """(per-request results, seconds, GET /health latencies sampled every 50 ms meanwhile: the
+    server's event loop must answer while model steps run)."""
     import httpx
 
     rng = np.random.default_rng(seed)
@@ -118,11 +121,26 @@ async def run_rate(url: str, model: str, prompts, output_len: int, rate: float, 
             tasks.append(asyncio.create_task(limited(client, prompt)))
             if math.isfinite(rate):
                 await asyncio.sleep(rng.exponential(1.0 / rate))
+        health: list[float] = []
+        probe = asyncio.create_task(_probe_health(client, url, tasks, health))
         results = await asyncio.gather(*tasks)
-        return results, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        await probe
+        return results, seconds, health
 
 
-def summarize(results: list[RequestResult], seconds: float, input_len: int) -> dict:
+async def _probe_health(client, url: str, tasks, latencies: list[float]) -> None:
+    """At least once, then every 50 ms until the requests are done."""
+    while True:
+        sent = time.perf_counter()
+        await client.get(f"{url}/health")
+        latencies.append(time.perf_counter() - sent)
+        if all(t.done() for t in tasks):
+            return
+        await asyncio.sleep(0.05)
+
+
+def summarize(results: list[RequestResult], seconds: float, input_len: int, health: list[float]) -> dict:
     done = [r for r in results if r.ok]
     output = sum(r.output_tokens for r in done)
 
@@ -139,19 +157,22 @@ def summarize(results: list[RequestResult], seconds: float, input_len: int) -> d
             "total_throughput": (output + input_len * len(done)) / seconds,
             "ttft_ms": pct([r.ttft for r in done]), "tpot_ms": pct(tpot),
             "itl_ms": pct([x for r in done for x in r.itl]), "e2e_s": pct([r.latency for r in done], unit=1.0),
+            "health_ms": pct(health),
             "errors": sorted({r.error for r in results if not r.ok})[:5]}
 
 
 def print_table(rows: list[tuple[float, dict]]) -> None:
     head = (f"{'rate':>6} {'done':>5} {'req/s':>6} {'out tok/s':>9} | {'TTFT p50':>8} {'p90':>7} {'p99':>7} ms | "
-            f"{'ITL p50':>7} {'p90':>6} {'p99':>6} ms | {'TPOT p50':>8} ms | {'E2E p50':>7} {'p90':>6} {'p99':>6} s")
+            f"{'ITL p50':>7} {'p90':>6} {'p99':>6} ms | {'TPOT p50':>8} ms | {'E2E p50':>7} {'p90':>6} {'p99':>6} s | "
+            f"{'/health p50':>11} {'p99':>5} ms")
     print(head)
     print("-" * len(head))
     for rate, s in rows:
-        t, i, p, e = s["ttft_ms"], s["itl_ms"], s["tpot_ms"], s["e2e_s"]
+        t, i, p, e, h = s["ttft_ms"], s["itl_ms"], s["tpot_ms"], s["e2e_s"], s["health_ms"]
         print(f"{rate:>6} {s['completed']:>5} {s['request_throughput']:>6.2f} {s['output_throughput']:>9.1f} | "
               f"{t['p50']:>8.0f} {t['p90']:>7.0f} {t['p99']:>7.0f}    | {i['p50']:>7.1f} {i['p90']:>6.1f} "
-              f"{i['p99']:>6.1f}    | {p['p50']:>8.1f}    | {e['p50']:>7.2f} {e['p90']:>6.2f} {e['p99']:>6.2f}")
+              f"{i['p99']:>6.1f}    | {p['p50']:>8.1f}    | {e['p50']:>7.2f} {e['p90']:>6.2f} {e['p99']:>6.2f}   | "
+              f"{h['p50']:>11.1f} {h['p99']:>5.1f}")
 
 
 @contextlib.contextmanager
@@ -198,9 +219,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         rows = []
         for k, rate in enumerate(args.request_rate):
             prompts = make_prompts(args.num_prompts, args.input_len, tuple(args.vocab_range), args.seed + k)
-            results, seconds = asyncio.run(run_rate(url, model, prompts, args.output_len, rate, args.max_concurrency,
-                                                    headers, args.seed))
-            rows.append((rate, summarize(results, seconds, args.input_len)))
+            results, seconds, health = asyncio.run(run_rate(url, model, prompts, args.output_len, rate,
+                                                            args.max_concurrency, headers, args.seed))
+            rows.append((rate, summarize(results, seconds, args.input_len, health)))
             print(f"rate {rate}: {rows[-1][1]['completed']} done, {rows[-1][1]['failed']} failed in {seconds:.1f} s")
         print_table(rows)
     results = [{"request_rate": r, **s} for r, s in rows]

@@ -122,9 +122,6 @@ class AsyncLLM:
             if not finished:
                 self._submit(("abort", request_id))
 
-    def abort(self, request_id: str) -> None:
-        self._submit(("abort", request_id))
-
     def shutdown(self, timeout: float = 10.0) -> None:
         """Aborts whatever is still running and stops the engine thread."""
         self._stopping = True

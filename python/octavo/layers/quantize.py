@@ -18,7 +18,6 @@ import torch
 from .linear import QuantizedWeight
 
 METHODS = ("int8", "int4")
-PROJECTIONS = ("qkv_weight", "o_weight", "gate_up_weight", "down_weight")
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
@@ -71,17 +70,12 @@ def replace_weight(module: torch.nn.Module, name: str, weight: QuantizedWeight) 
 
 
 def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
-    """Quantizes ``model``'s float projections in place (see the module docstring)."""
+    """Quantizes ``model``'s float matmul weights in place (see the module docstring)."""
     if method not in METHODS:
         raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
-    for module in list(model.modules()):
-        for name in PROJECTIONS:
-            weight = module._parameters.get(name)
-            if weight is not None:
-                replace_weight(module, name, quantize(weight.data, method))
-    head = model._parameters.get("lm_head")
-    if head is not None:
-        replace_weight(model, "lm_head", quantize_int8(head.data))
+    for module, attr, _ in model.matmul_weights():
+        weight = module._parameters[attr].data
+        replace_weight(module, attr, quantize_int8(weight) if attr == "lm_head" else quantize(weight, method))
     return model
 
 

@@ -17,6 +17,7 @@ import torch
 from .. import _C
 from ..config import ModelConfig
 from ..layers.linear import QuantizedWeight
+from ..layers.quantize import replace_weight
 from ..models import model_class
 
 KEPT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> weight format
@@ -94,24 +95,14 @@ def _as_float(weight_format: str | None, data: np.ndarray) -> torch.Tensor:
 
 
 def _keep_quantized(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> None:
-    """Replaces each fused projection whose parts share one kept format by its blocks."""
-    groups: dict[int, list] = {}
-    for name, (param, start, _) in model._targets().items():
-        if name.endswith("proj.weight") or name in ("lm_head.weight", "model.embed_tokens.weight"):
-            groups.setdefault(id(param), []).append((start, name))
-    if model.config.tie_word_embeddings:  # the LM head reads the embedding's blocks
-        groups[id(model.lm_head)] = [(0, "model.embed_tokens.weight")]
-    owners = {id(p): (module, attr) for module in model.modules() for attr, p in module._parameters.items()
-              if p is not None and attr != "embed_tokens"}
-    for key, parts in groups.items():
-        formats = {tensors[name][0] for _, name in parts}
-        if key not in owners or len(formats) != 1 or None in formats:
-            continue
-        module, attr = owners[key]
-        blocks = np.concatenate([tensors[name][1] for _, name in sorted(parts)])
-        in_features = module._parameters[attr].shape[1]
-        del module._parameters[attr]
-        setattr(module, attr, QuantizedWeight(torch.from_numpy(blocks), formats.pop(), in_features))
+    """Replaces each matmul weight whose parts share one kept format by its blocks (a tied LM
+    head by the embedding's)."""
+    for module, attr, names in model.matmul_weights():
+        formats = {tensors[name][0] for name in names}
+        if len(formats) == 1 and None not in formats:
+            blocks = np.concatenate([tensors[name][1] for name in names])
+            in_features = module._parameters[attr].shape[1]
+            replace_weight(module, attr, QuantizedWeight(torch.from_numpy(blocks), formats.pop(), in_features))
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto"):

@@ -93,12 +93,8 @@ def load_gptq_awq(model, tensors: dict[str, torch.Tensor], quant: dict) -> None:
         elif not name.endswith((".qzeros", ".scales", ".g_idx")):
             floats.append((name, tensor))
     model.load_weights(floats)
-    fused: dict[int, list] = {}  # fused parameter -> [(first row, HF name)] of all its parts
-    for name, (param, start, _) in model._targets().items():
-        fused.setdefault(id(param), []).append((start, name))
-    owners = {id(p): (m, attr) for m in model.modules() for attr, p in m._parameters.items() if p is not None}
-    for key, parts in fused.items():
-        if key in owners and all(name in unpacked for _, name in parts):
-            weight = quantized_weight([unpacked[name] for _, name in sorted(parts)])
+    for module, attr, names in model.matmul_weights():
+        if all(name in unpacked for name in names):
+            weight = quantized_weight([unpacked[name] for name in names])
             if weight is not None:
-                replace_weight(*owners[key], weight)
+                replace_weight(module, attr, weight)

@@ -137,6 +137,18 @@ class LlamaForCausalLM(torch.nn.Module):
             targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
         return targets
 
+    def matmul_weights(self) -> list[tuple[torch.nn.Module, str, list[str]]]:
+        """Every weight ``linear`` reads, as (owner module, attribute, the checkpoint tensors
+        stacked in it, in row order): the fused projections and the LM head, whose part is the
+        embedding's tensor when the two are tied. Quantized loaders replace these attributes;
+        the embedding itself stays a float table for lookups."""
+        parts: dict[int, list[tuple[int, str]]] = {}
+        for name, (param, start, _) in self._targets().items():
+            parts.setdefault(id(param), []).append((start, name))
+        return [(module, attr, [name for _, name in sorted(parts[id(p)])])
+                for module in self.modules() for attr, p in module._parameters.items()
+                if p is not None and p.dim() == 2 and attr != "embed_tokens" and id(p) in parts]
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (HF names) into the fused parameters, casting to the model
         dtype. Unknown, mis-shaped or missing tensors raise ValueError naming them."""

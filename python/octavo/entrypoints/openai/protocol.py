@@ -31,7 +31,7 @@ class APIError(Exception):
 
 
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
-                429: "rate_limit_error", 503: "server_overloaded", 504: "timeout"}
+                405: "invalid_request_error", 429: "rate_limit_error", 503: "server_overloaded", 504: "timeout"}
 
 
 def error_body(message: str, status: int, param: str | None = None) -> dict[str, Any]:

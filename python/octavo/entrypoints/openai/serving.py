@@ -69,8 +69,6 @@ class ServedModel:
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
             raise APIError("The prompt must not be empty.", param="prompt")
-        if any(not isinstance(t, int) or isinstance(t, bool) for t in token_ids):
-            raise APIError("Prompt token ids must be integers.", param="prompt")
         asked = len(token_ids) + (params.max_tokens or 1)
         if asked > self.max_model_len:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
