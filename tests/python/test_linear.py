@@ -52,10 +52,12 @@ def test_linear_large_enough_to_use_every_thread(dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_each_row_is_the_same_whatever_the_batch(dtype):
-    x, w = torch.randn(37, 576).to(dtype), torch.randn(700, 576).to(dtype)
-    batch = torch.empty(37, 700, dtype=dtype)
+    # 300 rows of 576 span two or three of the kernel's L2-sized row chunks.
+    x, w = torch.randn(300, 576).to(dtype), torch.randn(700, 576).to(dtype)
+    batch = torch.empty(300, 700, dtype=dtype)
     _C.ops.linear(batch, x, w, None)
-    for i in (0, 5, 36):
+    assert_close(batch, reference(x, w, None), dtype)
+    for i in (0, 5, 36, 111, 112, 299):
         alone = torch.empty(1, 700, dtype=dtype)
         _C.ops.linear(alone, x[i:i + 1], w, None)
         assert torch.equal(alone[0], batch[i])

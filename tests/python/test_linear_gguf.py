@@ -79,11 +79,13 @@ def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, fmt, 
 
 @pytest.mark.parametrize("fmt", QTYPES)
 def test_linear_rows_do_not_depend_on_the_batch(fmt):
+    # Alone, a row decodes weights in registers; in a batch of 8 or more, the kernel decodes each
+    # weight tile once to float32 first; 250 rows span the kernel's L2-sized row chunks.
     q = quantized(40, 576, fmt)
-    x = torch.randn(13, 576)
-    batched = torch.empty(13, 40)
+    x = torch.randn(250, 576)
+    batched = torch.empty(250, 40)
     _C.ops.linear(batched, x, q, None, weight_format=fmt)
-    for i in range(13):
+    for i in (0, 1, 7, 8, 12, 111, 112, 249):
         alone = torch.empty(1, 40)
         _C.ops.linear(alone, x[i:i + 1], q, None, weight_format=fmt)
         assert torch.equal(alone[0], batched[i])

@@ -7,6 +7,8 @@
 // reduces each accumulator once at the end. Threads split the output features, so every thread
 // streams its own contiguous slab of the weight. Each output element is the same sum in the same
 // order whatever M is and whichever thread computes it (batch invariant).
+#include <vector>
+
 #include "isa_kernels.h"
 #include "octavo/status.h"
 #include "octavo/threading.h"
@@ -33,20 +35,21 @@ inline float half_at(const uint8_t* p) {
   return to_float(h);
 }
 
-// acc[r][c] = dot(w[r], x[c]) over K, for nr <= kRows weight rows and NC input rows.
-template <int NC, typename T>
-void dot_tile(const T* w, int64_t K, int nr, const T* x, int64_t x_stride, float acc_out[kRows][kCols]) {
+// acc[r][c] = dot(w[r], x[c]) over K, for nr <= kRows weight rows and NC input rows. The
+// weights are float32 when they are a quantized tile decoded once for many input rows.
+template <int NC, typename TW, typename T>
+void dot_tile(const TW* w, int64_t K, int nr, const T* x, int64_t x_stride, float acc_out[kRows][kCols]) {
   VecF acc[kRows][NC];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = VecF::zero();
-  const T* wr[kRows];
+  const TW* wr[kRows];
   for (int r = 0; r < kRows; ++r) wr[r] = w + (r < nr ? r : 0) * K;  // missing rows repeat row 0
   int64_t k = 0;
   for (; k + kW <= K; k += kW) {
     VecF xv[NC];
     for (int c = 0; c < NC; ++c) xv[c] = VecF::load(x + c * x_stride + k);
     for (int r = 0; r < kRows; ++r) {
-      if ((k * sizeof(T)) % 64 == 0) __builtin_prefetch(wr[r] + k + kPrefetchRows * K);
+      if ((k * sizeof(TW)) % 64 == 0) __builtin_prefetch(wr[r] + k + kPrefetchRows * K);
       const VecF wv = VecF::load(wr[r] + k);
       for (int c = 0; c < NC; ++c) acc[r][c] = fma(wv, xv[c], acc[r][c]);
     }
@@ -102,8 +105,8 @@ void dot_tile(const bf16* w, int64_t K, int nr, const bf16* x, int64_t x_stride,
 }
 #endif
 
-template <typename T>
-void dot_tile_any(int nc, const T* w, int64_t K, int nr, const T* x, int64_t x_stride, float acc[kRows][kCols]) {
+template <typename TW, typename T>
+void dot_tile_any(int nc, const TW* w, int64_t K, int nr, const T* x, int64_t x_stride, float acc[kRows][kCols]) {
   switch (nc) {
     case 1: return dot_tile<1>(w, K, nr, x, x_stride, acc);
     case 2: return dot_tile<2>(w, K, nr, x, x_stride, acc);
@@ -291,57 +294,116 @@ void dot_tile_quant_any(int nc, const Rows& w, int64_t blocks, const T* x, int64
   }
 }
 
-// Output features [n_begin, n_end) of every row; tile(nc, n, nr, x, acc) fills acc[r][c] with
-// the dot products of weight rows n.. n+nr-1 and input rows x, x + in_stride, ... (nc of them).
+// Input rows are taken in chunks whose activations fit in L2 (with the weight tile in L1): every
+// weight tile then re-reads the chunk from L2. Without chunks, a prefill of 8192 rows streamed its
+// 19 MB of activations from L3 or DRAM once per 4 weight rows, and ran 2.5-4x slower per row than
+// M = 2048 (bench/RESULTS.md). Chunks are multiples of kCols, so the groups of input rows, and
+// with them every output bit, are the same whatever M is.
+constexpr int64_t kChunkBytes = 1 << 18;
+
+int64_t rows_per_chunk(int64_t row_bytes) {
+  const int64_t rows = kChunkBytes / row_bytes / kCols * kCols;
+  return rows > kCols ? rows : kCols;
+}
+
+// Output features [n_begin, n_end) of every row. For each tile of kRows weight rows,
+// tile.start(n, nr, rows) prepares rows n.. n + nr - 1 for `rows` input rows, then
+// tile(nc, x, acc) fills acc[r][c] with their dot products with input rows x, x + in_stride, ...
 template <typename T, typename Tile>
-void linear_slab(const LinearParams& p, int64_t n_begin, int64_t n_end, const Tile& tile) {
+void linear_slab(const LinearParams& p, int64_t n_begin, int64_t n_end, Tile& tile) {
   const T* input = static_cast<const T*>(p.input);
   const T* bias = static_cast<const T*>(p.bias);
   T* out = static_cast<T*>(p.out);
+  const int64_t chunk = rows_per_chunk(p.in_features * static_cast<int64_t>(sizeof(T)));
   float acc[kRows][kCols];
-  for (int64_t n = n_begin; n < n_end; n += kRows) {
-    const int nr = static_cast<int>(n_end - n < kRows ? n_end - n : kRows);
-    for (int64_t m = 0; m < p.rows; m += kCols) {
-      const int nc = static_cast<int>(p.rows - m < kCols ? p.rows - m : kCols);
-      tile(nc, n, nr, input + m * p.in_stride, acc);
-      for (int c = 0; c < nc; ++c)
-        for (int r = 0; r < nr; ++r) {
-          const float b = bias != nullptr ? to_float(bias[n + r]) : 0.0f;
-          out[(m + c) * p.out_stride + n + r] = from_float<T>(acc[r][c] + b);
-        }
+  for (int64_t m_begin = 0; m_begin < p.rows; m_begin += chunk) {
+    const int64_t m_end = p.rows - m_begin < chunk ? p.rows : m_begin + chunk;
+    for (int64_t n = n_begin; n < n_end; n += kRows) {
+      const int nr = static_cast<int>(n_end - n < kRows ? n_end - n : kRows);
+      tile.start(n, nr, m_end - m_begin);
+      for (int64_t m = m_begin; m < m_end; m += kCols) {
+        const int nc = static_cast<int>(m_end - m < kCols ? m_end - m : kCols);
+        tile(nc, input + m * p.in_stride, acc);
+        for (int c = 0; c < nc; ++c)
+          for (int r = 0; r < nr; ++r) {
+            const float b = bias != nullptr ? to_float(bias[n + r]) : 0.0f;
+            out[(m + c) * p.out_stride + n + r] = from_float<T>(acc[r][c] + b);
+          }
+      }
     }
   }
 }
 
+// Tile is constructed once per thread from (p) and run by linear_slab.
 template <typename T, typename Tile>
-void run_linear(const LinearParams& p, int64_t weight_bytes, const Tile& tile) {
+void run_linear(const LinearParams& p, int64_t weight_bytes) {
   const int64_t tiles = (p.out_features + kRows - 1) / kRows;
   const int threads = get_num_threads();
   // One contiguous slab per thread: each streams its part of the weight front to back.
   const int64_t grain = weight_bytes < kSerialWeightBytes ? tiles : (tiles + threads - 1) / threads;
   parallel_for(tiles, grain, [&](int64_t begin, int64_t end) {
     const int64_t n_end = end * kRows < p.out_features ? end * kRows : p.out_features;
+    Tile tile(p);
     linear_slab<T>(p, begin * kRows, n_end, tile);
   });
 }
 
 template <typename T>
+struct DenseTile {
+  const LinearParams& p;
+  const T* w = nullptr;
+  int nr = 0;
+  explicit DenseTile(const LinearParams& params) : p(params) {}
+  void start(int64_t n, int rows_in_tile, int64_t) {
+    w = static_cast<const T*>(p.weight) + n * p.in_features;
+    nr = rows_in_tile;
+  }
+  void operator()(int nc, const T* x, float acc[kRows][kCols]) const {
+    dot_tile_any(nc, w, p.in_features, nr, x, p.in_stride, acc);
+  }
+};
+
+// From this many input rows on, a quantized tile is decoded once into float32 and the dense
+// kernel runs over it; below, weights are decoded in registers for each group of kCols rows.
+// Both decode to the same floats and add them in the same order, so the switch changes no bit.
+constexpr int64_t kDecodeOnceRows = 2 * kCols;
+
+template <typename Rows, typename T>
+struct QuantTile {
+  const LinearParams& p;
+  Rows rows{p, 0, 1};
+  float* decoded = nullptr;  // kRows x in_features floats when the tile is decoded once
+  explicit QuantTile(const LinearParams& params) : p(params) {}
+  void start(int64_t n, int nr, int64_t input_rows) {
+    rows = Rows(p, n, nr);
+    decoded = input_rows >= kDecodeOnceRows ? decode(rows) : nullptr;
+  }
+  void operator()(int nc, const T* x, float acc[kRows][kCols]) const {
+    if (decoded != nullptr) return dot_tile_any(nc, decoded, p.in_features, kRows, x, p.in_stride, acc);
+    dot_tile_quant_any(nc, rows, p.in_features / kBlock, x, p.in_stride, acc);
+  }
+  float* decode(const Rows& w) const {
+    // Per thread and reused: no allocation once the largest K has been seen.
+    thread_local std::vector<float> buffer;
+    const int64_t K = p.in_features;
+    if (static_cast<int64_t>(buffer.size()) < kRows * K) buffer.resize(kRows * K);
+    for (int r = 0; r < kRows; ++r)
+      for (int64_t blk = 0; blk < K / kBlock; ++blk) {
+        const BlockScale scale = w.scale(r, blk);
+        for (int j = 0; j < kBlock; j += kW) w.decode(r, blk, j, scale).store(buffer.data() + r * K + blk * kBlock + j);
+      }
+    return buffer.data();
+  }
+};
+
+template <typename T>
 void run_dense(const LinearParams& p) {
-  const T* weight = static_cast<const T*>(p.weight);
-  const int64_t K = p.in_features;
-  run_linear<T>(p, p.out_features * K * static_cast<int64_t>(sizeof(T)),
-                [&](int nc, int64_t n, int nr, const T* x, float acc[kRows][kCols]) {
-                  dot_tile_any(nc, weight + n * K, K, nr, x, p.in_stride, acc);
-                });
+  run_linear<T, DenseTile<T>>(p, p.out_features * p.in_features * static_cast<int64_t>(sizeof(T)));
 }
 
 template <typename Rows, typename T>
 void run_quant(const LinearParams& p) {
-  const int64_t blocks = p.in_features / kBlock;
-  const int64_t row_bytes = Rows(p, 0, 1).row_bytes;
-  run_linear<T>(p, p.out_features * row_bytes, [&](int nc, int64_t n, int nr, const T* x, float acc[kRows][kCols]) {
-    dot_tile_quant_any(nc, Rows(p, n, nr), blocks, x, p.in_stride, acc);
-  });
+  run_linear<T, QuantTile<Rows, T>>(p, p.out_features * Rows(p, 0, 1).row_bytes);
 }
 
 template <typename T>
