@@ -4,12 +4,14 @@ the time. Issue #6 compares it with llama.cpp's figures on the same machine (176
 F16, 110 Q4_1).
 
     python bench/python/bench_batched.py [--model DIR_OR_GGUF] [--dtype D] [--quantization int8|int4]
+                                         [--max-num-batched-tokens N]
 """
 import argparse
 import time
 
 from octavo import LLM, SamplingParams
 from octavo.benchmarks.serving import make_prompts
+from octavo.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def main() -> None:
@@ -20,8 +22,10 @@ def main() -> None:
     parser.add_argument("--sequences", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, help="step budget (default: the engine's)")
     args = parser.parse_args()
-    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=1024)
+    llm = LLM(model=args.model, dtype=args.dtype, quantization=args.quantization, max_model_len=1024,
+              max_num_batched_tokens=args.max_num_batched_tokens)
     warm_up = make_prompts(2, args.prompt_len, (100, 20000), seed=99)
     llm.generate(warm_up, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     prompts = make_prompts(args.sequences, args.prompt_len, (100, 20000), seed=1)
@@ -31,7 +35,8 @@ def main() -> None:
     seconds = time.perf_counter() - start
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     total = generated + args.sequences * args.prompt_len
-    print(f"{args.model or 'default model'} dtype={args.dtype} quantization={args.quantization}: "
+    budget = args.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    print(f"{args.model or 'default model'} dtype={args.dtype} quantization={args.quantization} budget={budget}: "
           f"{args.sequences} x ({args.prompt_len} + {args.new_tokens}) tokens in {seconds:.1f} s: "
           f"{generated / seconds:.1f} generated tok/s, {total / seconds:.1f} total tok/s")
 

@@ -38,7 +38,7 @@ def seconds_per_call(fn, min_seconds: float = 0.2) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 512])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16", "float16"])
     parser.add_argument("--formats", nargs="*", default=["q8_0", "q4_0", "q4_1", "int8", "int4"])
     args = parser.parse_args()
     print(f"threads {octavo.get_num_threads()} (torch {torch.get_num_threads()}), cpu isa {octavo.cpu_isa()}, "

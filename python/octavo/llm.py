@@ -8,7 +8,7 @@ from typing import Any, Sequence
 
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import SamplingParams
+from .sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -44,7 +44,9 @@ class LLM:
         ids = []
         for (text, token_ids), p in zip(items, params):
             ids.append(str(next(self._ids)))
-            self.llm_engine.add_request(ids[-1], token_ids, p, prompt=text)
+            final_only = p.clone()  # as vLLM: generate() returns only final outputs, so ask for nothing else
+            final_only.output_kind = RequestOutputKind.FINAL_ONLY
+            self.llm_engine.add_request(ids[-1], token_ids, final_only, prompt=text)
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

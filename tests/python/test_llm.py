@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
+from octavo.sampling_params import RequestOutputKind
 from octavo.entrypoints.cli import main
 from test_detokenizer import _byte_level_bpe
 from test_models import tiny_checkpoint
@@ -79,6 +80,48 @@ def test_stop_strings_and_finish_reasons(tiny):
     kept = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=stop,
                                                       include_stop_str_in_output=True), use_tqdm=False)
     assert kept[0].outputs[0].text == text[:at + 3]
+
+
+def _run_engine(engine, request_id: str, prompt: list[int], params: SamplingParams) -> list:
+    engine.add_request(request_id, prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += [o for o in engine.step() if o.request_id == request_id]
+    return outputs
+
+
+@pytest.mark.parametrize("with_stop", [False, True])
+def test_output_kinds_cumulative_delta_and_final_only(tiny, with_stop):
+    """CUMULATIVE repeats everything so far, DELTA only what is new (the deltas add up to the
+    final output, text held back while it could still become a stop string), FINAL_ONLY one output."""
+    llm, _, tokenizer = tiny
+    engine, prompt = llm.llm_engine, tokenizer.encode("Hello world")
+    sampled = dict(n=2, temperature=1.0, seed=7, max_tokens=12, ignore_eos=True, logprobs=1)
+    final = llm.generate([prompt], SamplingParams(**sampled), use_tqdm=False)[0]
+    if with_stop:  # a stop string from the middle of the text, so holding back matters
+        text = final.outputs[0].text
+        sampled["stop"] = text[4:7]
+        final = llm.generate([prompt], SamplingParams(**sampled), use_tqdm=False)[0]
+    cumulative = _run_engine(engine, "c", prompt, SamplingParams(**sampled, output_kind=RequestOutputKind.CUMULATIVE))
+    deltas = _run_engine(engine, "d", prompt, SamplingParams(**sampled, output_kind=RequestOutputKind.DELTA))
+    only = _run_engine(engine, "f", prompt, SamplingParams(**sampled, output_kind=RequestOutputKind.FINAL_ONLY))
+    assert len(only) == 1 and only[0].finished and len(cumulative) > 2
+    assert [o.finished for o in cumulative] == [False] * (len(cumulative) - 1) + [True]
+    for i, want in enumerate(final.outputs):
+        for got in (cumulative[-1].outputs[i], only[0].outputs[i]):
+            assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
+        assert all(len(a.outputs[i].token_ids) <= len(b.outputs[i].token_ids) for a, b in zip(cumulative, cumulative[1:]))
+        pieces = [o for out in deltas for o in out.outputs if o.index == i]
+        assert "".join(p.text for p in pieces) == want.text
+        assert [t for p in pieces for t in p.token_ids] == list(want.token_ids)
+        assert [lp for p in pieces for lp in p.logprobs] == want.logprobs
+        assert [p.finish_reason for p in pieces] == [None] * (len(pieces) - 1) + [want.finish_reason]
+        if with_stop:  # nothing shown could have been the start of the stop string
+            shown = ""
+            for p in pieces:
+                shown += p.text
+                assert sampled["stop"] not in shown and want.text.startswith(shown)
+    assert engine.scheduler.block_pool.num_used_blocks == 0
 
 
 def test_logprobs_are_raw_log_softmax(tiny):

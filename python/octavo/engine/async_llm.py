@@ -17,8 +17,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from ..outputs import CompletionOutput, RequestOutput
-from ..sampling_params import SamplingParams
+from ..outputs import RequestOutput
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .llm_engine import LLMEngine
 from .stats import EngineStats
 
@@ -47,17 +47,6 @@ class _Stream:
             pass
 
 
-@dataclass
-class _Sent:
-    """How much of each sample has been handed to the stream: deltas start here."""
-
-    text: list[int]
-    tokens: list[int]
-    logprobs: list[int]
-    hold_back: int  # SamplingParams.output_text_buffer_length
-    finished: list[bool]
-
-
 class AsyncLLM:
     """Wraps an ``LLMEngine`` whose steps run in a background thread.
 
@@ -74,7 +63,7 @@ class AsyncLLM:
         self._commands: collections.deque = collections.deque()  # appended by the loop, drained by the thread
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}  # written by the loop, read by the thread (dict ops are atomic)
-        self._sent: dict[str, _Sent] = {}  # engine thread only
+        self._live: set[str] = set()  # requests in the engine; engine thread only
         # Requests submitted (counted by the event loop) and taken in (by the engine thread): one
         # writer each, so the difference (not yet seen by the engine) needs no lock.
         self._num_submitted = 0
@@ -108,6 +97,8 @@ class AsyncLLM:
         stream = _Stream(asyncio.get_running_loop())
         self._streams[request_id] = stream
         self._num_submitted += 1
+        params = params.clone()  # the engine itself makes the deltas (stop-string hold-back included)
+        params.output_kind = RequestOutputKind.DELTA
         self._submit(("add", request_id, list(prompt_token_ids), params, prompt, time.time()))
         finished = False
         try:
@@ -172,19 +163,19 @@ class AsyncLLM:
         except ValueError as e:
             stream.put(e)
             return
-        n = params.n
-        self._sent[request_id] = _Sent([0] * n, [0] * n, [0] * n, params.output_text_buffer_length, [False] * n)
+        self._live.add(request_id)
         self.stats.record_arrival(request_id, len(prompt_token_ids), arrival)
 
     def _abort(self, request_id: str) -> None:
-        if self._sent.pop(request_id, None) is not None:
+        if request_id in self._live:
+            self._live.discard(request_id)
             self.engine.abort_request([request_id])
             self.stats.record_abort(request_id)
 
     def _fail_all(self, error: Exception, include_pending: bool = False) -> None:
         """Aborts every request the engine holds and sends ``error`` to their streams; with
         ``include_pending`` also to the streams of requests still in the command queue."""
-        failed = list(self._sent)
+        failed = list(self._live)
         for request_id in failed:
             self._abort(request_id)
         for request_id in list(self._streams) if include_pending else failed:
@@ -193,32 +184,11 @@ class AsyncLLM:
                 stream.put(error)
 
     def _deliver(self, output: RequestOutput) -> None:
-        sent = self._sent.get(output.request_id)
-        stream = self._streams.get(output.request_id)
-        if sent is None:
+        if output.request_id not in self._live:
             return
         if output.finished:
-            del self._sent[output.request_id]
+            self._live.discard(output.request_id)
         self.stats.record_output(output)
+        stream = self._streams.get(output.request_id)
         if stream is not None:
-            stream.put(self._delta(output, sent))
-
-    def _delta(self, output: RequestOutput, sent: _Sent) -> RequestOutput:
-        """Only what is new since the previous delta; a sample that finished in an earlier delta
-        is left out. Until a sample finishes, its last ``output_text_buffer_length`` characters
-        are held back: they may be the start of a stop string that must never be shown."""
-        deltas = []
-        for o in output.outputs:
-            i = o.index
-            if sent.finished[i]:
-                continue
-            sent.finished[i] = o.finish_reason is not None
-            text_end = max(len(o.text) - (sent.hold_back if o.finish_reason is None else 0), sent.text[i])
-            tokens, logprobs = o.token_ids[sent.tokens[i]:], o.logprobs[sent.logprobs[i]:] if o.logprobs else None
-            deltas.append(CompletionOutput(index=i, text=o.text[sent.text[i]:text_end], token_ids=list(tokens),
-                                           cumulative_logprob=o.cumulative_logprob, logprobs=logprobs,
-                                           finish_reason=o.finish_reason, stop_reason=o.stop_reason))
-            sent.text[i], sent.tokens[i] = text_end, len(o.token_ids)
-            sent.logprobs[i] = len(o.logprobs) if o.logprobs else 0
-        return RequestOutput(output.request_id, output.prompt, output.prompt_token_ids, output.prompt_logprobs,
-                             deltas, output.finished, output.metrics)
+            stream.put(output)

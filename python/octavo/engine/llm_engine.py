@@ -20,15 +20,17 @@ from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.model_runner import ModelRunner, kv_cache_block_bytes
 from ..runner.sampler import SamplingState, sample
-from ..sampling_params import SamplingParams
+from ..sampling_params import RequestOutputKind, SamplingParams
 from .detokenizer import IncrementalDetokenizer, check_stop_strings
 from .prompt_logprobs import prompt_chunks, record_prompt_logprobs
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
-# Tokens per step when chunked prefill is on. Measured on the default model, 2 cores (table in
-# bench/RESULTS.md, serving section): 64 requests of 128 in / 128 out ran at 240 output tok/s with
-# 8192, 257 with 2048 and 390 with 1024 or 512; issue #4's mixed workload at 267 with 2048 and
-# 232-248 with 1024. Without chunked prefill a step must hold a whole prompt: max_model_len.
+# Tokens per step when chunked prefill is on. Measured on the default model, 2 cores (tables in
+# bench/RESULTS.md): 64 requests of 128 in / 128 out run at 394-424 output tok/s with every
+# budget from 512 to 8192 (before `linear` took input rows in L2-sized chunks, 8192 ran at 240).
+# Throughput does not choose, so the smaller budget wins: it bounds the step time that running
+# decodes wait behind a prefill (inter-token latency under load).
+# Without chunked prefill a step must hold a whole prompt: max_model_len.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
 
 
@@ -44,6 +46,12 @@ class _Sample:
     logprobs: list | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    # What earlier DELTA outputs carried: token, logprob and character counts; done once the
+    # finish reason went out.
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
+    sent_text: int = 0
+    sent_final: bool = False
 
 
 @dataclass
@@ -196,7 +204,8 @@ class LLMEngine:
                     touched[request.request_id] = request
         else:
             self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
-        return [self._output(r) for r in touched.values()]
+        outputs = [self._output(r) for r in touched.values()]
+        return [o for o in outputs if o is not None]
 
     def _wants_prompt_logprobs(self) -> bool:
         return self._num_wanting_prompt_logprobs > 0
@@ -243,16 +252,45 @@ class LLMEngine:
     def _decode(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
-    def _output(self, request: _Request) -> RequestOutput:
+    def _output(self, request: _Request) -> RequestOutput | None:
+        """The request's output as its ``output_kind`` asks; None when it has nothing to show."""
         finished = request.finished()
         if finished:
             request.metrics.finished_time = time.time()
             self._forget(request)
-        outputs = [CompletionOutput(index=s.index, text=s.detokenizer.text if s.detokenizer else "",
-                                    token_ids=list(s.state.output_token_ids),
-                                    cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
-                                    logprobs=s.logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)
-                   for s in request.samples]
+        kind = request.params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if kind == RequestOutputKind.DELTA:
+            hold_back = request.params.output_text_buffer_length
+            outputs = [o for s in request.samples if (o := self._delta(s, hold_back)) is not None]
+        else:  # copies: later steps extend the sample's lists in place
+            outputs = [self._completion(s, s.detokenizer.text if s.detokenizer else "", list(s.state.output_token_ids),
+                                        None if s.logprobs is None else list(s.logprobs)) for s in request.samples]
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.prompt_logprobs,
                              outputs=outputs, finished=finished, metrics=request.metrics)
+
+    def _delta(self, s: _Sample, hold_back: int) -> CompletionOutput | None:
+        """What is new in sample ``s`` since its previous DELTA output. Until it finishes, the
+        last ``output_text_buffer_length`` characters are held back: they may be the start of a
+        stop string, which is cut from the text once complete and must never have been shown."""
+        if s.sent_final:
+            return None
+        tokens = s.state.output_token_ids[s.sent_tokens:]
+        text = s.detokenizer.text if s.detokenizer else ""
+        text_end = max(len(text) - (0 if s.finish_reason is not None else hold_back), s.sent_text)
+        if not tokens and s.finish_reason is None:
+            return None
+        logprobs = None if s.logprobs is None else s.logprobs[s.sent_logprobs:]
+        out = self._completion(s, text[s.sent_text:text_end], tokens, logprobs)
+        s.sent_tokens, s.sent_text = len(s.state.output_token_ids), text_end
+        s.sent_logprobs = 0 if s.logprobs is None else len(s.logprobs)
+        s.sent_final = s.finish_reason is not None
+        return out
+
+    @staticmethod
+    def _completion(s: _Sample, text: str, token_ids: list[int], logprobs: list | None) -> CompletionOutput:
+        return CompletionOutput(index=s.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=s.cumulative_logprob if s.logprobs is not None else None,
+                                logprobs=logprobs, finish_reason=s.finish_reason, stop_reason=s.stop_reason)

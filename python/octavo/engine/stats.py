@@ -27,7 +27,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
 class _Timing:
     arrival: float
     last_token: float | None = None
-    num_generated: int = 0
 
 
 class EngineStats:
@@ -81,18 +80,19 @@ class EngineStats:
         self.snapshot()
 
     def record_output(self, output: RequestOutput) -> None:
+        """Counts a DELTA output (as AsyncLLM asks the engine for)."""
         timing = self._timings.get(output.request_id)
         if timing is None:
             return
         now = time.time()
-        generated = sum(len(o.token_ids) for o in output.outputs)
-        if generated > timing.num_generated:
-            self.generation_tokens.inc(generated - timing.num_generated)
+        generated = sum(len(o.token_ids) for o in output.outputs)  # a delta: the new tokens
+        if generated:
+            self.generation_tokens.inc(generated)
             if timing.last_token is None:
                 self.ttft.observe(now - timing.arrival)
             else:
                 self.itl.observe(now - timing.last_token)
-            timing.last_token, timing.num_generated = now, generated
+            timing.last_token = now
         if output.finished:
             del self._timings[output.request_id]
             self.e2e.observe(now - timing.arrival)

@@ -2,8 +2,10 @@
 
 Crossover measured on the development machine (AMD EPYC, AVX-512 with BF16, 2 threads, torch
 2.13 CPU) at the default model's shapes (960x576, 3072x576, 576x1536, 49152x576), rows = M:
-- float32: Octavo's kernel is faster at every M from 1 to 2048 (M = 1: 2-3x; prefill M = 512:
-  1.4-1.7x; torch's MKL float32 GEMM is slow on this AMD CPU), so it is used at every M.
+- float32: Octavo's kernel is faster at every M from 1 to 8192 (M = 1: 2-3x; prefill M = 512
+  to 8192: 1.4-2x; torch's MKL float32 GEMM is slow on this AMD CPU), so it is used at every M.
+  (Up to M = 8192 since the kernel takes input rows in L2-sized chunks; before that, M = 8192 ran
+  2.5-4x slower per row than M = 2048 and lost to torch.)
 - float16: torch's CPU float16 GEMM is 3-6x slower at every M: always Octavo's kernel.
 - bfloat16: Octavo's kernel (vdpbf16ps) wins up to M = 16 (M = 1: 1.3-5x); from M = 32
   torch's oneDNN GEMM (packed, larger register blocks) is faster.
@@ -11,8 +13,10 @@ Octavo's kernel computes each output row the same way for every M, so decode bat
 size at or below the crossover give bit-identical rows.
 
 Quantized weights (``QuantizedWeight``: GGUF blocks, int8, int4) always go through Octavo's
-kernel; no torch kernel reads those formats, and against torch on the dequantized float32
-weights it is 12-18x faster at M = 1 and about 2x at M = 64 (bench/RESULTS.md).
+kernel; no torch kernel reads those formats. Against torch on the dequantized float32 weights
+it is 12-18x faster at M = 1 and 1.3-2.5x from M = 64 to 8192: from 8 rows on, the kernel
+decodes each weight tile once and runs the float32 path over it, so every format computes at
+float32's speed for prefill (bench/RESULTS.md).
 """
 
 from __future__ import annotations
