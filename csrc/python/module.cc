@@ -74,6 +74,15 @@ PYBIND11_MODULE(_C, m) {
   m.def("cuda_compiled", &octavo::cuda_compiled, "True if this build carries CUDA kernels.");
   m.def("cuda_device_count", &octavo::cuda_device_count,
         "Number of CUDA devices visible to Octavo; 0 without CUDA support, a driver or a GPU.");
+  // Streams cross as integers (torch.cuda.Stream.cuda_stream), 0 being the legacy default stream.
+  m.def(
+      "set_cuda_stream", [](uintptr_t stream) { octavo::set_cuda_stream(reinterpret_cast<void*>(stream)); },
+      py::arg("stream"),
+      "Makes `stream` (a cudaStream_t as an int, e.g. torch.cuda.current_stream().cuda_stream) the stream "
+      "this thread's CUDA ops launch on.");
+  m.def(
+      "cuda_stream", [] { return reinterpret_cast<uintptr_t>(octavo::cuda_stream()); },
+      "The stream this thread's CUDA ops launch on, as an int (0: the legacy default stream).");
 
   octavo::python::bind_core(m);
   octavo::python::bind_ops(m);

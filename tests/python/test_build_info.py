@@ -1,3 +1,5 @@
+import threading
+
 import pytest
 import torch
 
@@ -29,6 +31,24 @@ def test_cuda_info():
         assert count == 0
     else:
         assert count == torch.cuda.device_count()
+
+
+def test_cuda_stream_is_set_per_host_thread():
+    assert _C.cuda_stream() == 0  # the legacy default stream
+    if not _C.cuda_compiled():
+        with pytest.raises(ValueError, match="no CUDA kernels"):
+            _C.set_cuda_stream(1234)
+        return
+    _C.set_cuda_stream(1234)  # only stored: nothing launches until a CUDA op runs
+    try:
+        assert _C.cuda_stream() == 1234
+        seen = []
+        thread = threading.Thread(target=lambda: seen.append(_C.cuda_stream()))
+        thread.start()
+        thread.join()
+        assert seen == [0]
+    finally:
+        _C.set_cuda_stream(0)
 
 
 def test_cpu_isa_controls():

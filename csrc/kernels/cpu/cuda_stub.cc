@@ -1,9 +1,34 @@
-// Built instead of cuda/device_info.cu when CUDA is disabled.
+// Built instead of the CUDA sources when CUDA is disabled: no devices, and every CUDA launcher
+// explains that this build has none (a CUDA tensor can still reach an op through torch).
+#include "cuda/cuda_kernels.h"
 #include "octavo/cuda_info.h"
+#include "octavo/status.h"
 
 namespace octavo {
 
 bool cuda_compiled() { return false; }
 int cuda_device_count() { return 0; }
 
+void set_cuda_stream(void* stream) {
+  OCTAVO_CHECK(stream == nullptr, "this build of Octavo has no CUDA kernels (it was configured without nvcc)");
+}
+void* cuda_stream() { return nullptr; }
+
+namespace cuda {
+namespace {
+[[noreturn]] void no_cuda(const char* op) {
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, false,
+                    op << ": got CUDA tensors, but this build of Octavo has no CUDA kernels (it was configured "
+                          "without nvcc); rebuild with the CUDA toolkit installed, or move the tensors to the CPU");
+  __builtin_unreachable();
+}
+}  // namespace
+
+void rms_norm(const RmsNormParams&) { no_cuda("rms_norm"); }
+void rotary_embedding(const RotaryParams&) { no_cuda("rotary_embedding"); }
+void silu_and_mul(const GatedActivationParams&) { no_cuda("silu_and_mul"); }
+void gelu_and_mul(const GatedActivationParams&, GeluApproximation) { no_cuda("gelu_and_mul"); }
+void reshape_and_cache(const CacheWriteParams&) { no_cuda("reshape_and_cache"); }
+
+}  // namespace cuda
 }  // namespace octavo

@@ -1,5 +1,6 @@
-// silu_and_mul and gelu_and_mul: argument checks, then the CPU launcher.
+// silu_and_mul and gelu_and_mul: argument checks, then the CPU or CUDA launcher.
 #include "cpu/isa_kernels.h"
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 #include "op_checks.h"
 
@@ -7,8 +8,7 @@ namespace octavo {
 namespace {
 
 GatedActivationParams gated_params(const TensorView& out, const TensorView& input) {
-  ops::check_cpu(out, "out");
-  ops::check_cpu(input, "input");
+  ops::check_same_device(out, "out", input, "input");
   ops::check_float(input, "input");
   ops::check_same_dtype(out, "out", input, "input");
   const ops::Rows in = ops::last_dim_rows(input, "input");
@@ -33,12 +33,14 @@ GatedActivationParams gated_params(const TensorView& out, const TensorView& inpu
 
 void silu_and_mul(const TensorView& out, const TensorView& input) {
   const GatedActivationParams p = gated_params(out, input);
-  cpu_dispatch(silu_and_mul, p);
+  if (ops::is_cuda(input)) cuda::silu_and_mul(p);
+  else cpu_dispatch(silu_and_mul, p);
 }
 
 void gelu_and_mul(const TensorView& out, const TensorView& input, GeluApproximation approximate) {
   const GatedActivationParams p = gated_params(out, input);
-  cpu_dispatch(gelu_and_mul, p, approximate);
+  if (ops::is_cuda(input)) cuda::gelu_and_mul(p, approximate);
+  else cpu_dispatch(gelu_and_mul, p, approximate);
 }
 
 }  // namespace octavo

@@ -1,5 +1,7 @@
-// reshape_and_cache: argument checks (slots are range-checked here), then the CPU launcher.
+// reshape_and_cache: argument checks (for CPU tensors slots are range-checked here; the CUDA
+// kernel skips out-of-range ones, see cuda_kernels.h), then the CPU or CUDA launcher.
 #include "cpu/isa_kernels.h"
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 #include "op_checks.h"
 
@@ -20,11 +22,10 @@ void check_slots(const TensorView& slot_mapping, int64_t num_slots) {
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
                        const TensorView& value_cache, const TensorView& slot_mapping) {
-  ops::check_cpu(key, "key");
   ops::check_float(key, "key");
   check_ndim(key, "key", 3);
   const ops::Rows k = ops::as_rows(key, "key");
-  ops::check_cpu(value, "value");
+  ops::check_same_device(value, "value", key, "key");
   ops::check_same_dtype(value, "value", key, "key");
   check_ndim(value, "value", 3);
   const ops::Rows v = ops::as_rows(value, "value");
@@ -34,7 +35,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   for (int d = 0; d < 4; ++d) check_size(value_cache, "value_cache", d, key_cache.shape[d]);
   check_size(key_cache, "key_cache", 1, key.shape[1]);
   check_size(key_cache, "key_cache", 3, key.shape[2]);
-  ops::check_cpu(slot_mapping, "slot_mapping");
+  ops::check_same_device(slot_mapping, "slot_mapping", key, "key");
   ops::check_index_dtype(slot_mapping, "slot_mapping");
   check_ndim(slot_mapping, "slot_mapping", 1);
   check_size(slot_mapping, "slot_mapping", 0, key.shape[0]);
@@ -46,8 +47,10 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   p.head_size = key.shape[2];
   p.num_blocks = key_cache.shape[0];
   p.block_size = key_cache.shape[2];
-  if (slot_mapping.dtype == DType::kInt32) check_slots<int32_t>(slot_mapping, p.num_blocks * p.block_size);
-  else check_slots<int64_t>(slot_mapping, p.num_blocks * p.block_size);
+  if (!ops::is_cuda(key)) {
+    if (slot_mapping.dtype == DType::kInt32) check_slots<int32_t>(slot_mapping, p.num_blocks * p.block_size);
+    else check_slots<int64_t>(slot_mapping, p.num_blocks * p.block_size);
+  }
   p.key = key.data;
   p.value = value.data;
   p.key_cache = key_cache.data;
@@ -57,7 +60,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   p.value_stride = v.stride;
   p.dtype = key.dtype;
   p.slot_dtype = slot_mapping.dtype;
-  cpu_dispatch(reshape_and_cache, p);
+  if (ops::is_cuda(key)) cuda::reshape_and_cache(p);
+  else cpu_dispatch(reshape_and_cache, p);
 }
 
 }  // namespace octavo

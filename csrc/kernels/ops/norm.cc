@@ -1,5 +1,6 @@
-// rms_norm and fused_add_rms_norm: argument checks, then the CPU launcher.
+// rms_norm and fused_add_rms_norm: argument checks, then the CPU or CUDA launcher.
 #include "cpu/isa_kernels.h"
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 #include "op_checks.h"
 
@@ -8,9 +9,8 @@ namespace {
 
 RmsNormParams norm_params(const TensorView& out, const char* out_arg, const TensorView& input,
                           const TensorView& weight, double eps, bool weight_offset) {
-  ops::check_cpu(input, "input");
-  ops::check_cpu(out, out_arg);
-  ops::check_cpu(weight, "weight");
+  ops::check_same_device(out, out_arg, input, "input");
+  ops::check_same_device(weight, "weight", input, "input");
   ops::check_float(input, "input");
   ops::check_same_dtype(out, out_arg, input, "input");
   ops::check_same_dtype(weight, "weight", input, "input");
@@ -37,18 +37,23 @@ RmsNormParams norm_params(const TensorView& out, const char* out_arg, const Tens
   return p;
 }
 
+void run(const RmsNormParams& p, const TensorView& input) {
+  if (ops::is_cuda(input)) cuda::rms_norm(p);
+  else cpu_dispatch(rms_norm, p);
+}
+
 }  // namespace
 
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
               bool weight_offset) {
   const RmsNormParams p = norm_params(out, "out", input, weight, eps, weight_offset);
-  cpu_dispatch(rms_norm, p);
+  run(p, input);
 }
 
 void fused_add_rms_norm(const TensorView& input, const TensorView& residual, const TensorView& weight, double eps,
                         bool weight_offset) {
   RmsNormParams p = norm_params(input, "input", input, weight, eps, weight_offset);
-  ops::check_cpu(residual, "residual");
+  ops::check_same_device(residual, "residual", input, "input");
   ops::check_same_dtype(residual, "residual", input, "input");
   const ops::Rows r = ops::last_dim_rows(residual, "residual");
   OCTAVO_CHECK(r.rows == p.rows && r.cols == p.hidden, "argument 'residual' must have the shape of 'input' ("
@@ -56,7 +61,7 @@ void fused_add_rms_norm(const TensorView& input, const TensorView& residual, con
                                                            << " rows of " << r.cols);
   p.residual = residual.data;
   p.residual_stride = r.stride;
-  cpu_dispatch(rms_norm, p);
+  run(p, input);
 }
 
 }  // namespace octavo

@@ -74,6 +74,12 @@ void check_cpu(const TensorView& t, const char* arg) {
                             << " tensor, but this op has only a CPU kernel so far; move it to the CPU");
 }
 
+void check_same_device(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg) {
+  OCTAVO_CHECK(t.device.type == ref.device.type && t.device.index == ref.device.index,
+               "argument '" << arg << "' is on " << device_name(t.device.type) << ":" << t.device.index << " but '"
+                            << ref_arg << "' is on " << device_name(ref.device.type) << ":" << ref.device.index);
+}
+
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size) {
   check_cpu(t, arg);
   check_dtype(t, arg, dtype);
@@ -83,7 +89,7 @@ void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t siz
 }
 
 void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg) {
-  check_cpu(cache, arg);
+  check_same_device(cache, arg, ref, ref_arg);
   check_same_dtype(cache, arg, ref, ref_arg);
   OCTAVO_CHECK(cache.ndim == 4, "argument '" << arg << "' must be [num_blocks, num_kv_heads, block_size, head_size], got "
                                              << cache.ndim << " dimension(s)");

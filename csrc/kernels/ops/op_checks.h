@@ -23,12 +23,16 @@ Rows last_dim_rows(const TensorView& t, const char* arg);
 void check_float(const TensorView& t, const char* arg);  // float32, bfloat16 or float16
 void check_same_dtype(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
 void check_index_dtype(const TensorView& t, const char* arg);  // int32 or int64
-// CPU memory; CUDA tensors get a message saying the CUDA kernels are not built yet.
+// CPU memory, for the ops that have only a CPU kernel so far.
 void check_cpu(const TensorView& t, const char* arg);
+// On the same device (type and index) as ref.
+void check_same_device(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
+inline bool is_cuda(const TensorView& t) { return t.device.type == DeviceType::kCUDA; }
 // 1-D, contiguous, `dtype`, `size` elements (size < 0: any).
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size);
 
-// A paged KV cache [num_blocks, num_kv_heads, block_size, head_size]: CPU, contiguous, dtype of ref.
+// A paged KV cache [num_blocks, num_kv_heads, block_size, head_size]: contiguous, on the device
+// and of the dtype of ref.
 void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg);
 
 }  // namespace octavo::ops

@@ -1,0 +1,56 @@
+// reshape_and_cache: one block per token copies its keys and values into their slot of the
+// paged cache [num_blocks, num_kv_heads, block_size, head_size], in 16-byte packs where the
+// layout allows. A slot of -1, or one outside the cache, is skipped (see cuda_kernels.h).
+#include "common.cuh"
+#include "cuda_kernels.h"
+
+namespace octavo::cuda {
+namespace {
+
+constexpr int64_t kMaxThreads = 512;
+
+template <typename T, bool kPacked>
+__global__ void cache_write_kernel(CacheWriteParams p) {
+  constexpr int kStep = kPacked ? Pack<T>::kSize : 1;
+  const int64_t token = blockIdx.x;
+  const int64_t slot = p.slot_dtype == DType::kInt32 ? static_cast<const int32_t*>(p.slot_mapping)[token]
+                                                    : static_cast<const int64_t*>(p.slot_mapping)[token];
+  if (slot < 0 || slot >= p.num_blocks * p.block_size) return;
+  const int64_t block = slot / p.block_size, offset = slot % p.block_size;
+  const int64_t row = p.num_kv_heads * p.head_size;
+  const T* key = static_cast<const T*>(p.key) + token * p.key_stride;
+  const T* value = static_cast<const T*>(p.value) + token * p.value_stride;
+  for (int64_t e = threadIdx.x * kStep; e < row; e += blockDim.x * kStep) {
+    const int64_t h = e / p.head_size, d = e % p.head_size;
+    const int64_t at = ((block * p.num_kv_heads + h) * p.block_size + offset) * p.head_size + d;
+    if constexpr (kPacked) {
+      store_pack(static_cast<T*>(p.key_cache) + at, load_pack(key + e));
+      store_pack(static_cast<T*>(p.value_cache) + at, load_pack(value + e));
+    } else {
+      static_cast<T*>(p.key_cache)[at] = key[e];
+      static_cast<T*>(p.value_cache)[at] = value[e];
+    }
+  }
+}
+
+template <typename T>
+void launch(const CacheWriteParams& p) {
+  // A pack must not straddle two heads, whose cache rows are apart: head_size whole packs.
+  const bool packed = packs_fit<T>(p.key, p.head_size, p.key_stride) &&
+                      packs_fit<T>(p.value, p.head_size, p.value_stride) &&
+                      packs_fit<T>(p.key_cache, p.head_size, 0) && packs_fit<T>(p.value_cache, p.head_size, 0);
+  const int64_t per_thread = packed ? Pack<T>::kSize : 1;
+  const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(p.num_kv_heads * p.head_size / per_thread, 32) * 32));
+  if (packed) cache_write_kernel<T, true><<<p.num_tokens, threads, 0, current_stream()>>>(p);
+  else cache_write_kernel<T, false><<<p.num_tokens, threads, 0, current_stream()>>>(p);
+  check_launch("reshape_and_cache");
+}
+
+}  // namespace
+
+void reshape_and_cache(const CacheWriteParams& p) {
+  if (p.num_tokens == 0) return;
+  dispatch_float(p.dtype, "reshape_and_cache", [&](auto t) { launch<decltype(t)>(p); });
+}
+
+}  // namespace octavo::cuda

@@ -1,0 +1,89 @@
+// Shared by the .cu files: the current stream, launch checks, float conversions for the three
+// activation dtypes, 16-byte packs and block reductions.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "octavo/status.h"
+#include "octavo/tensor_view.h"
+
+namespace octavo::cuda {
+
+cudaStream_t current_stream();
+// Throws octavo::Error naming `what` if the last launch (or an earlier asynchronous error) failed.
+void check_launch(const char* what);
+
+using bf16 = __nv_bfloat16;
+using f16 = __half;
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(f16 x) { return __half2float(x); }
+
+// Round to nearest even, as the CPU kernels (and torch) round.
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ bf16 from_float<bf16>(float x) { return __float2bfloat16_rn(x); }
+template <>
+__device__ __forceinline__ f16 from_float<f16>(float x) { return __float2half_rn(x); }
+
+// 16 bytes of T, loaded and stored with one instruction (the address must be 16-byte aligned).
+template <typename T>
+struct alignas(16) Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  T v[kSize];
+};
+
+template <typename T>
+__device__ __forceinline__ Pack<T> load_pack(const T* p) {
+  return *reinterpret_cast<const Pack<T>*>(p);
+}
+template <typename T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T>& pack) {
+  *reinterpret_cast<Pack<T>*>(p) = pack;
+}
+
+// Whether rows of `cols` elements starting at `ptr` with row stride `stride` can all be read in
+// 16-byte packs.
+template <typename T>
+inline bool packs_fit(const void* ptr, int64_t cols, int64_t stride) {
+  constexpr int64_t n = Pack<T>::kSize;
+  return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && cols % n == 0 && stride % n == 0;
+}
+
+// Sum of `v` over the block; every thread gets the result. blockDim.x a multiple of 32, at most
+// 1024; `scratch` holds 32 floats of shared memory.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x / 32;
+  v = lane < warps ? scratch[lane] : 0.0f;
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  __syncthreads();  // scratch may be reused right after
+  return v;
+}
+
+// Calls fn(T{}) with T the CUDA type of a float dtype (float, bf16 or f16).
+template <typename Fn>
+void dispatch_float(DType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case DType::kFloat32: return fn(float{});
+    case DType::kBFloat16: return fn(bf16{});
+    case DType::kFloat16: return fn(f16{});
+    default: OCTAVO_CHECK(false, op << ": unsupported dtype " << dtype_name(dtype));
+  }
+}
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace octavo::cuda

@@ -1,0 +1,77 @@
+// rms_norm and fused_add_rms_norm: one block per row. The row is read once for the sum of
+// squares (and, fused, residual += input is written back rounded, since vLLM normalizes the
+// residual as stored), then read again, mostly from L1/L2, to scale it. float32 accumulation;
+// the same formulas as the CPU kernel: scale = 1 / sqrt(mean(x^2) + eps), out = (x * scale) * w.
+#include "common.cuh"
+#include "cuda_kernels.h"
+
+namespace octavo::cuda {
+namespace {
+
+constexpr int kMaxThreads = 1024;
+
+template <typename T>
+__device__ __forceinline__ float weight_at(const RmsNormParams& p, int64_t i) {
+  return to_float(static_cast<const T*>(p.weight)[i]) + (p.weight_offset ? 1.0f : 0.0f);
+}
+
+// kPacked: every row pointer and the hidden size allow 16-byte packs.
+template <typename T, bool kPacked>
+__global__ void rms_norm_kernel(RmsNormParams p) {
+  __shared__ float scratch[32];
+  constexpr int kStep = kPacked ? Pack<T>::kSize : 1;
+  const int64_t row = blockIdx.x;
+  const T* x = static_cast<const T*>(p.input) + row * p.in_stride;
+  T* out = static_cast<T*>(p.out) + row * p.out_stride;
+  T* res = p.residual ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
+  float ss = 0.0f;
+  for (int64_t i = threadIdx.x * kStep; i < p.hidden; i += blockDim.x * kStep) {
+    T v[kStep];
+    if constexpr (kPacked) *reinterpret_cast<Pack<T>*>(v) = load_pack(x + i);
+    else v[0] = x[i];
+    if (res) {
+      T r[kStep];
+      if constexpr (kPacked) *reinterpret_cast<Pack<T>*>(r) = load_pack(res + i);
+      else r[0] = res[i];
+#pragma unroll
+      for (int j = 0; j < kStep; ++j) v[j] = from_float<T>(to_float(v[j]) + to_float(r[j]));
+      if constexpr (kPacked) store_pack(res + i, *reinterpret_cast<Pack<T>*>(v));
+      else res[i] = v[0];
+    }
+#pragma unroll
+    for (int j = 0; j < kStep; ++j) ss += to_float(v[j]) * to_float(v[j]);
+  }
+  ss = block_sum(ss, scratch);
+  const float scale = 1.0f / sqrtf(ss / static_cast<float>(p.hidden) + p.eps);
+  const T* src = res ? res : x;  // the normalized row is the updated residual
+  for (int64_t i = threadIdx.x * kStep; i < p.hidden; i += blockDim.x * kStep) {
+    T v[kStep];
+    if constexpr (kPacked) *reinterpret_cast<Pack<T>*>(v) = load_pack(src + i);
+    else v[0] = src[i];
+#pragma unroll
+    for (int j = 0; j < kStep; ++j) v[j] = from_float<T>(to_float(v[j]) * scale * weight_at<T>(p, i + j));
+    if constexpr (kPacked) store_pack(out + i, *reinterpret_cast<Pack<T>*>(v));
+    else out[i] = v[0];
+  }
+}
+
+template <typename T>
+void launch(const RmsNormParams& p) {
+  const bool packed = packs_fit<T>(p.input, p.hidden, p.in_stride) && packs_fit<T>(p.out, p.hidden, p.out_stride) &&
+                      packs_fit<T>(p.weight, p.hidden, 0) &&
+                      (!p.residual || packs_fit<T>(p.residual, p.hidden, p.residual_stride));
+  const int64_t per_thread = packed ? Pack<T>::kSize : 1;
+  const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(p.hidden / per_thread, 32) * 32));
+  if (packed) rms_norm_kernel<T, true><<<p.rows, threads, 0, current_stream()>>>(p);
+  else rms_norm_kernel<T, false><<<p.rows, threads, 0, current_stream()>>>(p);
+  check_launch("rms_norm");
+}
+
+}  // namespace
+
+void rms_norm(const RmsNormParams& p) {
+  if (p.rows == 0 || p.hidden == 0) return;
+  dispatch_float(p.dtype, "rms_norm", [&](auto t) { launch<decltype(t)>(p); });
+}
+
+}  // namespace octavo::cuda

@@ -1,0 +1,173 @@
+"""The CUDA kernels against the CPU kernels on the same inputs (the CPU kernels are themselves
+tested against float64 in test_elementwise_ops.py and test_attention.py). Runs only where a GPU
+is present and this build carries CUDA kernels."""
+
+import pytest
+import torch
+from octavo import _C
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not _C.cuda_compiled(), reason="this build of Octavo has no CUDA kernels")]
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+DTYPE_IDS = ["f32", "bf16", "f16"]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+def assert_matches_cpu(gpu: torch.Tensor, cpu: torch.Tensor):
+    """Equal up to one rounding of the dtype: the kernels sum in different orders."""
+    ulp = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[cpu.dtype]
+    torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=ulp, atol=ulp * cpu.float().abs().max().item())
+
+
+def on_gpu(*tensors):
+    return [None if t is None else t.cuda() for t in tensors]
+
+
+# ----------------------------------------------------------------------------- rms_norm
+
+@pytest.mark.parametrize("weight_offset", [False, True])
+@pytest.mark.parametrize("rows,hidden", [(1, 17), (5, 4095), (64, 1024), (3, 576), (2, 8192)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rms_norm(dtype, rows, hidden, weight_offset):
+    x = (torch.randn(rows, hidden) * 2).to(dtype)
+    w = (torch.rand(hidden) + 0.5).to(dtype)
+    out = torch.empty_like(x)
+    _C.ops.rms_norm(out, x, w, 1e-6, weight_offset)
+    gx, gw = on_gpu(x, w)
+    gout = torch.empty_like(gx)
+    _C.ops.rms_norm(gout, gx, gw, 1e-6, weight_offset)
+    torch.cuda.synchronize()
+    assert_matches_cpu(gout, out)
+
+
+@pytest.mark.parametrize("hidden", [64, 4096, 100])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fused_add_rms_norm_and_strided_rows(dtype, hidden):
+    # A row stride wider than the row (a view into a larger buffer), as for a fused QKV output.
+    base = torch.randn(9, hidden + 8).to(dtype)
+    x, residual = base[:, :hidden], torch.randn(9, hidden).to(dtype)
+    w = (torch.rand(hidden) + 0.5).to(dtype)
+    gbase, gresidual, gw = on_gpu(base, residual, w)
+    gx = gbase[:, :hidden]
+    _C.ops.fused_add_rms_norm(x, residual, w, 1e-5)
+    _C.ops.fused_add_rms_norm(gx, gresidual, gw, 1e-5)
+    torch.cuda.synchronize()
+    assert torch.equal(gresidual.cpu(), residual)  # one rounding of the same sum
+    assert_matches_cpu(gx, x)
+    assert torch.equal(gbase[:, hidden:].cpu(), base[:, hidden:])  # the gap between rows is untouched
+
+
+# ----------------------------------------------------------------------------- activations
+
+@pytest.mark.parametrize("op", ["silu", "gelu_none", "gelu_tanh"])
+@pytest.mark.parametrize("rows,d", [(1, 64), (9, 1536), (4, 13), (300, 8)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_gated_activations(dtype, rows, d, op):
+    x = (torch.randn(rows, 2 * d) * 3).to(dtype)
+    outs = []
+    for t in (x, x.cuda()):
+        out = torch.empty(rows, d, dtype=dtype, device=t.device)
+        if op == "silu":
+            _C.ops.silu_and_mul(out, t)
+        else:
+            _C.ops.gelu_and_mul(out, t, op.split("_")[1])
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert_matches_cpu(outs[1], outs[0])
+
+
+# ----------------------------------------------------------------------------- rotary_embedding
+
+def cos_sin_cache(max_position: int, rot_dim: int) -> torch.Tensor:
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, rot_dim, 2).float() / rot_dim))
+    angles = torch.outer(torch.arange(max_position).float(), inv_freq)
+    return torch.cat([angles.cos(), angles.sin()], dim=-1)
+
+
+@pytest.mark.parametrize("is_neox", [True, False])
+@pytest.mark.parametrize("head_size,rot_dim", [(64, 64), (128, 128), (128, 64), (256, 256)])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_rotary_embedding(dtype, index_dtype, head_size, rot_dim, is_neox):
+    tokens, heads, kv_heads = 7, 8, 2
+    positions = torch.randint(0, 4096, (tokens,), dtype=index_dtype)
+    q = torch.randn(tokens, heads * head_size).to(dtype)
+    k = torch.randn(tokens, kv_heads, head_size).to(dtype)
+    cache = cos_sin_cache(4096, rot_dim)
+    gq, gk = on_gpu(q, k)
+    _C.ops.rotary_embedding(positions, q, k, head_size, cache, is_neox)
+    _C.ops.rotary_embedding(positions.cuda(), gq, gk, head_size, cache.cuda(), is_neox)
+    torch.cuda.synchronize()
+    assert_matches_cpu(gq, q)
+    assert_matches_cpu(gk, k)
+
+
+def test_rotary_embedding_skips_positions_outside_the_cache():
+    q = torch.randn(3, 64, device="cuda")
+    before = q.clone()
+    positions = torch.tensor([5, 100, -1], device="cuda")
+    _C.ops.rotary_embedding(positions, q, None, 64, cos_sin_cache(16, 64).cuda(), True)
+    torch.cuda.synchronize()
+    assert not torch.equal(q[0], before[0])
+    assert torch.equal(q[1:], before[1:])
+
+
+# ----------------------------------------------------------------------------- reshape_and_cache
+
+@pytest.mark.parametrize("head_size", [64, 128, 256, 12])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_reshape_and_cache_writes_the_same_slots(dtype, head_size):
+    num_blocks, kv_heads, block_size, tokens = 6, 4, 16, 20
+    key, value = torch.randn(tokens, kv_heads, head_size).to(dtype), torch.randn(tokens, kv_heads, head_size).to(dtype)
+    slots = torch.randperm(num_blocks * block_size)[:tokens].to(torch.int64)
+    slots[3] = -1  # skipped
+    caches = [torch.zeros(num_blocks, kv_heads, block_size, head_size, dtype=dtype) for _ in range(2)]
+    gcaches = on_gpu(*caches)
+    _C.ops.reshape_and_cache(key, value, caches[0], caches[1], slots)
+    _C.ops.reshape_and_cache(key.cuda(), value.cuda(), gcaches[0], gcaches[1], slots.cuda())
+    torch.cuda.synchronize()
+    assert torch.equal(gcaches[0].cpu(), caches[0]) and torch.equal(gcaches[1].cpu(), caches[1])
+    assert caches[0].abs().sum() > 0
+
+
+def test_reshape_and_cache_skips_slots_outside_the_cache():
+    key = torch.randn(2, 1, 8, device="cuda")
+    caches = [torch.zeros(1, 1, 4, 8, device="cuda") for _ in range(2)]
+    _C.ops.reshape_and_cache(key, key, caches[0], caches[1], torch.tensor([1, 4], device="cuda", dtype=torch.int32))
+    torch.cuda.synchronize()
+    assert torch.equal(caches[0][0, 0, 1], key[0, 0]) and caches[0].abs().sum() == key[0].abs().sum()
+
+
+# ----------------------------------------------------------------------------- streams and devices
+
+def test_ops_are_captured_in_a_cuda_graph_on_the_stream_they_are_given():
+    """Inside a capture, a launch on the legacy default stream fails; on the capturing stream (set
+    through set_cuda_stream) it is recorded, and the replay reads the inputs' new values."""
+    x, w = torch.randn(64, 1024, device="cuda"), torch.rand(1024, device="cuda") + 0.5
+    out = torch.empty_like(x)
+    _C.ops.rms_norm(out, x, w, 1e-6)  # warm-up outside the capture (module loading)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _C.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
+        try:
+            _C.ops.rms_norm(out, x, w, 1e-6)
+        finally:
+            _C.set_cuda_stream(0)
+    assert _C.cuda_stream() == 0
+    x.copy_(torch.randn(64, 1024))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = torch.empty(64, 1024)
+    _C.ops.rms_norm(ref, x.cpu(), w.cpu(), 1e-6)
+    assert_matches_cpu(out, ref)
+
+
+def test_mixed_devices_are_refused():
+    x = torch.randn(2, 64, device="cuda")
+    with pytest.raises(ValueError, match="'weight' is on cpu:0 but 'input' is on cuda:0"):
+        _C.ops.rms_norm(torch.empty_like(x), x, torch.ones(64), 1e-6)
