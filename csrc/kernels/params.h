@@ -57,7 +57,7 @@ struct PagedAttentionParams {
   const int32_t* seq_lens;         // [num_seqs]
   const int32_t* block_tables;     // [num_seqs, block_table_stride]
   int64_t num_seqs, num_tokens, num_heads, num_kv_heads, head_size, block_size, num_blocks;
-  int64_t block_table_stride, out_stride, query_stride;
+  int64_t block_table_stride, max_blocks_per_seq, out_stride, query_stride;  // max_blocks_per_seq: the table's width
   int64_t sliding_window;          // 0: off
   float scale, softcap;            // softcap 0: off
   DType dtype;

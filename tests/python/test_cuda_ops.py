@@ -171,3 +171,63 @@ def test_mixed_devices_are_refused():
     x = torch.randn(2, 64, device="cuda")
     with pytest.raises(ValueError, match="'weight' is on cpu:0 but 'input' is on cuda:0"):
         _C.ops.rms_norm(torch.empty_like(x), x, torch.ones(64), 1e-6)
+
+
+# ----------------------------------------------------------------------------- paged_attention
+
+def check_attention_on_gpu(batch, dtype, sliding_window=0, softcap=0.0):
+    """The batch of test_attention.py (built on the CPU, NaN in every unused block) run on the GPU,
+    against the same float64 reference as the CPU kernel."""
+    from test_attention import TOLERANCE, rel_error
+
+    scale = batch.query.shape[-1] ** -0.5
+    out = torch.empty_like(batch.query, device="cuda")
+    _C.ops.paged_attention(out, batch.query.cuda(), batch.key_cache.cuda(), batch.value_cache.cuda(),
+                           batch.query_start_loc.cuda(), batch.seq_lens.cuda(), batch.block_tables.cuda(), scale,
+                           sliding_window, softcap)
+    torch.cuda.synchronize()
+    out = out.cpu()
+    assert torch.isfinite(out).all()
+    assert rel_error(out, batch.reference(scale, sliding_window, softcap)) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("heads", [(4, 4), (8, 2), (32, 8), (16, 1)])
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_mixed_batch(dtype, head_size, heads):
+    from test_attention import MIXED, Batch
+
+    gen = torch.Generator().manual_seed(head_size * 100 + heads[0])
+    check_attention_on_gpu(Batch(MIXED, *heads, head_size, 16, dtype, gen), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_long_decodes_split_and_merge(dtype):
+    """Contexts of 2-5k tokens with few query tokens: the keys are split across blocks and merged."""
+    from test_attention import Batch
+
+    gen = torch.Generator().manual_seed(3)
+    batch = Batch([(5000, 1), (2047, 1), (3000, 2), (10, 1)], 32, 8, 128, 16, dtype, gen)
+    check_attention_on_gpu(batch, dtype)
+    check_attention_on_gpu(batch, dtype, sliding_window=700)
+
+
+def test_paged_attention_sliding_window_and_softcap():
+    from test_attention import MIXED, Batch
+
+    gen = torch.Generator().manual_seed(5)
+    batch = Batch([(90, 1), (40, 30), (0, 50), (7, 1)], 8, 2, 64, 16, torch.float32, gen)
+    check_attention_on_gpu(batch, torch.float32, sliding_window=24)
+    check_attention_on_gpu(batch, torch.float32, sliding_window=1)
+    capped = Batch(MIXED, 4, 2, 64, 16, torch.float32, gen)
+    capped.query *= 8  # large scores, so that the cap matters
+    check_attention_on_gpu(capped, torch.float32, softcap=5.0)
+
+
+def test_paged_attention_refuses_what_it_has_no_kernel_for():
+    from test_attention import Batch
+
+    gen = torch.Generator().manual_seed(9)
+    batch = Batch([(3, 2)], 4, 2, 80, 16, torch.bfloat16, gen)
+    with pytest.raises(ValueError, match="head_size 80 has no CUDA kernel"):
+        check_attention_on_gpu(batch, torch.bfloat16)

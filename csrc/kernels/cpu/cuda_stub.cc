@@ -29,6 +29,7 @@ void rotary_embedding(const RotaryParams&) { no_cuda("rotary_embedding"); }
 void silu_and_mul(const GatedActivationParams&) { no_cuda("silu_and_mul"); }
 void gelu_and_mul(const GatedActivationParams&, GeluApproximation) { no_cuda("gelu_and_mul"); }
 void reshape_and_cache(const CacheWriteParams&) { no_cuda("reshape_and_cache"); }
+void paged_attention(const PagedAttentionParams&) { no_cuda("paged_attention"); }
 
 }  // namespace cuda
 }  // namespace octavo

@@ -18,5 +18,7 @@ void rotary_embedding(const RotaryParams& p);
 void silu_and_mul(const GatedActivationParams& p);
 void gelu_and_mul(const GatedActivationParams& p, GeluApproximation approximate);
 void reshape_and_cache(const CacheWriteParams& p);
+// Head sizes 64, 128 and 256, at most 16 query heads per KV head.
+void paged_attention(const PagedAttentionParams& p);
 
 }  // namespace octavo::cuda

@@ -1,6 +1,8 @@
-// paged_attention: argument checks (the batch metadata is validated on the host, so a bad block
-// table is an error rather than a stray read), then the CPU launcher.
+// paged_attention: argument checks, then the CPU or CUDA launcher. For CPU tensors the batch
+// metadata is validated on the host, so a bad block table is an error rather than a stray read;
+// the CUDA kernel masks what it cannot use instead (see cuda_kernels.h).
 #include "cpu/isa_kernels.h"
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 #include "op_checks.h"
 
@@ -38,11 +40,10 @@ void check_batch(const PagedAttentionParams& p, int64_t table_width) {
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
                      const TensorView& block_tables, double scale, int64_t sliding_window, double softcap) {
-  ops::check_cpu(query, "query");
   ops::check_float(query, "query");
   check_ndim(query, "query", 3);
   const ops::Rows q = ops::as_rows(query, "query");
-  ops::check_cpu(out, "out");
+  ops::check_same_device(out, "out", query, "query");
   ops::check_same_dtype(out, "out", query, "query");
   check_ndim(out, "out", 3);
   const ops::Rows o = ops::as_rows(out, "out");
@@ -59,9 +60,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                                              << num_kv_heads << ")");
   check_ndim(seq_lens, "seq_lens", 1);
   const int64_t num_seqs = seq_lens.shape[0];
-  ops::check_vector(seq_lens, "seq_lens", DType::kInt32, num_seqs);
-  ops::check_vector(query_start_loc, "query_start_loc", DType::kInt32, num_seqs + 1);
-  ops::check_cpu(block_tables, "block_tables");
+  ops::check_vector(seq_lens, "seq_lens", DType::kInt32, num_seqs, query, "query");
+  ops::check_vector(query_start_loc, "query_start_loc", DType::kInt32, num_seqs + 1, query, "query");
+  ops::check_same_device(block_tables, "block_tables", query, "query");
   check_dtype(block_tables, "block_tables", DType::kInt32);
   check_ndim(block_tables, "block_tables", 2);
   check_size(block_tables, "block_tables", 0, num_seqs);
@@ -86,14 +87,19 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.block_size = key_cache.shape[2];
   p.num_blocks = key_cache.shape[0];
   p.block_table_stride = bt.stride;
+  p.max_blocks_per_seq = bt.cols;
   p.out_stride = o.stride;
   p.query_stride = q.stride;
   p.sliding_window = sliding_window;
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.dtype = query.dtype;
-  check_batch(p, bt.cols);
-  cpu_dispatch(paged_attention, p);
+  if (ops::is_cuda(query)) {
+    cuda::paged_attention(p);
+  } else {
+    check_batch(p, bt.cols);
+    cpu_dispatch(paged_attention, p);
+  }
 }
 
 }  // namespace octavo

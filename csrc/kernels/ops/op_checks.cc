@@ -82,6 +82,12 @@ void check_same_device(const TensorView& t, const char* arg, const TensorView& r
 
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size) {
   check_cpu(t, arg);
+  check_vector(t, arg, dtype, size, t, arg);
+}
+
+void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size, const TensorView& ref,
+                  const char* ref_arg) {
+  check_same_device(t, arg, ref, ref_arg);
   check_dtype(t, arg, dtype);
   check_ndim(t, arg, 1);
   if (size >= 0) check_size(t, arg, 0, size);

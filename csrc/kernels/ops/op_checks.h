@@ -28,8 +28,10 @@ void check_cpu(const TensorView& t, const char* arg);
 // On the same device (type and index) as ref.
 void check_same_device(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
 inline bool is_cuda(const TensorView& t) { return t.device.type == DeviceType::kCUDA; }
-// 1-D, contiguous, `dtype`, `size` elements (size < 0: any).
+// 1-D, contiguous, `dtype`, `size` elements (size < 0: any); on the CPU, or on ref's device.
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size);
+void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size, const TensorView& ref,
+                  const char* ref_arg);
 
 // A paged KV cache [num_blocks, num_kv_heads, block_size, head_size]: contiguous, on the device
 // and of the dtype of ref.

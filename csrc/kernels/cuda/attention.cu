@@ -1,0 +1,115 @@
+// paged_attention's host side: how many splits, the split workspace, the head-size and dtype
+// dispatch, and the merge of split results.
+#include <cmath>
+#include <mutex>
+
+#include "attention.cuh"
+#include "cuda_kernels.h"
+
+namespace octavo::cuda {
+namespace {
+
+constexpr int kMaxSplits = 32;
+constexpr int64_t kMinKeysPerSplit = 256;  // below this a split's fixed costs dominate
+constexpr int kMaxDevices = 64;
+
+int multiprocessor_count() {
+  static int counts[kMaxDevices] = {};
+  int device = 0;
+  cudaGetDevice(&device);
+  if (counts[device] == 0) cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
+  return counts[device];
+}
+
+// Enough blocks to fill the GPU twice over, without splits shorter than kMinKeysPerSplit. The
+// host cannot read seq_lens, so the table's width bounds the context; splits past a sequence's
+// end are empty and weigh nothing in the merge.
+int choose_splits(const PagedAttentionParams& p) {
+  const int64_t blocks = p.num_tokens * p.num_kv_heads;
+  const int64_t want = ceil_div(2 * multiprocessor_count(), blocks);
+  const int64_t most = ceil_div(p.max_blocks_per_seq * p.block_size, kMinKeysPerSplit);
+  return static_cast<int>(max64(1, min64(min64(want, most), kMaxSplits)));
+}
+
+// A per-device buffer for split results, grown on demand. Growing allocates, which a CUDA graph
+// capture cannot do: run the largest shape once before capturing.
+float* split_workspace(size_t bytes) {
+  static std::mutex mu;
+  static void* buffers[kMaxDevices] = {};
+  static size_t sizes[kMaxDevices] = {};
+  std::lock_guard<std::mutex> lock(mu);
+  int device = 0;
+  cudaGetDevice(&device);
+  if (sizes[device] < bytes) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    cudaStreamIsCapturing(current_stream(), &capturing);
+    OCTAVO_CHECK_KIND(ErrorKind::kRuntime, capturing == cudaStreamCaptureStatusNone,
+                      "paged_attention needs a larger split workspace (" << bytes << " bytes) inside a CUDA graph "
+                      "capture; run the captured shape once before capturing");
+    if (buffers[device] != nullptr) cudaFree(buffers[device]);
+    buffers[device] = nullptr;
+    sizes[device] = 0;
+    OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaMalloc(&buffers[device], bytes) == cudaSuccess,
+                      "paged_attention: cannot allocate a " << bytes << "-byte split workspace");
+    sizes[device] = bytes;
+  }
+  return static_cast<float*>(buffers[device]);
+}
+
+// out[token, head] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s. One block
+// per (token, head), a thread per element of the head.
+template <typename T>
+__global__ void merge_splits_kernel(PagedAttentionParams p, SplitOutputs splits) {
+  const int64_t token = blockIdx.x, head = blockIdx.y, row0 = (token * p.num_heads + head) * splits.num_splits;
+  float m = -INFINITY;
+  for (int s = 0; s < splits.num_splits; ++s)
+    if (splits.max_sum[2 * (row0 + s) + 1] > 0) m = fmaxf(m, splits.max_sum[2 * (row0 + s)]);
+  T* out = static_cast<T*>(p.out) + token * p.out_stride + head * p.head_size;
+  for (int64_t d = threadIdx.x; d < p.head_size; d += blockDim.x) {
+    float num = 0.0f, den = 0.0f;
+    for (int s = 0; s < splits.num_splits; ++s) {
+      const float sum = splits.max_sum[2 * (row0 + s) + 1];
+      if (sum <= 0) continue;  // an empty split
+      const float w = __expf(splits.max_sum[2 * (row0 + s)] - m);
+      num += w * splits.acc[(row0 + s) * p.head_size + d];
+      den += w * sum;
+    }
+    out[d] = from_float<T>(den > 0 ? num / den : 0.0f);
+  }
+}
+
+template <typename T>
+void run(const PagedAttentionParams& p) {
+  SplitOutputs splits{nullptr, nullptr, choose_splits(p)};
+  if (splits.num_splits > 1) {
+    const size_t rows = static_cast<size_t>(p.num_tokens * p.num_heads * splits.num_splits);
+    float* workspace = split_workspace(rows * (p.head_size + 2) * sizeof(float));
+    splits.acc = workspace;
+    splits.max_sum = workspace + rows * p.head_size;
+  }
+  switch (p.head_size) {
+    case 64: launch_paged_attention<T, 64>(p, splits); break;
+    case 128: launch_paged_attention<T, 128>(p, splits); break;
+    case 256: launch_paged_attention<T, 256>(p, splits); break;
+    default:
+      OCTAVO_CHECK(false, "paged_attention: head_size " << p.head_size
+                                                        << " has no CUDA kernel (compiled: 64, 128, 256)");
+  }
+  if (splits.num_splits > 1) {
+    const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
+    merge_splits_kernel<T><<<grid, static_cast<unsigned>(min64(p.head_size, 256)), 0, current_stream()>>>(p, splits);
+    check_launch("paged_attention (merge)");
+  }
+}
+
+}  // namespace
+
+void paged_attention(const PagedAttentionParams& p) {
+  if (p.num_tokens == 0) return;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  OCTAVO_CHECK(group <= kMaxGroup, "paged_attention: " << group << " query heads per KV head; the CUDA kernel takes "
+                                                       << "at most " << kMaxGroup);
+  dispatch_float(p.dtype, "paged_attention", [&](auto t) { run<decltype(t)>(p); });
+}
+
+}  // namespace octavo::cuda
