@@ -27,9 +27,14 @@ def csr(lists):
     return offsets, ids
 
 
+# Where the kernel runs: test_cuda_sampling.py sets "cuda" to run these tests on the CUDA kernel.
+DEVICE = "cpu"
+
+
 def sample(logits, temperature=1.0, *, seed=0, counters=None, num_top=0, logprobs=False,
            prompt=None, output=None, banned=None, **params):
-    """Runs the kernel; scalars broadcast over rows. Returns sampled, or a dict with logprobs."""
+    """Runs the kernel on DEVICE; scalars broadcast over rows. Returns sampled, or a dict with
+    logprobs (on the CPU)."""
     b = logits.shape[0]
     kw = {}
     for name, value in params.items():
@@ -41,13 +46,17 @@ def sample(logits, temperature=1.0, *, seed=0, counters=None, num_top=0, logprob
         counters = torch.zeros(b, dtype=I64)
     out = {"sampled": torch.empty(b, dtype=I32)}
     if logprobs:
-        out["sampled_logprobs"] = kw["sampled_logprobs"] = torch.empty(b, dtype=F32)
-        out["sampled_ranks"] = kw["sampled_ranks"] = torch.empty(b, dtype=I32)
+        out["sampled_logprobs"] = torch.empty(b, dtype=F32)
+        out["sampled_ranks"] = torch.empty(b, dtype=I32)
     if num_top:
-        out["top_token_ids"] = kw["top_token_ids"] = torch.empty(b, num_top, dtype=I32)
-        out["top_logprobs"] = kw["top_logprobs"] = torch.empty(b, num_top, dtype=F32)
-    _C.ops.sample(logits, per_row(temperature, b, F32), per_row(seed, b, I64), torch.as_tensor(counters, dtype=I64),
-                  out["sampled"], **kw)
+        out["top_token_ids"] = torch.empty(b, num_top, dtype=I32)
+        out["top_logprobs"] = torch.empty(b, num_top, dtype=F32)
+    out = {k: v.to(DEVICE) for k, v in out.items()}
+    kw = {k: v.to(DEVICE) for k, v in kw.items()}
+    kw.update((k, v) for k, v in out.items() if k != "sampled")
+    _C.ops.sample(logits.to(DEVICE), per_row(temperature, b, F32).to(DEVICE), per_row(seed, b, I64).to(DEVICE),
+                  torch.as_tensor(counters, dtype=I64).to(DEVICE), out["sampled"], **kw)
+    out = {k: v.cpu() for k, v in out.items()}
     return out if len(out) > 1 else out["sampled"]
 
 

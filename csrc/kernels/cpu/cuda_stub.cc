@@ -30,6 +30,7 @@ void silu_and_mul(const GatedActivationParams&) { no_cuda("silu_and_mul"); }
 void gelu_and_mul(const GatedActivationParams&, GeluApproximation) { no_cuda("gelu_and_mul"); }
 void reshape_and_cache(const CacheWriteParams&) { no_cuda("reshape_and_cache"); }
 void paged_attention(const PagedAttentionParams&) { no_cuda("paged_attention"); }
+void sample(const SampleParams&) { no_cuda("sample"); }
 
 }  // namespace cuda
 }  // namespace octavo

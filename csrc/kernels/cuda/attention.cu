@@ -1,7 +1,6 @@
 // paged_attention's host side: how many splits, the split workspace, the head-size and dtype
 // dispatch, and the merge of split results.
 #include <cmath>
-#include <mutex>
 
 #include "attention.cuh"
 #include "cuda_kernels.h"
@@ -31,31 +30,6 @@ int choose_splits(const PagedAttentionParams& p) {
   return static_cast<int>(max64(1, min64(min64(want, most), kMaxSplits)));
 }
 
-// A per-device buffer for split results, grown on demand. Growing allocates, which a CUDA graph
-// capture cannot do: run the largest shape once before capturing.
-float* split_workspace(size_t bytes) {
-  static std::mutex mu;
-  static void* buffers[kMaxDevices] = {};
-  static size_t sizes[kMaxDevices] = {};
-  std::lock_guard<std::mutex> lock(mu);
-  int device = 0;
-  cudaGetDevice(&device);
-  if (sizes[device] < bytes) {
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    cudaStreamIsCapturing(current_stream(), &capturing);
-    OCTAVO_CHECK_KIND(ErrorKind::kRuntime, capturing == cudaStreamCaptureStatusNone,
-                      "paged_attention needs a larger split workspace (" << bytes << " bytes) inside a CUDA graph "
-                      "capture; run the captured shape once before capturing");
-    if (buffers[device] != nullptr) cudaFree(buffers[device]);
-    buffers[device] = nullptr;
-    sizes[device] = 0;
-    OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaMalloc(&buffers[device], bytes) == cudaSuccess,
-                      "paged_attention: cannot allocate a " << bytes << "-byte split workspace");
-    sizes[device] = bytes;
-  }
-  return static_cast<float*>(buffers[device]);
-}
-
 // out[token, head] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M), M = max_s m_s. One block
 // per (token, head), a thread per element of the head.
 template <typename T>
@@ -83,7 +57,8 @@ void run(const PagedAttentionParams& p) {
   SplitOutputs splits{nullptr, nullptr, choose_splits(p)};
   if (splits.num_splits > 1) {
     const size_t rows = static_cast<size_t>(p.num_tokens * p.num_heads * splits.num_splits);
-    float* workspace = split_workspace(rows * (p.head_size + 2) * sizeof(float));
+    const size_t bytes = rows * (p.head_size + 2) * sizeof(float);
+    auto* workspace = static_cast<float*>(device_workspace(WorkspaceSlot::kAttentionSplits, bytes, "paged_attention"));
     splits.acc = workspace;
     splits.max_sum = workspace + rows * p.head_size;
   }

@@ -40,7 +40,8 @@ void launch(const CacheWriteParams& p) {
                       packs_fit<T>(p.value, p.head_size, p.value_stride) &&
                       packs_fit<T>(p.key_cache, p.head_size, 0) && packs_fit<T>(p.value_cache, p.head_size, 0);
   const int64_t per_thread = packed ? Pack<T>::kSize : 1;
-  const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(p.num_kv_heads * p.head_size / per_thread, 32) * 32));
+  const int64_t packs = p.num_kv_heads * p.head_size / per_thread;
+  const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(packs, 32) * 32));
   if (packed) cache_write_kernel<T, true><<<p.num_tokens, threads, 0, current_stream()>>>(p);
   else cache_write_kernel<T, false><<<p.num_tokens, threads, 0, current_stream()>>>(p);
   check_launch("reshape_and_cache");

@@ -15,6 +15,12 @@
 namespace octavo::cuda {
 
 cudaStream_t current_stream();
+
+// A scratch buffer of at least `bytes` on the current device, one per slot, kept between calls and
+// zero-filled when (re)allocated. Growing allocates, which a CUDA graph capture cannot do.
+enum class WorkspaceSlot { kAttentionSplits, kSampleWeights, kSampleCounts };
+constexpr int kNumWorkspaceSlots = 3;
+void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op);
 // Throws octavo::Error naming `what` if the last launch (or an earlier asynchronous error) failed.
 void check_launch(const char* what);
 

@@ -20,5 +20,6 @@ void gelu_and_mul(const GatedActivationParams& p, GeluApproximation approximate)
 void reshape_and_cache(const CacheWriteParams& p);
 // Head sizes 64, 128 and 256, at most 16 query heads per KV head.
 void paged_attention(const PagedAttentionParams& p);
+void sample(const SampleParams& p);
 
 }  // namespace octavo::cuda

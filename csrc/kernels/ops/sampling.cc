@@ -1,22 +1,27 @@
-// sample: argument checks (token ids and CSR offsets are validated here), then the CPU launcher.
+// sample: argument checks, then the CPU or CUDA launcher. For CPU tensors token ids, CSR offsets
+// and parameter values are validated here; the CUDA kernel cannot read them on the host, skips
+// token ids outside the vocabulary, and relies on the engine's validation of SamplingParams.
 #include "cpu/isa_kernels.h"
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 #include "op_checks.h"
 
 namespace octavo {
 namespace {
 
+// Every tensor lives where the logits do.
 template <typename T>
-const T* optional_vector(const TensorView* t, const char* arg, DType dtype, int64_t size) {
+const T* optional_vector(const TensorView* t, const char* arg, DType dtype, int64_t size, const TensorView& logits) {
   if (!t) return nullptr;
-  ops::check_vector(*t, arg, dtype, size);
+  ops::check_vector(*t, arg, dtype, size, logits, "logits");
   return t->data_as<T>();
 }
 
 template <typename T>
-T* optional_matrix(const TensorView* t, const char* arg, DType dtype, int64_t rows, int64_t* cols) {
+T* optional_matrix(const TensorView* t, const char* arg, DType dtype, int64_t rows, int64_t* cols,
+                   const TensorView& logits) {
   if (!t) return nullptr;
-  ops::check_cpu(*t, arg);
+  ops::check_same_device(*t, arg, logits, "logits");
   check_dtype(*t, arg, dtype);
   check_ndim(*t, arg, 2);
   check_size(*t, arg, 0, rows);
@@ -27,13 +32,17 @@ T* optional_matrix(const TensorView* t, const char* arg, DType dtype, int64_t ro
 
 // A CSR list of token ids per request: offsets [num_reqs + 1] into ids, every id in [0, vocab).
 void token_lists(const TensorView* offsets, const char* offsets_arg, const TensorView* ids, const char* ids_arg,
-                 int64_t num_reqs, int64_t vocab, const int32_t** offsets_out, const int32_t** ids_out) {
+                 int64_t num_reqs, int64_t vocab, const TensorView& logits, const int32_t** offsets_out,
+                 const int32_t** ids_out) {
   OCTAVO_CHECK((offsets == nullptr) == (ids == nullptr),
                "'" << offsets_arg << "' and '" << ids_arg << "' must be given together");
   if (!offsets) return;
-  const int32_t* off = optional_vector<int32_t>(offsets, offsets_arg, DType::kInt32, num_reqs + 1);
+  const int32_t* off = optional_vector<int32_t>(offsets, offsets_arg, DType::kInt32, num_reqs + 1, logits);
   check_ndim(*ids, ids_arg, 1);
-  const int32_t* tok = optional_vector<int32_t>(ids, ids_arg, DType::kInt32, ids->shape[0]);
+  const int32_t* tok = optional_vector<int32_t>(ids, ids_arg, DType::kInt32, ids->shape[0], logits);
+  *offsets_out = off;
+  *ids_out = tok;
+  if (ops::is_cuda(logits)) return;
   OCTAVO_CHECK(off[0] == 0 && off[num_reqs] == ids->shape[0],
                "'" << offsets_arg << "' must start at 0 and end at the length of '" << ids_arg << "' ("
                    << ids->shape[0] << ")");
@@ -44,8 +53,6 @@ void token_lists(const TensorView* offsets, const char* offsets_arg, const Tenso
     OCTAVO_CHECK(tok[i] >= 0 && tok[i] < vocab, ids_arg << "[" << i << "] = " << tok[i]
                                                         << " is not a token id (vocabulary size " << vocab << ")");
   }
-  *offsets_out = off;
-  *ids_out = tok;
 }
 
 // True if some of the n values differ from `neutral` (false for an absent tensor).
@@ -59,7 +66,6 @@ bool any_not(const float* values, int64_t n, float neutral) {
 }  // namespace
 
 void sample(const SampleArgs& a) {
-  ops::check_cpu(a.logits, "logits");
   check_dtype(a.logits, "logits", DType::kFloat32);
   check_ndim(a.logits, "logits", 2);
   const ops::Rows rows = ops::as_rows(a.logits, "logits");
@@ -70,33 +76,41 @@ void sample(const SampleArgs& a) {
   p.num_reqs = n;
   p.vocab_size = rows.cols;
   p.logits_stride = rows.stride;
-  p.temperature = optional_vector<float>(&a.temperature, "temperature", DType::kFloat32, n);
-  p.top_k = optional_vector<int32_t>(a.top_k, "top_k", DType::kInt32, n);
-  p.top_p = optional_vector<float>(a.top_p, "top_p", DType::kFloat32, n);
-  p.min_p = optional_vector<float>(a.min_p, "min_p", DType::kFloat32, n);
-  p.repetition_penalty = optional_vector<float>(a.repetition_penalty, "repetition_penalty", DType::kFloat32, n);
-  p.frequency_penalty = optional_vector<float>(a.frequency_penalty, "frequency_penalty", DType::kFloat32, n);
-  p.presence_penalty = optional_vector<float>(a.presence_penalty, "presence_penalty", DType::kFloat32, n);
-  p.seeds = optional_vector<int64_t>(&a.seeds, "seeds", DType::kInt64, n);
-  p.counters = optional_vector<int64_t>(&a.counters, "counters", DType::kInt64, n);
-  p.sampled = const_cast<int32_t*>(optional_vector<int32_t>(&a.sampled, "sampled", DType::kInt32, n));
+  p.temperature = optional_vector<float>(&a.temperature, "temperature", DType::kFloat32, n, a.logits);
+  p.top_k = optional_vector<int32_t>(a.top_k, "top_k", DType::kInt32, n, a.logits);
+  p.top_p = optional_vector<float>(a.top_p, "top_p", DType::kFloat32, n, a.logits);
+  p.min_p = optional_vector<float>(a.min_p, "min_p", DType::kFloat32, n, a.logits);
+  const auto penalty = [&](const TensorView* t, const char* arg) {
+    return optional_vector<float>(t, arg, DType::kFloat32, n, a.logits);
+  };
+  p.repetition_penalty = penalty(a.repetition_penalty, "repetition_penalty");
+  p.frequency_penalty = penalty(a.frequency_penalty, "frequency_penalty");
+  p.presence_penalty = penalty(a.presence_penalty, "presence_penalty");
+  p.seeds = optional_vector<int64_t>(&a.seeds, "seeds", DType::kInt64, n, a.logits);
+  p.counters = optional_vector<int64_t>(&a.counters, "counters", DType::kInt64, n, a.logits);
+  p.sampled = const_cast<int32_t*>(optional_vector<int32_t>(&a.sampled, "sampled", DType::kInt32, n, a.logits));
   p.sampled_logprobs = const_cast<float*>(optional_vector<float>(a.sampled_logprobs, "sampled_logprobs",
-                                                                 DType::kFloat32, n));
-  p.sampled_ranks = const_cast<int32_t*>(optional_vector<int32_t>(a.sampled_ranks, "sampled_ranks", DType::kInt32, n));
+                                                                 DType::kFloat32, n, a.logits));
+  p.sampled_ranks =
+      const_cast<int32_t*>(optional_vector<int32_t>(a.sampled_ranks, "sampled_ranks", DType::kInt32, n, a.logits));
   int64_t ids_cols = 0, lp_cols = 0;
-  p.top_token_ids = optional_matrix<int32_t>(a.top_token_ids, "top_token_ids", DType::kInt32, n, &ids_cols);
-  p.top_logprobs = optional_matrix<float>(a.top_logprobs, "top_logprobs", DType::kFloat32, n, &lp_cols);
+  p.top_token_ids = optional_matrix<int32_t>(a.top_token_ids, "top_token_ids", DType::kInt32, n, &ids_cols, a.logits);
+  p.top_logprobs = optional_matrix<float>(a.top_logprobs, "top_logprobs", DType::kFloat32, n, &lp_cols, a.logits);
   OCTAVO_CHECK((p.top_token_ids == nullptr) == (p.top_logprobs == nullptr) && ids_cols == lp_cols,
                "'top_token_ids' and 'top_logprobs' must be given together, with the same shape [num_reqs, n]");
   OCTAVO_CHECK(ids_cols <= p.vocab_size, "cannot return " << ids_cols << " top logprobs from a vocabulary of "
                                                           << p.vocab_size);
   p.num_top = ids_cols;
-  token_lists(a.prompt_offsets, "prompt_offsets", a.prompt_token_ids, "prompt_token_ids", n, p.vocab_size,
+  token_lists(a.prompt_offsets, "prompt_offsets", a.prompt_token_ids, "prompt_token_ids", n, p.vocab_size, a.logits,
               &p.prompt_offsets, &p.prompt_token_ids);
-  token_lists(a.output_offsets, "output_offsets", a.output_token_ids, "output_token_ids", n, p.vocab_size,
+  token_lists(a.output_offsets, "output_offsets", a.output_token_ids, "output_token_ids", n, p.vocab_size, a.logits,
               &p.output_offsets, &p.output_token_ids);
-  token_lists(a.banned_offsets, "banned_offsets", a.banned_token_ids, "banned_token_ids", n, p.vocab_size,
+  token_lists(a.banned_offsets, "banned_offsets", a.banned_token_ids, "banned_token_ids", n, p.vocab_size, a.logits,
               &p.banned_offsets, &p.banned_token_ids);
+  if (ops::is_cuda(a.logits)) {
+    cuda::sample(p);
+    return;
+  }
   for (int64_t r = 0; r < n; ++r) {
     OCTAVO_CHECK(p.temperature[r] >= 0, "temperature[" << r << "] must be >= 0, got " << p.temperature[r]);
     if (p.top_p) OCTAVO_CHECK(p.top_p[r] > 0 && p.top_p[r] <= 1, "top_p[" << r << "] must be in (0, 1], got " << p.top_p[r]);

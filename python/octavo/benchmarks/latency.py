@@ -29,19 +29,21 @@ def run(args: argparse.Namespace) -> dict:
     from .memory import decode_weight_bytes, read_bandwidth  # torch: imported only when run
 
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
-              quantization=args.quantization)
+              quantization=args.quantization, device=args.device)
     engine = llm.llm_engine
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, vocab - 100, args.prompt_len).tolist() for _ in range(args.repeats + 1)]
     time_one_request(engine, prompts[0], 8, "warmup")  # first-call costs (allocations, page faults)
     ttfts, rates = [], []
-    bandwidths = [read_bandwidth()]
+    device = engine.device
+    nbytes = 4 << 30 if device.type == "cuda" else 1 << 29
+    bandwidths = [read_bandwidth(nbytes, device=device)]
     for i, prompt in enumerate(prompts[1:]):  # distinct prompts: no prefix-cache hits
         ttft, stamps = time_one_request(engine, prompt, args.max_tokens, f"r{i}")
         ttfts.append(ttft)
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
-        bandwidths.append(read_bandwidth())
+        bandwidths.append(read_bandwidth(nbytes, device=device))
     weight_bytes = decode_weight_bytes(engine.model)
     bandwidth = statistics.mean(bandwidths)
     roofline = bandwidth / weight_bytes
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> dict:
               "read_gb_s": bandwidth / 1e9, "read_gb_s_range": (min(bandwidths) / 1e9, max(bandwidths) / 1e9),
               "roofline_tok_s": roofline}
     result["of_roofline"] = result["decode_tok_s"] / roofline
-    print(f"latency, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
+    print(f"latency on {device}, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
           f"median of {args.repeats}")
     print(f"  time to first token {result['ttft_ms']:.1f} ms; decode {result['decode_tok_s']:.1f} tok/s "
           f"(runs: {', '.join(f'{r:.1f}' for r in rates)})")
@@ -65,6 +67,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="quantize the projections at load time (round to nearest)")
+    p.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)

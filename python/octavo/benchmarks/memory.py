@@ -7,14 +7,19 @@ import time
 import torch
 
 
-def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
+def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5, device: torch.device | str = "cpu") -> float:
     """Bytes per second that torch's sum reads from a buffer far larger than the caches (best
-    of ``repeats``), on torch's threads. Decoding reads weights, so reads are the roofline."""
-    buffer = torch.ones(nbytes // 4, dtype=torch.float32)  # touched, so no page faults below
+    of ``repeats``), on torch's threads or the GPU. Decoding reads weights, so reads are the
+    roofline. (On an H100, pass nbytes of several GiB: its L2 is 50 MB.)"""
+    device = torch.device(device)
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32, device=device)  # touched: no page faults below
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     best = float("inf")
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         buffer.sum()
+        sync()
         best = min(best, time.perf_counter() - start)
     return nbytes / best
 
@@ -22,8 +27,9 @@ def read_bandwidth(nbytes: int = 1 << 29, repeats: int = 5) -> float:
 def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every parameter and buffer once (a tied embedding counts
     once, as the LM head; quantized weights count their blocks), except that an input embedding
-    the LM head does not read contributes one row, not the table."""
-    seen, total = set(), 0
+    the LM head does not read contributes one row, not the table. The RoPE table is not a
+    weight: a step reads one row of it per token."""
+    seen, total = {id(getattr(model, "cos_sin_cache", None))}, 0
     for p in [*model.parameters(), *model.buffers()]:
         if id(p) not in seen:
             seen.add(id(p))

@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> dict:
     from octavo import LLM
 
     llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              max_model_len=1024, max_num_seqs=args.max_num_seqs)
+              max_model_len=1024, max_num_seqs=args.max_num_seqs, device=args.device)
     engine = llm.llm_engine
     requests = workload(args.num_requests, engine.model.config.vocab_size)
     dtype = engine.model.dtype
@@ -106,6 +106,7 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the default model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)

@@ -18,7 +18,8 @@ from .. import FINISH_REASONS, Scheduler, SchedulerConfig
 from ..layers.quantize import quantize_model
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..runner.model_runner import ModelRunner, kv_cache_block_bytes
+from ..device import resolve_device
+from ..runner.model_runner import ModelRunner, kv_cache_block_bytes, profile_activation_bytes
 from ..runner.sampler import SamplingState, sample
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .detokenizer import IncrementalDetokenizer, check_stop_strings
@@ -75,15 +76,21 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors",
-                 quantization: str | None = None):
+                 quantization: str | None = None, device: str = "auto", gpu_memory_utilization: float = 0.9,
+                 enforce_eager: bool = False):
         self.model_path = Path(model)
-        self.model = load_model(model, dtype, load_format)
+        self.device = resolve_device(device)
+        if quantization is not None and self.device.type != "cpu":
+            raise ValueError(f"quantization={quantization!r} runs on the CPU only so far; use device='cpu'")
+        self.model = load_model(model, dtype, load_format, self.device)
         if quantization is not None:  # "int8" / "int4": round-to-nearest at load time (layers/quantize.py)
             quantize_model(self.model, quantization)
         self.tokenizer = tokenizer
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings
-        budget = kv_cache_memory_bytes or DEFAULT_KV_CACHE_BYTES
+        budget_tokens = max_num_batched_tokens or self._default_budget(enable_chunked_prefill)
+        budget = kv_cache_memory_bytes or self._kv_cache_bytes(gpu_memory_utilization, budget_tokens, max_num_seqs,
+                                                               block_size)
         num_blocks = budget // kv_cache_block_bytes(self.model, block_size)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block; give at least "
@@ -92,15 +99,38 @@ class LLMEngine:
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens or self._default_budget(enable_chunked_prefill),
+            max_num_batched_tokens=budget_tokens,
             enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching))
+        if self.device.type == "cuda" and not enforce_eager:
+            seconds = self.runner.capture_cuda_graphs(max_num_seqs, -(-self.max_model_len // block_size))
+            print(f"octavo: captured CUDA graphs for decode batches of {self.runner.cuda_graphs.sizes} "
+                  f"in {seconds:.1f} s")
         tokens = (num_blocks - 1) * block_size
-        print(f"octavo: KV cache of {num_blocks} blocks = {tokens} tokens; "
+        gib = num_blocks * kv_cache_block_bytes(self.model, block_size) / 2**30
+        print(f"octavo: KV cache of {num_blocks} blocks = {tokens} tokens ({gib:.2f} GiB on {self.device}); "
               f"{tokens / self.max_model_len:.1f}x concurrency at {self.max_model_len} tokens per request")
         self._rng = np.random.default_rng(seed)
         self._requests: dict[str, _Request] = {}
         self._by_handle: dict[int, tuple[_Request, _Sample]] = {}
         self._num_wanting_prompt_logprobs = 0  # live requests with prompt_logprobs (read every step)
+
+    def _kv_cache_bytes(self, gpu_memory_utilization: float, step_tokens: int, max_num_seqs: int,
+                        block_size: int) -> int:
+        """The KV cache's bytes when the user gives none. On a GPU, as vLLM sizes it: this engine
+        may use ``gpu_memory_utilization`` of the device's memory; what is in use already (the
+        weights, other processes) and a step's measured activation peak come off it."""
+        if self.device.type == "cpu":
+            return DEFAULT_KV_CACHE_BYTES
+        if not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        activations = profile_activation_bytes(self.model, step_tokens, max_num_seqs, block_size)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = int(total * gpu_memory_utilization) - (total - free) - activations
+        if budget <= 0:
+            raise ValueError(f"no GPU memory is left for the KV cache: {total - free} of {total} bytes are in use and "
+                             f"a step needs {activations} more; raise gpu_memory_utilization "
+                             f"({gpu_memory_utilization}) or lower max_num_batched_tokens")
+        return budget
 
     def _default_budget(self, enable_chunked_prefill: bool) -> int:
         if enable_chunked_prefill:
@@ -186,8 +216,8 @@ class LLMEngine:
             batch = [self._by_handle[h] for h in out.req_handles]
             chunks = prompt_chunks(out, batch) if self._wants_prompt_logprobs() else []
             logits = self.runner.execute(out, np.concatenate([c.rows() for c in chunks]) if chunks else None)
-            if chunks:
-                record_prompt_logprobs(chunks, logits[out.num_reqs:], self._decode)
+            if chunks:  # on the CPU, where the Python that reads them runs
+                record_prompt_logprobs(chunks, logits[out.num_reqs:].cpu(), self._decode)
             sampled = sample(logits[:out.num_reqs], [s.state for _, s in batch])
             update = self.scheduler.update_from_output(sampled.token_ids)
             offsets = update.new_token_offsets

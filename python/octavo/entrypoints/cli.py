@@ -34,7 +34,7 @@ def add_convert_gguf(subparsers) -> None:
 def _generate(args: argparse.Namespace) -> int:
     from octavo import LLM, SamplingParams
 
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes, device=args.device)
     tokenizer = llm.get_tokenizer()
     if args.chat:
         ids = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
@@ -67,6 +67,7 @@ def add_generate(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    p.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
     p.set_defaults(func=_generate)
 
 

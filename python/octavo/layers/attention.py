@@ -42,7 +42,7 @@ class Attention(torch.nn.Module):
         _C.ops.reshape_and_cache(k.view(tokens, self.num_kv_heads, self.head_size),
                                  v.view(tokens, self.num_kv_heads, self.head_size),
                                  key_cache, value_cache, meta.slot_mapping)
-        out = torch.empty(tokens, self.num_heads, self.head_size, dtype=q.dtype)
+        out = torch.empty(tokens, self.num_heads, self.head_size, dtype=q.dtype, device=q.device)
         _C.ops.paged_attention(out, q.view(tokens, self.num_heads, self.head_size), key_cache, value_cache,
                                meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
                                self.sliding_window)

@@ -53,15 +53,21 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
                 yield name, f.get_tensor(name)
 
 
-def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors"):
+def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors",
+               device: torch.device | str = "cpu"):
     """Builds the model for ``path``'s config.json and fills its weights (or, for a ``.gguf``
     file, the model it holds, see gguf_file.py).
 
     dtype "auto" takes the checkpoint's ``torch_dtype``. load_format "dummy" skips the files and
-    fills every weight with small random values (benchmarks of large shapes).
+    fills every weight with small random values (benchmarks of large shapes). The parameters
+    are created on ``device``; checkpoint tensors are copied into them as they are read.
     """
     from .gguf_file import is_gguf, load_gguf_model
 
+    device = torch.device(device)
+    if device.type != "cpu" and (is_gguf(path) or quant_method(ModelConfig.from_pretrained(path)) is not None):
+        raise ValueError(f"{path} holds quantized weights, which run on the CPU only so far; "
+                         f"use device='cpu' or a float checkpoint")
     if is_gguf(path):
         return load_gguf_model(path, dtype)
     config = ModelConfig.from_pretrained(path)
@@ -69,9 +75,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = model_class(config.architecture)(config, dtype)
+    with device:
+        model = model_class(config.architecture)(config, dtype)
     if load_format == "dummy":
-        generator = torch.Generator().manual_seed(0)
+        generator = torch.Generator(device=device).manual_seed(0)
         for param in model.parameters():
             param.data.uniform_(-1e-2, 1e-2, generator=generator)
     elif load_format == "safetensors" and quant_method(config) == QUANT_METHOD:

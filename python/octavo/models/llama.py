@@ -57,7 +57,7 @@ class LlamaMLP(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight)
-        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype)
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
         _C.ops.silu_and_mul(out, gate_up)
         return linear(out, self.down_weight)
 
@@ -95,7 +95,10 @@ class LlamaForCausalLM(torch.nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
             config.vocab_size, config.hidden_size, dtype=dtype)
-        self.rope = (rope_cos_sin_cache(config.hf), rope_is_neox(config.hf))
+        with torch.device("cpu"):  # the table is built in float64 on the CPU, wherever the model lives
+            table = rope_cos_sin_cache(config.hf)
+        self.register_buffer("cos_sin_cache", table.to(self.embed_tokens.device), persistent=False)
+        self.rope_is_neox = rope_is_neox(config.hf)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -103,7 +106,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         x, residual = F.embedding(input_ids, self.embed_tokens), None
         for layer in self.layers:
-            x, residual = layer(x, residual, positions, self.rope, meta)
+            x, residual = layer(x, residual, positions, (self.cos_sin_cache, self.rope_is_neox), meta)
         x, _ = self.norm(x, residual)
         return x
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import torch
 
+from .. import _C
 from ..kv_cache import empty_kv_cache
 from ..layers.attention import AttentionMetadata
 
@@ -16,29 +19,75 @@ def kv_cache_block_bytes(model, block_size: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
 
 
-def _tensor(array: np.ndarray) -> torch.Tensor:
-    # The scheduler's arrays are read-only views of its own buffers, valid until the next step;
-    # a copy of a few KiB per step is cheaper than keeping them alive and writable.
-    return torch.from_numpy(np.array(array))
-
-
 class ModelRunner:
     """Holds the model and its paged KV cache; ``execute`` runs one step and returns the logits
-    of the tokens the scheduler wants sampled."""
+    of the tokens the scheduler wants sampled (on the model's device)."""
 
     def __init__(self, model, num_blocks: int, block_size: int):
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
+        self.device = model.embed_tokens.device
+        self.cuda_graphs = None  # see capture_cuda_graphs
         c = model.config
         shape = (num_blocks, c.num_key_value_heads, block_size, c.head_dim)
         for attn in model.attention_layers():
-            attn.kv_cache = (empty_kv_cache(shape, model.dtype), empty_kv_cache(shape, model.dtype))
+            attn.kv_cache = (empty_kv_cache(shape, model.dtype, self.device),
+                             empty_kv_cache(shape, model.dtype, self.device))
+
+    def _tensor(self, array: np.ndarray) -> torch.Tensor:
+        # The scheduler's arrays are read-only views of its own buffers, valid until the next
+        # step; a copy of a few KiB per step is cheaper than keeping them alive and writable.
+        return torch.from_numpy(np.array(array)).to(self.device)
+
+    @torch.inference_mode()
+    def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> float:
+        """Captures the decode graphs (runner/cuda_graphs.py); returns the seconds it took."""
+        from .cuda_graphs import CudaGraphs
+
+        self.cuda_graphs = CudaGraphs(self.model, max_num_seqs, max_blocks_per_seq)
+        return self.cuda_graphs.capture_seconds
 
     @torch.inference_mode()
     def execute(self, out, extra_rows: np.ndarray | None = None) -> torch.Tensor:
         """out: a SchedulerOutput -> float32 logits [num_reqs, vocab] in batch order, followed
         by the logits of the flat token rows ``extra_rows`` when given (prompt logprobs)."""
-        meta = AttentionMetadata(slot_mapping=_tensor(out.slot_mapping), query_start_loc=_tensor(out.query_start_loc),
-                                 seq_lens=_tensor(out.seq_lens), block_tables=_tensor(out.block_table))
-        hidden = self.model(_tensor(out.input_ids), _tensor(out.positions), meta)
+        if self.device.type == "cuda":  # Octavo's kernels launch on torch's current stream
+            _C.set_cuda_stream(torch.cuda.current_stream(self.device).cuda_stream)
+        if self.cuda_graphs is not None and extra_rows is None:
+            logits = self.cuda_graphs.run(out)
+            if logits is not None:
+                return logits
+        meta = AttentionMetadata(slot_mapping=self._tensor(out.slot_mapping),
+                                 query_start_loc=self._tensor(out.query_start_loc),
+                                 seq_lens=self._tensor(out.seq_lens), block_tables=self._tensor(out.block_table))
+        hidden = self.model(self._tensor(out.input_ids), self._tensor(out.positions), meta)
         indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])
-        return self.model.compute_logits(hidden, _tensor(indices).long())
+        return self.model.compute_logits(hidden, self._tensor(indices).long())
+
+    def release(self) -> None:
+        """Drops the KV cache (a profiling runner's, before the real one is allocated)."""
+        for attn in self.model.attention_layers():
+            attn.kv_cache = None
+
+
+def profile_activation_bytes(model, num_tokens: int, num_logits: int, block_size: int) -> int:
+    """Peak GPU memory a step of ``num_tokens`` tokens (one prompt) and ``num_logits`` sampled rows
+    takes beyond the weights and the KV cache, measured by running one."""
+    device = model.embed_tokens.device
+    num_blocks = -(-num_tokens // block_size) + 1
+    runner = ModelRunner(model, num_blocks, block_size)
+    positions = np.arange(num_tokens, dtype=np.int32)
+    step = SimpleNamespace(
+        input_ids=np.zeros(num_tokens, dtype=np.int32), positions=positions,
+        slot_mapping=positions + block_size,  # blocks 1.. in order
+        query_start_loc=np.array([0, num_tokens], dtype=np.int32), seq_lens=np.array([num_tokens], dtype=np.int32),
+        block_table=np.arange(1, num_blocks, dtype=np.int32)[None, :],
+        logits_indices=np.full(num_logits, num_tokens - 1, dtype=np.int32))
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    runner.execute(step)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - before
+    runner.release()
+    torch.cuda.empty_cache()
+    return peak

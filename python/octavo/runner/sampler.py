@@ -30,45 +30,47 @@ class SamplerOutput:
     top_logprobs: np.ndarray | None = None       # [R, n] float32
 
 
-def _csr(lists: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _csr(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     offsets = np.zeros(len(lists) + 1, dtype=np.int32)
     np.cumsum([len(x) for x in lists], out=offsets[1:])
     flat = np.fromiter((t for x in lists for t in x), dtype=np.int32, count=int(offsets[-1]))
-    return torch.from_numpy(offsets), torch.from_numpy(flat)
+    return torch.from_numpy(offsets).to(device), torch.from_numpy(flat).to(device)
 
 
-def _column(states, name: str, dtype) -> torch.Tensor:
-    return torch.tensor([getattr(s.params, name) for s in states], dtype=dtype)
+def _column(states, name: str, dtype, device: torch.device) -> torch.Tensor:
+    return torch.tensor([getattr(s.params, name) for s in states], dtype=dtype).to(device)
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-    """logits: float32 [R, vocab] in batch order; states: the same R requests."""
-    n = len(states)
-    kwargs = dict(top_k=_column(states, "top_k", torch.int32), top_p=_column(states, "top_p", torch.float32),
-                  min_p=_column(states, "min_p", torch.float32))
-    rep, freq, pres = (_column(states, k, torch.float32)
+    """logits: float32 [R, vocab] in batch order, on the CPU or a GPU; states: the same R requests.
+    Sampling runs where the logits are; the results come back as NumPy arrays."""
+    n, device = len(states), logits.device
+    kwargs = dict(top_k=_column(states, "top_k", torch.int32, device),
+                  top_p=_column(states, "top_p", torch.float32, device),
+                  min_p=_column(states, "min_p", torch.float32, device))
+    rep, freq, pres = (_column(states, k, torch.float32, device)
                        for k in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     if (rep != 1).any() or (freq != 0).any() or (pres != 0).any():
         kwargs.update(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
-        kwargs["prompt_offsets"], kwargs["prompt_token_ids"] = _csr([s.prompt_token_ids for s in states])
-        kwargs["output_offsets"], kwargs["output_token_ids"] = _csr([s.output_token_ids for s in states])
+        kwargs["prompt_offsets"], kwargs["prompt_token_ids"] = _csr([s.prompt_token_ids for s in states], device)
+        kwargs["output_offsets"], kwargs["output_token_ids"] = _csr([s.output_token_ids for s in states], device)
     # min_tokens: stop tokens cannot be sampled until the request has that many outputs.
     banned = [s.stop_token_ids if len(s.output_token_ids) < s.params.min_tokens else [] for s in states]
     if any(banned):
-        kwargs["banned_offsets"], kwargs["banned_token_ids"] = _csr(banned)
+        kwargs["banned_offsets"], kwargs["banned_token_ids"] = _csr(banned, device)
     num_top = max((s.params.logprobs or 0) for s in states)
     wants_logprobs = any(s.params.logprobs is not None for s in states)
-    out = SamplerOutput(token_ids=np.empty(n, dtype=np.int32))
+    outputs = {"token_ids": torch.empty(n, dtype=torch.int32, device=device)}
     if wants_logprobs:
-        out.logprobs, out.ranks = np.empty(n, dtype=np.float32), np.empty(n, dtype=np.int32)
-        kwargs.update(sampled_logprobs=torch.from_numpy(out.logprobs), sampled_ranks=torch.from_numpy(out.ranks))
+        outputs.update(logprobs=torch.empty(n, dtype=torch.float32, device=device),
+                       ranks=torch.empty(n, dtype=torch.int32, device=device))
+        kwargs.update(sampled_logprobs=outputs["logprobs"], sampled_ranks=outputs["ranks"])
         if num_top:
-            out.top_token_ids = np.empty((n, num_top), dtype=np.int32)
-            out.top_logprobs = np.empty((n, num_top), dtype=np.float32)
-            kwargs.update(top_token_ids=torch.from_numpy(out.top_token_ids),
-                          top_logprobs=torch.from_numpy(out.top_logprobs))
-    _C.ops.sample(logits, _column(states, "temperature", torch.float32),
-                  torch.tensor([s.seed for s in states], dtype=torch.int64),
-                  torch.tensor([len(s.output_token_ids) for s in states], dtype=torch.int64),
-                  torch.from_numpy(out.token_ids), **kwargs)
-    return out
+            outputs.update(top_token_ids=torch.empty(n, num_top, dtype=torch.int32, device=device),
+                           top_logprobs=torch.empty(n, num_top, dtype=torch.float32, device=device))
+            kwargs.update(top_token_ids=outputs["top_token_ids"], top_logprobs=outputs["top_logprobs"])
+    _C.ops.sample(logits, _column(states, "temperature", torch.float32, device),
+                  torch.tensor([s.seed for s in states], dtype=torch.int64).to(device),
+                  torch.tensor([len(s.output_token_ids) for s in states], dtype=torch.int64).to(device),
+                  outputs["token_ids"], **kwargs)
+    return SamplerOutput(**{name: t.cpu().numpy() for name, t in outputs.items()})

@@ -213,7 +213,8 @@ def served_model(args) -> ServedModel:
     llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              quantization=args.quantization)
+              quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
+              enforce_eager=args.enforce_eager)
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),

@@ -21,6 +21,12 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="answer 503 with Retry-After while this many requests are waiting (default: no limit)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="on a GPU, the fraction of its memory this server may use (weights, activations "
+                             "and the KV cache) when --kv-cache-memory-bytes is not given")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--max-logprobs", type=int, default=20)
     parser.add_argument("--request-timeout", type=float, default=None,

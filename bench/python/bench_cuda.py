@@ -1,0 +1,147 @@
+"""Octavo's CUDA kernels against the device's own limits, for issue #7 (needs a GPU).
+
+First the device: copy bandwidth (a large device-to-device copy, bytes read + written per second)
+and bfloat16 matmul TFLOP/s (torch / cuBLAS, 8192^3). Then each kernel on large inputs, as a
+fraction of them:
+- rms_norm, fused_add_rms_norm, silu_and_mul, rotary_embedding, reshape_and_cache: bytes each
+  kernel must read and write, per second, against the copy bandwidth (goal >= 0.8);
+- decode attention (one query token per sequence, batch >= 16, context >= 2k, GQA 4:1 and
+  8:1, head size 128): KV bytes read per second against the copy bandwidth (goal >= 0.7);
+- prefill attention (whole causal prompts): TFLOP/s against torch's
+  scaled_dot_product_attention (flash backend) on the same data made contiguous (goal >= 1.0x).
+
+    python bench/python/bench_cuda.py [--dtype bfloat16] [--quick]
+
+Times are CUDA-event medians over repeated launches after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+import torch.nn.functional as F
+from octavo import _C
+
+
+def cuda_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def device_limits(dtype) -> tuple[float, float]:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, 20x the H100's L2
+    dst = torch.empty_like(src)
+    copy = 2 * src.numel() / (cuda_ms(lambda: dst.copy_(src)) / 1e3)
+    a = torch.randn(8192, 8192, dtype=dtype, device="cuda")
+    flops = 2 * 8192 ** 3 / (cuda_ms(lambda: a @ a) / 1e3)
+    print(f"device {torch.cuda.get_device_name()}: copy bandwidth {copy / 1e9:.0f} GB/s (read + write), "
+          f"{dtype} matmul {flops / 1e12:.0f} TFLOP/s")
+    return copy, flops
+
+
+def elementwise(dtype, copy_bw: float, tokens: int) -> None:
+    hidden, heads, kv_heads, d, inter = 4096, 32, 8, 128, 14336  # Llama-3-8B
+    size = torch.empty((), dtype=dtype).element_size()
+    x = torch.randn(tokens, hidden, dtype=dtype, device="cuda")
+    w = torch.rand(hidden, dtype=dtype, device="cuda") + 0.5
+    out, residual = torch.empty_like(x), torch.randn_like(x)
+    gate_up = torch.randn(tokens, 2 * inter, dtype=dtype, device="cuda")
+    act = torch.empty(tokens, inter, dtype=dtype, device="cuda")
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, dtype=dtype, device="cuda")
+    q, k = qkv[:, :heads * d], qkv[:, heads * d:(heads + kv_heads) * d]
+    positions = torch.randint(0, 8192, (tokens,), device="cuda")
+    inv_freq = 1.0 / (500000 ** (torch.arange(0, d, 2, device="cuda").float() / d))
+    angles = torch.outer(torch.arange(8192, device="cuda").float(), inv_freq)
+    cos_sin = torch.cat([angles.cos(), angles.sin()], -1)
+    blocks = tokens // 16 + 1
+    key_cache = torch.empty(blocks, kv_heads, 16, d, dtype=dtype, device="cuda")
+    value_cache = torch.empty_like(key_cache)
+    kv = qkv[:, heads * d:].view(tokens, 2, kv_heads, d)
+    slots = torch.randperm(blocks * 16, device="cuda")[:tokens]
+    cases = [
+        ("rms_norm", lambda: _C.ops.rms_norm(out, x, w, 1e-5), 2 * x.numel() * size),
+        ("fused_add_rms_norm", lambda: _C.ops.fused_add_rms_norm(x, residual, w, 1e-5), 4 * x.numel() * size),
+        ("silu_and_mul", lambda: _C.ops.silu_and_mul(act, gate_up), (gate_up.numel() + act.numel()) * size),
+        ("rotary_embedding", lambda: _C.ops.rotary_embedding(positions, q, k, d, cos_sin, True),
+         2 * (q.numel() + k.numel()) * size),
+        ("reshape_and_cache", lambda: _C.ops.reshape_and_cache(kv[:, 0], kv[:, 1], key_cache, value_cache, slots),
+         4 * kv_heads * d * tokens * size),
+    ]
+    _C.set_cuda_stream(torch.cuda.current_stream().cuda_stream)
+    for name, fn, nbytes in cases:
+        ms = cuda_ms(fn)
+        bw = nbytes / (ms / 1e3)
+        print(f"  {name:>20} {tokens:6d} tokens: {ms * 1e3:8.1f} us {bw / 1e9:7.0f} GB/s = {bw / copy_bw:.2f} of copy")
+
+
+def paged_batch(batch: int, context: int, heads: int, kv_heads: int, d: int, query_len: int, dtype):
+    block = 16
+    per_seq = math.ceil(context / block)
+    key_cache = torch.randn(batch * per_seq + 1, kv_heads, block, d, dtype=dtype, device="cuda")
+    value_cache = torch.randn_like(key_cache)
+    tables = (torch.randperm(batch * per_seq, device="cuda") + 1).view(batch, per_seq).int()
+    query = torch.randn(batch * query_len, heads, d, dtype=dtype, device="cuda")
+    query_start_loc = torch.arange(0, batch * query_len + 1, query_len, dtype=torch.int32, device="cuda")
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    return query, key_cache, value_cache, query_start_loc, seq_lens, tables
+
+
+def decode_attention(dtype, copy_bw: float, quick: bool) -> None:
+    d, heads = 128, 32
+    size = torch.empty((), dtype=dtype).element_size()
+    for kv_heads in (8, 4):
+        for batch in ((16, 64) if quick else (16, 32, 64, 128)):
+            for context in ((2048, 8192) if quick else (2048, 4096, 8192)):
+                query, kc, vc, qsl, lens, tables = paged_batch(batch, context, heads, kv_heads, d, 1, dtype)
+                out = torch.empty_like(query)
+                ms = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc, vc, qsl, lens, tables, d ** -0.5))
+                bw = 2 * batch * context * kv_heads * d * size / (ms / 1e3)
+                print(f"  decode GQA {heads // kv_heads}:1 batch {batch:3d} context {context:5d}: {ms * 1e3:8.1f} us "
+                      f"{bw / 1e9:6.0f} GB/s = {bw / copy_bw:.2f} of copy")
+
+
+def prefill_attention(dtype, quick: bool) -> None:
+    d, heads, kv_heads = 128, 32, 8
+    for batch, length in ((4, 1024), (2, 4096)) if quick else ((8, 512), (4, 1024), (2, 2048), (1, 4096)):
+        query, kc, vc, qsl, lens, tables = paged_batch(batch, length, heads, kv_heads, d, length, dtype)
+        out = torch.empty_like(query)
+        ms = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc, vc, qsl, lens, tables, d ** -0.5), repeats=5)
+        # The same data made contiguous for SDPA: [batch, heads, length, d].
+        k = kc[tables.long()].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, d)[:, :, :length]
+        v = vc[tables.long()].permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, d)[:, :, :length]
+        k, v = k.repeat_interleave(heads // kv_heads, 1), v.repeat_interleave(heads // kv_heads, 1)
+        q = query.view(batch, length, heads, d).transpose(1, 2)
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+            sdpa = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=5)
+        flops = 4 * batch * heads * d * length * length / 2  # causal: half the score matrix
+        print(f"  prefill batch {batch} x {length:5d}: octavo {flops / (ms / 1e3) / 1e12:6.1f} TFLOP/s, "
+              f"SDPA flash {flops / (sdpa / 1e3) / 1e12:6.1f} TFLOP/s: {sdpa / ms:.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--quick", action="store_true", help="fewer shapes")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    copy_bw, _ = device_limits(dtype)
+    for tokens in (4096, 16384):
+        elementwise(dtype, copy_bw, tokens)
+    decode_attention(dtype, copy_bw, args.quick)
+    prefill_attention(dtype, args.quick)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+// sample on CUDA: one block per request row, in the CPU kernel's order (cpu/sampling.cc):
+//   bans -> repetition / frequency / presence penalties -> greedy argmax, or
+//   temperature -> softmax -> min_p -> top_k -> top_p -> inverse-CDF draw in token order,
+// plus logprobs of the raw logits. The random number is the CPU kernel's: the same (seed,
+// counter) gives the same u, so with the same kept weights both pick the same token.
+//
+// Nothing is sorted: top_k and top_p become thresholds on the probabilities, found by a 16-way
+// search over their float bit patterns (each pass reads the row once and narrows the range 16
+// times), and the draw is a block-wide prefix sum in token order. Tokens tied exactly at the
+// top_k or top_p threshold are all kept (the CPU kernel keeps the lowest ids among them).
+#include <cfloat>
+
+#include "common.cuh"
+#include "cuda_kernels.h"
+
+namespace octavo::cuda {
+namespace {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr float kGreedyTemperature = 1e-5f;  // below this a request is greedy, as in vLLM
+constexpr int kSplits = 16;                  // ways per threshold-search pass
+
+// ---- random numbers (the CPU kernel's) ------------------------------------------------------
+
+__device__ uint64_t mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+__device__ double uniform(int64_t seed, int64_t counter) {
+  const uint64_t h = mix64(mix64(static_cast<uint64_t>(seed) + 0x9e3779b97f4a7c15ull) ^ static_cast<uint64_t>(counter));
+  return static_cast<double>(h >> 11) * 0x1.0p-53;
+}
+
+// ---- block reductions (blockDim.x == kThreads) ------------------------------------------------
+
+template <typename T, typename Op>
+__device__ T block_reduce(T v, Op op, T* scratch) {
+  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[threadIdx.x % 32];  // kWarps == 32: every lane reads one warp's value
+  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
+  __syncthreads();
+  return v;
+}
+
+struct Scratch {
+  float f[kWarps];
+  double d[kWarps];
+  unsigned long long u[kWarps];
+  int i[kWarps];
+  float thresholds[kSplits];
+  int result;
+};
+
+__device__ float fmax_op(float a, float b) { return fmaxf(a, b); }  // NaN loses
+__device__ double add_d(double a, double b) { return a + b; }
+__device__ int add_i(int a, int b) { return a + b; }
+__device__ unsigned long long max_u(unsigned long long a, unsigned long long b) { return a > b ? a : b; }
+
+// A key whose unsigned order is "more likely first": larger value, then lower token id; NaN
+// ranks as -inf.
+__device__ unsigned long long likelihood_key(float x, int token) {
+  if (x != x) x = -INFINITY;
+  const unsigned bits = __float_as_uint(x);
+  const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(token));
+}
+__device__ int key_token(unsigned long long key) { return static_cast<int>(0xffffffffu - (key & 0xffffffffu)); }
+
+// The most likely token of row[0, n) among those whose key is below `below` (all: ~0).
+__device__ int argmax_below(const float* row, int64_t n, unsigned long long below, Scratch& s) {
+  unsigned long long best = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const unsigned long long key = likelihood_key(row[i], static_cast<int>(i));
+    if (key < below && key > best) best = key;
+  }
+  return key_token(block_reduce(best, max_u, s.u));
+}
+
+__device__ float row_max(const float* row, int64_t n, Scratch& s) {
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) m = fmaxf(m, row[i]);
+  return block_reduce(m, fmax_op, s.f);
+}
+
+// ---- penalties --------------------------------------------------------------------------------
+
+struct TokenList {
+  const int32_t* ids = nullptr;
+  int64_t size = 0;
+};
+
+__device__ TokenList tokens_of(const int32_t* offsets, const int32_t* ids, int64_t r) {
+  if (!offsets) return {};
+  return {ids + offsets[r], offsets[r + 1] - offsets[r]};
+}
+
+template <typename Fn>
+__device__ void for_each_token(TokenList list, int64_t n, Fn fn) {
+  for (int64_t i = threadIdx.x; i < list.size; i += kThreads) {
+    const int32_t t = list.ids[i];
+    if (t >= 0 && t < n) fn(t);  // ids are not validated on the host for CUDA tensors
+  }
+}
+
+// The row after bans and penalties, in `work`; false (work untouched) when none apply. The
+// repetition penalty is computed from the raw value, so a token listed twice is penalized once;
+// frequency counts gather in `counts` (all zero between calls: each count is taken back with
+// an exchange, which also makes one thread per distinct token apply it).
+__device__ bool penalize(const SampleParams& p, int64_t r, const float* raw, float* work, int* counts) {
+  const int64_t n = p.vocab_size;
+  const TokenList banned = tokens_of(p.banned_offsets, p.banned_token_ids, r);
+  const TokenList prompt = tokens_of(p.prompt_offsets, p.prompt_token_ids, r);
+  const TokenList output = tokens_of(p.output_offsets, p.output_token_ids, r);
+  const float repetition = p.repetition_penalty ? p.repetition_penalty[r] : 1.0f;
+  const float frequency = p.frequency_penalty ? p.frequency_penalty[r] : 0.0f;
+  const float presence = p.presence_penalty ? p.presence_penalty[r] : 0.0f;
+  const bool repeat = repetition != 1.0f && prompt.size + output.size > 0;
+  const bool tally = (frequency != 0.0f || presence != 0.0f) && output.size > 0 && counts != nullptr;
+  if (banned.size == 0 && !repeat && !tally) return false;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) work[i] = raw[i];
+  __syncthreads();
+  if (repeat) {
+    const auto penalize_token = [&](int32_t t) { work[t] = raw[t] > 0 ? raw[t] / repetition : raw[t] * repetition; };
+    for_each_token(prompt, n, penalize_token);
+    for_each_token(output, n, penalize_token);
+    __syncthreads();
+  }
+  if (tally) {
+    for_each_token(output, n, [&](int32_t t) { atomicAdd(&counts[t], 1); });
+    __syncthreads();
+    for_each_token(output, n, [&](int32_t t) {
+      const int c = atomicExch(&counts[t], 0);
+      if (c > 0) work[t] = work[t] - frequency * static_cast<float>(c) - presence;
+    });
+    __syncthreads();
+  }
+  for_each_token(banned, n, [&](int32_t t) { work[t] = -INFINITY; });
+  __syncthreads();
+  return true;
+}
+
+// ---- thresholds for top_k and top_p ---------------------------------------------------------
+
+// The largest probability threshold t in [lo, hi] (as float bit patterns; weights are >= 0, so
+// their bits order as their values) for which enough(count(w >= t), mass(w >= t)) holds; `lo`
+// must satisfy it. Each pass tries kSplits - 1 thresholds in one read of the row.
+template <typename Enough>
+__device__ float search_threshold(const float* w, int64_t n, float lo_value, Enough enough, Scratch& s) {
+  unsigned lo = __float_as_uint(lo_value), hi = __float_as_uint(1.0f) + 1;  // w <= 1: the max is 1
+  while (hi - lo > 1) {
+    const unsigned step = (hi - lo + kSplits - 1) / kSplits;
+    __syncthreads();  // every thread is done reading the previous pass's thresholds
+    if (threadIdx.x < kSplits) s.thresholds[threadIdx.x] = __uint_as_float(min(lo + threadIdx.x * step, hi - 1));
+    __syncthreads();
+    int count[kSplits] = {};
+    float mass[kSplits] = {};
+    for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+      const float x = w[i];
+#pragma unroll
+      for (int j = 1; j < kSplits; ++j)
+        if (x >= s.thresholds[j] && x > 0) ++count[j], mass[j] += x;
+    }
+    unsigned next = lo;
+    for (int j = 1; j < kSplits; ++j) {
+      const int c = block_reduce(count[j], add_i, s.i);
+      const double m = block_reduce(static_cast<double>(mass[j]), add_d, s.d);
+      if (enough(c, m)) next = __float_as_uint(s.thresholds[j]);
+    }
+    hi = next == lo ? min(lo + step, hi) : min(next + step, hi);
+    lo = next;
+  }
+  return __uint_as_float(lo);
+}
+
+__device__ double kept_mass(const float* w, int64_t n, float threshold, Scratch& s) {
+  double m = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads)
+    if (w[i] >= threshold && w[i] > 0) m += w[i];
+  return block_reduce(m, add_d, s.d);
+}
+
+// ---- the draw -----------------------------------------------------------------------------
+
+// The first token (in token order) at which the running sum of the kept weights passes u times
+// their total; -1 when nothing is kept. Each thread owns a contiguous run of tokens; a block scan
+// of the runs' sums finds the run to walk.
+__device__ int draw(const float* w, int64_t n, float threshold, double u, Scratch& s) {
+  const int64_t per = (n + kThreads - 1) / kThreads;
+  const int64_t begin = min64(n, threadIdx.x * per), end = min64(n, begin + per);
+  double run = 0;
+  int last = -1;
+  for (int64_t i = begin; i < end; ++i)
+    if (w[i] >= threshold && w[i] > 0) run += w[i], last = static_cast<int>(i);
+  // Exclusive scan of the runs: within warps by shuffles, then over the warp totals.
+  double incl = run;
+  for (int o = 1; o < 32; o *= 2) {
+    const double v = __shfl_up_sync(0xffffffffu, incl, o);
+    if (threadIdx.x % 32 >= o) incl += v;
+  }
+  if (threadIdx.x % 32 == 31) s.d[threadIdx.x / 32] = incl;
+  if (threadIdx.x == 0) s.result = -1;
+  __syncthreads();
+  double before = 0, total = 0;
+  for (int wi = 0; wi < kWarps; ++wi) {
+    if (wi < static_cast<int>(threadIdx.x / 32)) before += s.d[wi];
+    total += s.d[wi];
+  }
+  const double excl = before + incl - run;
+  const double target = u * total;
+  const int last_kept = block_reduce(last, [](int a, int b) { return a > b ? a : b; }, s.i);
+  if (run > 0 && excl <= target && target < excl + run) {
+    double acc = excl;
+    int pick = last;
+    for (int64_t i = begin; i < end; ++i) {
+      if (!(w[i] >= threshold && w[i] > 0)) continue;
+      acc += w[i];
+      if (acc > target) {
+        pick = static_cast<int>(i);
+        break;
+      }
+    }
+    s.result = pick;
+  }
+  __syncthreads();
+  const int token = s.result >= 0 ? s.result : last_kept;  // rounding put the target past the end
+  __syncthreads();
+  return token;
+}
+
+__device__ int random_token(const SampleParams& p, int64_t r, const float* row, float* w, Scratch& s) {
+  const int64_t n = p.vocab_size;
+  const float xmax = row_max(row, n, s);
+  if (!isfinite(xmax)) return argmax_below(row, n, ~0ull, s);  // everything banned, or an infinite logit
+  const float inv_t = 1.0f / p.temperature[r];
+  const float floor = p.min_p ? p.min_p[r] : 0.0f;  // relative to the most likely token's probability, 1
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    const float e = expf((row[i] - xmax) * inv_t);
+    w[i] = e < floor ? 0.0f : e;  // NaN logits give NaN, which is never kept
+  }
+  __syncthreads();
+  const int32_t k = p.top_k ? p.top_k[r] : 0;
+  const float top_p = p.top_p ? p.top_p[r] : 1.0f;
+  float threshold = 0.0f;
+  if (k > 0 && k < n) threshold = search_threshold(w, n, 0.0f, [k](int count, double) { return count >= k; }, s);
+  if (top_p < 1.0f) {
+    const double target = top_p * kept_mass(w, n, threshold, s);
+    threshold = search_threshold(w, n, threshold, [target](int, double mass) { return mass >= target; }, s);
+  }
+  const int token = draw(w, n, threshold, uniform(p.seeds[r], p.counters[r]), s);
+  return token >= 0 ? token : argmax_below(w, n, ~0ull, s);  // no mass left (NaN logits)
+}
+
+// ---- logprobs of the raw row -----------------------------------------------------------------
+
+__device__ void write_logprobs(const SampleParams& p, int64_t r, const float* raw, int token, Scratch& s) {
+  const int64_t n = p.vocab_size;
+  const float xmax = row_max(raw, n, s);
+  double sum = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) sum += expf(raw[i] - xmax);
+  const float lse = static_cast<float>(xmax + log(block_reduce(sum, add_d, s.d)));
+  int at_least = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) at_least += raw[i] >= raw[token];
+  at_least = block_reduce(at_least, add_i, s.i);
+  if (threadIdx.x == 0) {
+    if (p.sampled_logprobs) p.sampled_logprobs[r] = raw[token] - lse;
+    if (p.sampled_ranks) p.sampled_ranks[r] = at_least;
+  }
+  unsigned long long below = ~0ull;  // the next most likely token after the previous one
+  for (int64_t j = 0; p.top_token_ids && j < p.num_top; ++j) {
+    const int t = argmax_below(raw, n, below, s);
+    below = likelihood_key(raw[t], t);
+    if (threadIdx.x == 0) {
+      p.top_token_ids[r * p.num_top + j] = t;
+      p.top_logprobs[r * p.num_top + j] = raw[t] - lse;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p, float* weights, int* counts) {
+  __shared__ Scratch s;
+  const int64_t r = blockIdx.x;
+  const float* raw = p.logits + r * p.logits_stride;
+  float* work = weights + r * p.vocab_size;
+  const float* row = penalize(p, r, raw, work, counts ? counts + r * p.vocab_size : nullptr) ? work : raw;
+  const int token = p.temperature[r] < kGreedyTemperature ? argmax_below(row, p.vocab_size, ~0ull, s)
+                                                          : random_token(p, r, row, work, s);
+  if (threadIdx.x == 0) p.sampled[r] = token;
+  if (p.sampled_logprobs || p.sampled_ranks || p.top_token_ids) write_logprobs(p, r, raw, token, s);
+}
+
+}  // namespace
+
+void sample(const SampleParams& p) {
+  if (p.num_reqs == 0) return;
+  const size_t row_elems = static_cast<size_t>(p.num_reqs) * p.vocab_size;
+  auto* weights = static_cast<float*>(device_workspace(WorkspaceSlot::kSampleWeights, row_elems * sizeof(float),
+                                                       "sample"));
+  int* counts = nullptr;  // only when frequency / presence penalties are passed
+  if (p.output_offsets && (p.frequency_penalty || p.presence_penalty))
+    counts = static_cast<int*>(device_workspace(WorkspaceSlot::kSampleCounts, row_elems * sizeof(int), "sample"));
+  sample_kernel<<<p.num_reqs, kThreads, 0, current_stream()>>>(p, weights, counts);
+  check_launch("sample");
+}
+
+}  // namespace octavo::cuda

@@ -1,0 +1,80 @@
+"""The engine on a GPU: tiny random checkpoints of every architecture give transformers' greedy
+tokens on the same GPU (float32), and the KV cache is sized from the GPU's memory. Runs only
+where a GPU is present and this build carries CUDA kernels; the CPU-side checks of device
+selection run everywhere."""
+
+import pytest
+import torch
+from octavo import _C, LLM, SamplingParams
+from octavo.device import cuda_unusable_reason, resolve_device
+from test_detokenizer import _byte_level_bpe
+from test_models import ARCHITECTURES, tiny_checkpoint
+
+needs_cuda_build = pytest.mark.skipif(not _C.cuda_compiled(), reason="this build of Octavo has no CUDA kernels")
+
+
+def tiny_model_dir(path, kind: str = "llama"):
+    """A tiny random checkpoint with a byte-level tokenizer; head size 64, which CUDA attention has."""
+    tokenizer = _byte_level_bpe()
+    tokenizer.save_pretrained(path)
+    reference = tiny_checkpoint(kind, path, head_dim=64, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    return tokenizer, reference
+
+
+def test_device_selection():
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cpu" if cuda_unusable_reason() else "cuda")
+    with pytest.raises(ValueError, match="'auto', 'cpu' or 'cuda"):
+        resolve_device("meta")
+    if cuda_unusable_reason():
+        with pytest.raises(ValueError, match="cannot be used: "):
+            resolve_device("cuda")
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_quantized_weights_stay_on_the_cpu(tmp_path):
+    tiny_model_dir(tmp_path)
+    with pytest.raises(ValueError, match="runs on the CPU only so far"):
+        LLM(model=str(tmp_path), quantization="int8", device="cuda")
+
+
+def greedy_reference(reference, prompt: list[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            tokens.append(int(reference(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax()))
+    return tokens[len(prompt):]
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_path):
+    tokenizer, reference = tiny_model_dir(tmp_path, kind)
+    reference = reference.cuda()
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20,
+              max_num_seqs=8, enforce_eager=enforce_eager)
+    assert llm.llm_engine.model.embed_tokens.device.type == "cuda"
+    assert (llm.llm_engine.runner.cuda_graphs is None) == enforce_eager
+    prompts = [tokenizer.encode(t) for t in ("Hello world", "Straße und Meer", "x", "a longer prompt " * 6)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outputs):
+        assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, 16)
+    assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+def test_kv_cache_is_sized_from_gpu_memory(tmp_path, capsys):
+    tiny_model_dir(tmp_path)
+    free, total = torch.cuda.mem_get_info()
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", gpu_memory_utilization=0.5)
+    printed = capsys.readouterr().out
+    assert "on cuda:0" in printed
+    cache_bytes = sum(t.numel() * t.element_size() for a in llm.llm_engine.model.attention_layers() for t in a.kv_cache)
+    assert 0 < cache_bytes <= 0.5 * total - (total - free)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        LLM(model=str(tmp_path), dtype="float32", device="cuda", gpu_memory_utilization=1.5)
+
