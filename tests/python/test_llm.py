@@ -110,7 +110,8 @@ def test_output_kinds_cumulative_delta_and_final_only(tiny, with_stop):
     for i, want in enumerate(final.outputs):
         for got in (cumulative[-1].outputs[i], only[0].outputs[i]):
             assert (got.text, got.token_ids, got.finish_reason) == (want.text, want.token_ids, want.finish_reason)
-        assert all(len(a.outputs[i].token_ids) <= len(b.outputs[i].token_ids) for a, b in zip(cumulative, cumulative[1:]))
+        lengths = [len(o.outputs[i].token_ids) for o in cumulative]
+        assert lengths == sorted(lengths)
         pieces = [o for out in deltas for o in out.outputs if o.index == i]
         assert "".join(p.text for p in pieces) == want.text
         assert [t for p in pieces for t in p.token_ids] == list(want.token_ids)
@@ -215,3 +216,15 @@ def test_cli_generate_streams_the_greedy_text(tiny, tiny_path, capsys):
                  "--kv-cache-memory-bytes", str(8 << 20), "Hello world"])
     assert code == 0
     assert capsys.readouterr().out.endswith(expected[0].outputs[0].text + "\n")
+
+
+def test_skip_tokenizer_init_takes_token_ids_and_returns_no_text(tiny_path, tiny):
+    llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+              skip_tokenizer_init=True)
+    assert llm.get_tokenizer() is None
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    reference = tiny[0].generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                                 use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == reference.outputs[0].token_ids and out.outputs[0].text == ""
+    with pytest.raises(ValueError, match="needs a tokenizer; this LLM was made with skip_tokenizer_init=True"):
+        llm.generate("text", use_tqdm=False)

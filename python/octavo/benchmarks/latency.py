@@ -9,6 +9,8 @@ import time
 
 import numpy as np
 
+from ..entrypoints.device_arg import add_device_argument
+
 
 def time_one_request(engine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[float]]:
     """-> (time to first token, the times at which each later token arrived), in seconds."""
@@ -28,8 +30,13 @@ def run(args: argparse.Namespace) -> dict:
 
     from .memory import decode_weight_bytes, read_bandwidth  # torch: imported only when run
 
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
-              quantization=args.quantization, device=args.device)
+    model, extra = args.model, {}
+    if args.dummy_shape:
+        from .shapes import dummy_model_dir
+
+        model, extra = str(dummy_model_dir(args.dummy_shape)), dict(load_format="dummy", skip_tokenizer_init=True)
+    llm = LLM(model=model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
+              quantization=args.quantization, device=args.device, **extra)
     engine = llm.llm_engine
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(0)
@@ -67,7 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="quantize the projections at load time (round to nearest)")
-    p.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
+    add_device_argument(p)
+    p.add_argument("--dummy-shape", default=None, choices=["llama-3-8b"],
+                   help="benchmark this model shape with random weights instead of --model")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)

@@ -1,9 +1,11 @@
 """Offline throughput of LLM.generate against transformers' ``generate`` on the same model,
 prompts and dtype (issue #4's workload).
 
-Requests: prompt lengths uniform in [32, 512], output lengths uniform in [32, 256], random token
-ids, ignore_eos, sampling with a fixed seed per request. Octavo runs all of them in one
-``generate`` call. transformers runs, at each batch size b in --baseline-batch, the first
+Requests: prompt lengths uniform in [32, 512], output lengths uniform in [32, 256] (or fixed
+with --input-len / --output-len: issue #7's 512 / 256), random token ids, ignore_eos, sampling
+with a fixed seed per request. --dummy-shape llama-3-8b benchmarks that shape with random
+weights (no files needed; transformers then builds the same shape with its own random init).
+Octavo runs all of them in one ``generate`` call. transformers runs, at each batch size b in --baseline-batch, the first
 max(b, 16) of the same requests (it is slow; the rates are what is compared), left-padded, each
 batch generating up to its longest requested output; only the requested tokens count as output.
 Reported: output tok/s, total (prompt + output) tok/s, and the ratio to transformers' best.
@@ -16,16 +18,19 @@ import time
 
 import numpy as np
 
+from ..entrypoints.device_arg import add_device_argument
+
 BASELINE_MIN_REQUESTS = 16
 # torch is imported inside the functions that use it, so that building the `octavo` CLI parser
 # (which reads add_arguments below) stays fast.
 
 
-def workload(num: int, vocab: int, seed: int = 0) -> list[tuple[list[int], int]]:
-    """num (prompt token ids, output length) pairs."""
+def workload(num: int, vocab: int, seed: int = 0, input_len: int | None = None,
+             output_len: int | None = None) -> list[tuple[list[int], int]]:
+    """num (prompt token ids, output length) pairs; lengths uniform unless fixed."""
     rng = np.random.default_rng(seed)
-    prompt_lens = rng.integers(32, 513, num)
-    output_lens = rng.integers(32, 257, num)
+    prompt_lens = np.full(num, input_len) if input_len else rng.integers(32, 513, num)
+    output_lens = np.full(num, output_len) if output_len else rng.integers(32, 257, num)
     return [(rng.integers(100, vocab - 100, int(p)).tolist(), int(o)) for p, o in zip(prompt_lens, output_lens)]
 
 
@@ -50,6 +55,8 @@ def run_octavo(llm, requests) -> float:
 def run_transformers(model, requests, batch: int, pad_id: int) -> float:
     import torch
 
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for i in range(0, len(requests), batch):
         chunk = requests[i:i + batch]
@@ -61,18 +68,44 @@ def run_transformers(model, requests, batch: int, pad_id: int) -> float:
             mask[row, width - len(p):] = 1
         new = max(o for _, o in chunk)
         with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                           do_sample=True, pad_token_id=pad_id)
+            model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=new,
+                           min_new_tokens=new, do_sample=True, pad_token_id=pad_id)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
     return time.perf_counter() - start
+
+
+def baseline_model(engine, dummy_shape: str | None):
+    """transformers' model of the same checkpoint, dtype and device (for a dummy shape: the same
+    config with transformers' random init, built on the device)."""
+    import torch
+    import transformers
+
+    dtype, device = engine.model.dtype, engine.device
+    if not dummy_shape:
+        return transformers.AutoModelForCausalLM.from_pretrained(str(engine.model_path), dtype=dtype).to(device)
+    config = transformers.AutoConfig.from_pretrained(str(engine.model_path))
+    with torch.device(device):
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
 def run(args: argparse.Namespace) -> dict:
     from octavo import LLM
+    from octavo.device import resolve_device
 
-    llm = LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-              max_model_len=1024, max_num_seqs=args.max_num_seqs, device=args.device)
+    device = resolve_device(args.device)
+    # The CPU default of issue #4's runs; on a GPU the engine sizes the cache from its memory.
+    kv_bytes = args.kv_cache_memory_bytes or (4 << 30 if device.type == "cpu" else None)
+    model, extra = args.model, {}
+    if args.dummy_shape:
+        from .shapes import dummy_model_dir
+
+        model, extra = str(dummy_model_dir(args.dummy_shape)), dict(load_format="dummy", skip_tokenizer_init=True)
+    llm = LLM(model=model, dtype=args.dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=1024,
+              max_num_seqs=args.max_num_seqs, device=device, **extra)
     engine = llm.llm_engine
-    requests = workload(args.num_requests, engine.model.config.vocab_size)
+    requests = workload(args.num_requests, engine.model.config.vocab_size, input_len=args.input_len,
+                        output_len=args.output_len)
     dtype = engine.model.dtype
     seconds = run_octavo(llm, requests)
     ours = rates(requests, seconds)
@@ -85,9 +118,10 @@ def run(args: argparse.Namespace) -> dict:
 
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(engine.model_path), dtype=dtype).eval()
+    model = baseline_model(engine, args.dummy_shape).eval()
     tokenizer = llm.get_tokenizer()
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
+        tokenizer.eos_token_id
     best = (0.0, 0.0, 0)
     for batch in args.baseline_batch:
         subset = requests[:max(batch, BASELINE_MIN_REQUESTS)]
@@ -106,9 +140,14 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the default model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
+    add_device_argument(p)
+    p.add_argument("--dummy-shape", default=None, choices=["llama-3-8b"],
+                   help="benchmark this model shape with random weights instead of --model")
+    p.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: uniform 32-512)")
+    p.add_argument("--output-len", type=int, default=None, help="fixed output length (default: uniform 32-256)")
     p.add_argument("--num-requests", type=int, default=256)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--kv-cache-memory-bytes", type=int, default=4 << 30)
+    p.add_argument("--kv-cache-memory-bytes", type=int, default=None,
+                   help="default: 4 GiB on the CPU, sized from free memory on a GPU")
     p.add_argument("--baseline-batch", type=int, nargs="*", default=[1, 8, 32, 64],
                    help="transformers batch sizes to try (none: skip the baseline)")

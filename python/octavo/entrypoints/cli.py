@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .device_arg import add_device_argument
+
 
 def _convert_gguf(args: argparse.Namespace) -> int:
     # Imported here so `octavo --help` stays fast and works without torch/transformers loaded.
@@ -67,7 +69,7 @@ def add_generate(subparsers) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    p.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
+    add_device_argument(p)
     p.set_defaults(func=_generate)
 
 

@@ -1,5 +1,7 @@
 """``octavo serve``'s options, apart from the server so that ``octavo --help`` stays light."""
 
+from ..device_arg import add_device_argument
+
 
 def add_arguments(parser) -> None:
     """``octavo serve``'s options, named as ``vllm serve``'s."""
@@ -21,7 +23,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="answer 503 with Retry-After while this many requests are waiting (default: no limit)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--device", default="auto", help="where to run: auto (the GPU when torch and this build can use one), cpu, cuda or cuda:N")
+    add_device_argument(parser)
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,

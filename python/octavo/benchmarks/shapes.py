@@ -1,0 +1,27 @@
+"""Model shapes for benchmarks with dummy (random) weights: a config.json written on demand, for
+``LLM(dir, load_format="dummy", skip_tokenizer_init=True)``. No weights or tokenizer are needed."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+
+# Meta-Llama-3-8B's published config.json, less what Octavo does not read.
+LLAMA_3_8B = {
+    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
+    "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "hidden_act": "silu",
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_bias": False,
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
+}
+SHAPES = {"llama-3-8b": LLAMA_3_8B}
+
+
+def dummy_model_dir(name: str) -> Path:
+    """A fresh directory holding the config.json of shape ``name``."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; known: {', '.join(SHAPES)}")
+    path = Path(tempfile.mkdtemp(prefix=f"octavo-{name}-"))
+    (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
+    return path
