@@ -201,27 +201,31 @@ def test_paged_attention_mixed_batch(dtype, head_size, heads):
     check_attention_on_gpu(Batch(MIXED, *heads, head_size, 16, dtype, gen), dtype)
 
 
+@pytest.mark.parametrize("seqs", [[(5000, 1), (2047, 1), (10, 1)], [(5000, 1), (2047, 1), (3000, 2), (10, 1)]],
+                         ids=["decodes", "with-a-chunk"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_paged_attention_long_decodes_split_and_merge(dtype):
-    """Contexts of 2-5k tokens with few query tokens: the keys are split across blocks and merged."""
+def test_paged_attention_long_contexts(dtype, seqs):
+    """Contexts of 2-5k tokens. Decodes alone take the split-KV kernel (keys split across blocks,
+    then merged); with a multi-token query, bfloat16 / float16 take the tensor-core kernel."""
     from test_attention import Batch
 
     gen = torch.Generator().manual_seed(3)
-    batch = Batch([(5000, 1), (2047, 1), (3000, 2), (10, 1)], 32, 8, 128, 16, dtype, gen)
+    batch = Batch(seqs, 32, 8, 128, 16, dtype, gen)
     check_attention_on_gpu(batch, dtype)
     check_attention_on_gpu(batch, dtype, sliding_window=700)
 
 
-def test_paged_attention_sliding_window_and_softcap():
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_sliding_window_and_softcap(dtype):
     from test_attention import MIXED, Batch
 
     gen = torch.Generator().manual_seed(5)
-    batch = Batch([(90, 1), (40, 30), (0, 50), (7, 1)], 8, 2, 64, 16, torch.float32, gen)
-    check_attention_on_gpu(batch, torch.float32, sliding_window=24)
-    check_attention_on_gpu(batch, torch.float32, sliding_window=1)
-    capped = Batch(MIXED, 4, 2, 64, 16, torch.float32, gen)
+    batch = Batch([(90, 1), (40, 30), (0, 50), (7, 1), (200, 130)], 8, 2, 64, 16, dtype, gen)
+    check_attention_on_gpu(batch, dtype, sliding_window=24)
+    check_attention_on_gpu(batch, dtype, sliding_window=1)
+    capped = Batch(MIXED, 4, 2, 64, 16, dtype, gen)
     capped.query *= 8  # large scores, so that the cap matters
-    check_attention_on_gpu(capped, torch.float32, softcap=5.0)
+    check_attention_on_gpu(capped, dtype, softcap=5.0)
 
 
 def test_paged_attention_refuses_what_it_has_no_kernel_for():

@@ -1,9 +1,11 @@
 // paged_attention's host side: how many splits, the split workspace, the head-size and dtype
 // dispatch, and the merge of split results.
 #include <cmath>
+#include <type_traits>
 
 #include "attention.cuh"
 #include "cuda_kernels.h"
+#include "prefill_attention.cuh"
 
 namespace octavo::cuda {
 namespace {
@@ -52,8 +54,49 @@ __global__ void merge_splits_kernel(PagedAttentionParams p, SplitOutputs splits)
   }
 }
 
+// Tiles per sequence, prefix-summed: offsets[b] = tiles of sequences before b.
+__global__ void tile_offsets_kernel(const int32_t* query_start_loc, int64_t num_seqs, int tokens_per_tile,
+                                    int32_t* offsets) {
+  if (threadIdx.x != 0) return;
+  int32_t total = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    offsets[b] = total;
+    const int32_t n = query_start_loc[b + 1] - query_start_loc[b];
+    total += n > 0 ? (n + tokens_per_tile - 1) / tokens_per_tile : 0;
+  }
+  offsets[num_seqs] = total;
+}
+
+// The tensor-core prefill kernel takes batches with at least one multi-token query (a sequence
+// of decodes alone is the split-KV kernel's case) in bfloat16 / float16, when query and output
+// rows can be read in 16-byte packs.
+template <typename T>
+bool run_prefill(const PagedAttentionParams& p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return false;
+  } else {
+    if (p.num_tokens == p.num_seqs || !packs_fit<T>(p.query, p.head_size, p.query_stride) ||
+        !packs_fit<T>(p.out, p.head_size, p.out_stride))
+      return false;
+    const int64_t tokens_per_tile = kPrefillRows / (p.num_heads / p.num_kv_heads);
+    const int64_t max_tiles = p.num_seqs + ceil_div(p.num_tokens, tokens_per_tile);
+    auto* offsets = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kAttentionTiles,
+                                                           (p.num_seqs + 1) * sizeof(int32_t), "paged_attention"));
+    tile_offsets_kernel<<<1, 32, 0, current_stream()>>>(p.query_start_loc, p.num_seqs,
+                                                        static_cast<int>(tokens_per_tile), offsets);
+    check_launch("paged_attention (prefill tiles)");
+    switch (p.head_size) {
+      case 64: launch_prefill_attention<T, 64>(p, offsets, max_tiles); return true;
+      case 128: launch_prefill_attention<T, 128>(p, offsets, max_tiles); return true;
+      case 256: launch_prefill_attention<T, 256>(p, offsets, max_tiles); return true;
+      default: return false;
+    }
+  }
+}
+
 template <typename T>
 void run(const PagedAttentionParams& p) {
+  if (run_prefill<T>(p)) return;
   SplitOutputs splits{nullptr, nullptr, choose_splits(p)};
   if (splits.num_splits > 1) {
     const size_t rows = static_cast<size_t>(p.num_tokens * p.num_heads * splits.num_splits);

@@ -18,8 +18,8 @@ cudaStream_t current_stream();
 
 // A scratch buffer of at least `bytes` on the current device, one per slot, kept between calls and
 // zero-filled when (re)allocated. Growing allocates, which a CUDA graph capture cannot do.
-enum class WorkspaceSlot { kAttentionSplits, kSampleWeights, kSampleCounts };
-constexpr int kNumWorkspaceSlots = 3;
+enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kSampleCounts };
+constexpr int kNumWorkspaceSlots = 4;
 void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op);
 // Throws octavo::Error naming `what` if the last launch (or an earlier asynchronous error) failed.
 void check_launch(const char* what);
@@ -47,6 +47,13 @@ struct alignas(16) Pack {
   static constexpr int kSize = 16 / sizeof(T);
   T v[kSize];
 };
+
+template <typename T>
+__device__ __forceinline__ Pack<T> zero_pack() {
+  Pack<T> pack;
+  *reinterpret_cast<uint4*>(&pack) = make_uint4(0, 0, 0, 0);  // T's own constructor may leave bits unset
+  return pack;
+}
 
 template <typename T>
 __device__ __forceinline__ Pack<T> load_pack(const T* p) {
