@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Issue #7's GPU checks in one device-tool call (see ../.library/device): build Octavo with its
+# CUDA kernels on the GPU machine (no package registry there: --no-build-isolation, --no-deps),
+# run the CUDA tests, then the benchmarks. Logs go to $OUT, which the device tool brings back.
+#
+#   bash bench/gpu_session.sh [tests|bench|all]     (default: all)
+set -o pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/octavo-gpu}
+mkdir -p "$OUT"
+what=${1:-all}
+nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
+# sm_90 only: half the compile time of the default "80;90" on a Hopper machine.
+python3 -m pip install -q --no-build-isolation --no-deps -C cmake.define.OCTAVO_CUDA_ARCHITECTURES=90 . \
+  2>&1 | tail -20 | tee "$OUT/build.log" || exit 1
+python3 -c "import octavo, torch; print(octavo._C.cuda_compiled(), octavo._C.cuda_device_count(), torch.__version__)"
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -m cuda -p no:cacheprovider tests/python 2>&1 | tail -40 | tee "$OUT/tests.log"
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 bench/python/bench_cuda.py 2>&1 | tee "$OUT/bench_cuda.log"
+  python3 -m octavo.entrypoints.cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 2>&1 | tail -5 | tee "$OUT/latency.log"
+  python3 -m octavo.entrypoints.cli bench throughput --device cuda --dummy-shape llama-3-8b --input-len 512 --output-len 256 \
+    --num-requests 256 --baseline-batch 32 64 2>&1 | grep -v "it/s]" | tail -8 | tee "$OUT/throughput.log"
+fi
