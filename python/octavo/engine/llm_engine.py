@@ -15,10 +15,10 @@ import numpy as np
 import torch
 
 from .. import FINISH_REASONS, Scheduler, SchedulerConfig
+from ..device import resolve_device
 from ..layers.quantize import quantize_model
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..device import resolve_device
 from ..runner.model_runner import ModelRunner, kv_cache_block_bytes, profile_activation_bytes
 from ..runner.sampler import SamplingState, sample
 from ..sampling_params import RequestOutputKind, SamplingParams

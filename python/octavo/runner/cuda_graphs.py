@@ -23,11 +23,14 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
 class CudaGraphs:
+    """The captured graphs of one model and their static inputs; ``run`` replays one."""
+
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int):
         self.model = model
         device = model.embed_tokens.device
-        self.sizes = [b for b in BATCH_SIZES if b < max_num_seqs] + [
-            next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])]
+        # Every size below max_num_seqs and the first that holds it (256 at most).
+        self.sizes = sorted({b for b in BATCH_SIZES if b < max_num_seqs} |
+                            {next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])})
         largest = self.sizes[-1]
 
         def buffer(*shape, fill):
