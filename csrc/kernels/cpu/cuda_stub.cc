@@ -24,6 +24,7 @@ namespace {
 }
 }  // namespace
 
+int current_device() { no_cuda("a CUDA op"); }
 void rms_norm(const RmsNormParams&) { no_cuda("rms_norm"); }
 void rotary_embedding(const RotaryParams&) { no_cuda("rotary_embedding"); }
 void silu_and_mul(const GatedActivationParams&) { no_cuda("silu_and_mul"); }

@@ -35,18 +35,11 @@ __global__ void gated_kernel(GatedActivationParams p, Act act) {
   const T* gate = static_cast<const T*>(p.input) + row * p.in_stride + i;
   const T* up = gate + p.d;
   T* out = static_cast<T*>(p.out) + row * p.out_stride + i;
-  T g[kStep], u[kStep];
-  if constexpr (kPacked) {
-    *reinterpret_cast<Pack<T>*>(g) = load_pack(gate);
-    *reinterpret_cast<Pack<T>*>(u) = load_pack(up);
-  } else {
-    g[0] = *gate;
-    u[0] = *up;
-  }
+  Elements<T, kStep> g = load_elements<kStep>(gate);
+  const Elements<T, kStep> u = load_elements<kStep>(up);
 #pragma unroll
-  for (int j = 0; j < kStep; ++j) g[j] = from_float<T>(act(to_float(g[j])) * to_float(u[j]));
-  if constexpr (kPacked) store_pack(out, *reinterpret_cast<Pack<T>*>(g));
-  else *out = g[0];
+  for (int j = 0; j < kStep; ++j) g.v[j] = from_float<T>(act(to_float(g.v[j])) * to_float(u.v[j]));
+  store_elements(out, g);
 }
 
 template <typename T, typename Act>

@@ -17,7 +17,9 @@ namespace octavo::cuda {
 cudaStream_t current_stream();
 
 // A scratch buffer of at least `bytes` on the current device, one per slot, kept between calls and
-// zero-filled when (re)allocated. Growing allocates, which a CUDA graph capture cannot do.
+// zero-filled (in stream order) when allocated. Growing allocates, which a CUDA graph capture
+// cannot do; outgrown buffers stay allocated, since a captured graph may hold them. One buffer
+// per slot and device: kernels of one slot must not run concurrently on two streams.
 enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kSampleCounts };
 constexpr int kNumWorkspaceSlots = 4;
 void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op);
@@ -62,6 +64,35 @@ __device__ __forceinline__ Pack<T> load_pack(const T* p) {
 template <typename T>
 __device__ __forceinline__ void store_pack(T* p, const Pack<T>& pack) {
   *reinterpret_cast<Pack<T>*>(p) = pack;
+}
+
+// N consecutive elements of T, read and written with one 16-byte access when N is a whole pack
+// (the address must then be 16-byte aligned), else one by one.
+template <typename T, int N>
+struct alignas(N == Pack<T>::kSize ? 16 : alignof(T)) Elements {
+  T v[N];
+};
+
+template <int N, typename T>
+__device__ __forceinline__ Elements<T, N> load_elements(const T* p) {
+  if constexpr (N == Pack<T>::kSize) {
+    return *reinterpret_cast<const Elements<T, N>*>(p);
+  } else {
+    Elements<T, N> e;
+#pragma unroll
+    for (int j = 0; j < N; ++j) e.v[j] = p[j];
+    return e;
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_elements(T* p, const Elements<T, N>& e) {
+  if constexpr (N == Pack<T>::kSize) {
+    *reinterpret_cast<Elements<T, N>*>(p) = e;
+  } else {
+#pragma unroll
+    for (int j = 0; j < N; ++j) p[j] = e.v[j];
+  }
 }
 
 // Whether rows of `cols` elements starting at `ptr` with row stride `stride` can all be read in

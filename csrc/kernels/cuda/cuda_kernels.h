@@ -13,6 +13,8 @@
 
 namespace octavo::cuda {
 
+int current_device();  // the CUDA device this host thread launches on
+
 void rms_norm(const RmsNormParams& p);
 void rotary_embedding(const RotaryParams& p);
 void silu_and_mul(const GatedActivationParams& p);

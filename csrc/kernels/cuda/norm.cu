@@ -17,7 +17,7 @@ __device__ __forceinline__ float weight_at(const RmsNormParams& p, int64_t i) {
 
 // kPacked: every row pointer and the hidden size allow 16-byte packs.
 template <typename T, bool kPacked>
-__global__ void rms_norm_kernel(RmsNormParams p) {
+__global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(RmsNormParams p) {
   __shared__ float scratch[32];
   constexpr int kStep = kPacked ? Pack<T>::kSize : 1;
   const int64_t row = blockIdx.x;
@@ -26,32 +26,24 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   T* res = p.residual ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
   float ss = 0.0f;
   for (int64_t i = threadIdx.x * kStep; i < p.hidden; i += blockDim.x * kStep) {
-    T v[kStep];
-    if constexpr (kPacked) *reinterpret_cast<Pack<T>*>(v) = load_pack(x + i);
-    else v[0] = x[i];
+    Elements<T, kStep> v = load_elements<kStep>(x + i);
     if (res) {
-      T r[kStep];
-      if constexpr (kPacked) *reinterpret_cast<Pack<T>*>(r) = load_pack(res + i);
-      else r[0] = res[i];
+      const Elements<T, kStep> r = load_elements<kStep>(res + i);
 #pragma unroll
-      for (int j = 0; j < kStep; ++j) v[j] = from_float<T>(to_float(v[j]) + to_float(r[j]));
-      if constexpr (kPacked) store_pack(res + i, *reinterpret_cast<Pack<T>*>(v));
-      else res[i] = v[0];
+      for (int j = 0; j < kStep; ++j) v.v[j] = from_float<T>(to_float(v.v[j]) + to_float(r.v[j]));
+      store_elements(res + i, v);
     }
 #pragma unroll
-    for (int j = 0; j < kStep; ++j) ss += to_float(v[j]) * to_float(v[j]);
+    for (int j = 0; j < kStep; ++j) ss += to_float(v.v[j]) * to_float(v.v[j]);
   }
   ss = block_sum(ss, scratch);
   const float scale = 1.0f / sqrtf(ss / static_cast<float>(p.hidden) + p.eps);
   const T* src = res ? res : x;  // the normalized row is the updated residual
   for (int64_t i = threadIdx.x * kStep; i < p.hidden; i += blockDim.x * kStep) {
-    T v[kStep];
-    if constexpr (kPacked) *reinterpret_cast<Pack<T>*>(v) = load_pack(src + i);
-    else v[0] = src[i];
+    Elements<T, kStep> v = load_elements<kStep>(src + i);
 #pragma unroll
-    for (int j = 0; j < kStep; ++j) v[j] = from_float<T>(to_float(v[j]) * scale * weight_at<T>(p, i + j));
-    if constexpr (kPacked) store_pack(out + i, *reinterpret_cast<Pack<T>*>(v));
-    else out[i] = v[0];
+    for (int j = 0; j < kStep; ++j) v.v[j] = from_float<T>(to_float(v.v[j]) * scale * weight_at<T>(p, i + j));
+    store_elements(out + i, v);
   }
 }
 

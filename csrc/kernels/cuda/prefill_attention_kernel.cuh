@@ -109,6 +109,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedAttention
     max_s[threadIdx.x] = -FLT_MAX;
     sum_s[threadIdx.x] = 0.0f;
   }
+  __syncthreads();  // rows are initialized by one thread and read by two others, even with no key
 
   // Keys [k_begin, k_end): what the tile's first and last tokens can see between them.
   const int64_t last_pos = pos0 + q_count - 1;

@@ -65,6 +65,7 @@ __device__ unsigned long long max_u(unsigned long long a, unsigned long long b) 
 // ranks as -inf.
 __device__ unsigned long long likelihood_key(float x, int token) {
   if (x != x) x = -INFINITY;
+  if (x == 0.0f) x = 0.0f;  // -0 ties with +0, as on the CPU
   const unsigned bits = __float_as_uint(x);
   const unsigned ordered = (bits & 0x80000000u) ? ~bits : (bits | 0x80000000u);
   return (static_cast<unsigned long long>(ordered) << 32) | (0xffffffffu - static_cast<unsigned>(token));
@@ -196,12 +197,14 @@ __device__ int draw(const float* w, int64_t n, float threshold, double u, Scratc
   int last = -1;
   for (int64_t i = begin; i < end; ++i)
     if (w[i] >= threshold && w[i] > 0) run += w[i], last = static_cast<int>(i);
-  // Exclusive scan of the runs: within warps by shuffles, then over the warp totals.
+  // Prefix sums of the runs: within warps by shuffles, then over the warp totals.
   double incl = run;
   for (int o = 1; o < 32; o *= 2) {
     const double v = __shfl_up_sync(0xffffffffu, incl, o);
     if (threadIdx.x % 32 >= o) incl += v;
   }
+  // A run's start is computed exactly as the previous run's end, so runs tile [0, total).
+  const double incl_before = __shfl_up_sync(0xffffffffu, incl, 1);
   if (threadIdx.x % 32 == 31) s.d[threadIdx.x / 32] = incl;
   if (threadIdx.x == 0) s.result = -1;
   __syncthreads();
@@ -210,11 +213,12 @@ __device__ int draw(const float* w, int64_t n, float threshold, double u, Scratc
     if (wi < static_cast<int>(threadIdx.x / 32)) before += s.d[wi];
     total += s.d[wi];
   }
-  const double excl = before + incl - run;
+  const double run_start = threadIdx.x % 32 == 0 ? before : before + incl_before;
+  const double run_end = before + incl;
   const double target = u * total;
   const int last_kept = block_reduce(last, [](int a, int b) { return a > b ? a : b; }, s.i);
-  if (run > 0 && excl <= target && target < excl + run) {
-    double acc = excl;
+  if (run > 0 && run_start <= target && target < run_end) {
+    double acc = run_start;
     int pick = last;
     for (int64_t i = begin; i < end; ++i) {
       if (!(w[i] >= threshold && w[i] > 0)) continue;

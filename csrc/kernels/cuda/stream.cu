@@ -15,6 +15,12 @@ namespace cuda {
 
 cudaStream_t current_stream() { return t_stream; }
 
+int current_device() {
+  int device = 0;
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaGetDevice(&device) == cudaSuccess, "no usable CUDA device");
+  return device;
+}
+
 void check_launch(const char* what) {
   const cudaError_t err = cudaGetLastError();
   OCTAVO_CHECK_KIND(ErrorKind::kRuntime, err == cudaSuccess,

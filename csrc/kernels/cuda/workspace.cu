@@ -1,5 +1,6 @@
 // Per-device scratch buffers for kernels that need global memory beyond their outputs.
 #include <mutex>
+#include <vector>
 
 #include "common.cuh"
 
@@ -12,6 +13,8 @@ void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op) {
   static std::mutex mu;
   static void* buffers[kMaxDevices][kNumWorkspaceSlots] = {};
   static size_t sizes[kMaxDevices][kNumWorkspaceSlots] = {};
+  // Outgrown buffers are never freed: a captured CUDA graph may still read or write them.
+  static std::vector<void*> retired;
   std::lock_guard<std::mutex> lock(mu);
   int device = 0;
   cudaGetDevice(&device);
@@ -22,18 +25,17 @@ void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op) {
   OCTAVO_CHECK_KIND(ErrorKind::kRuntime, capturing == cudaStreamCaptureStatusNone,
                     op << " needs a larger workspace (" << bytes << " bytes) inside a CUDA graph capture; run the "
                        "captured shape once before capturing");
-  // Growing waits for the kernels that may still use the old buffer.
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaDeviceSynchronize() == cudaSuccess,
-                    op << ": a CUDA error is pending: " << cudaGetErrorString(cudaGetLastError()));
-  cudaFree(buffers[device][s]);
-  buffers[device][s] = nullptr;
-  sizes[device][s] = 0;
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaMalloc(&buffers[device][s], bytes) == cudaSuccess,
+  void* fresh = nullptr;
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaMalloc(&fresh, bytes) == cudaSuccess,
                     op << ": cannot allocate a " << bytes << "-byte workspace");
-  // Zeroed once: kernels that need zeros (sampling's token counts) leave them zero.
-  cudaMemset(buffers[device][s], 0, bytes);
+  // Zeroed in stream order, before the kernel that asked (sampling's token counts need zeros,
+  // and kernels leave them zero).
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaMemsetAsync(fresh, 0, bytes, current_stream()) == cudaSuccess,
+                    op << ": cannot clear a new workspace");
+  if (buffers[device][s] != nullptr) retired.push_back(buffers[device][s]);
+  buffers[device][s] = fresh;
   sizes[device][s] = bytes;
-  return buffers[device][s];
+  return fresh;
 }
 
 }  // namespace octavo::cuda

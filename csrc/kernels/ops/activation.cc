@@ -33,13 +33,13 @@ GatedActivationParams gated_params(const TensorView& out, const TensorView& inpu
 
 void silu_and_mul(const TensorView& out, const TensorView& input) {
   const GatedActivationParams p = gated_params(out, input);
-  if (ops::is_cuda(input)) cuda::silu_and_mul(p);
+  if (ops::runs_on_cuda(input, "input")) cuda::silu_and_mul(p);
   else cpu_dispatch(silu_and_mul, p);
 }
 
 void gelu_and_mul(const TensorView& out, const TensorView& input, GeluApproximation approximate) {
   const GatedActivationParams p = gated_params(out, input);
-  if (ops::is_cuda(input)) cuda::gelu_and_mul(p, approximate);
+  if (ops::runs_on_cuda(input, "input")) cuda::gelu_and_mul(p, approximate);
   else cpu_dispatch(gelu_and_mul, p, approximate);
 }
 

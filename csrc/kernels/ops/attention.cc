@@ -60,6 +60,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
                                              << num_kv_heads << ")");
   check_ndim(seq_lens, "seq_lens", 1);
   const int64_t num_seqs = seq_lens.shape[0];
+  OCTAVO_CHECK(num_seqs > 0 || query.shape[0] == 0, "query tokens need at least one sequence (seq_lens is empty)");
   ops::check_vector(seq_lens, "seq_lens", DType::kInt32, num_seqs, query, "query");
   ops::check_vector(query_start_loc, "query_start_loc", DType::kInt32, num_seqs + 1, query, "query");
   ops::check_same_device(block_tables, "block_tables", query, "query");
@@ -94,7 +95,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.dtype = query.dtype;
-  if (ops::is_cuda(query)) {
+  if (ops::runs_on_cuda(query, "query")) {
     cuda::paged_attention(p);
   } else {
     check_batch(p, bt.cols);

@@ -60,7 +60,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   p.value_stride = v.stride;
   p.dtype = key.dtype;
   p.slot_dtype = slot_mapping.dtype;
-  if (ops::is_cuda(key)) cuda::reshape_and_cache(p);
+  if (ops::runs_on_cuda(key, "key")) cuda::reshape_and_cache(p);
   else cpu_dispatch(reshape_and_cache, p);
 }
 

@@ -38,7 +38,7 @@ RmsNormParams norm_params(const TensorView& out, const char* out_arg, const Tens
 }
 
 void run(const RmsNormParams& p, const TensorView& input) {
-  if (ops::is_cuda(input)) cuda::rms_norm(p);
+  if (ops::runs_on_cuda(input, "input")) cuda::rms_norm(p);
   else cpu_dispatch(rms_norm, p);
 }
 

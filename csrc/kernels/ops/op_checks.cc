@@ -1,5 +1,8 @@
 #include "op_checks.h"
 
+#include <cstdint>
+
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 
 namespace octavo::ops {
@@ -80,6 +83,16 @@ void check_same_device(const TensorView& t, const char* arg, const TensorView& r
                             << ref_arg << "' is on " << device_name(ref.device.type) << ":" << ref.device.index);
 }
 
+bool runs_on_cuda(const TensorView& t, const char* arg) {
+  if (!is_cuda(t)) return false;
+  const int current = cuda::current_device();
+  OCTAVO_CHECK(t.device.index == current, "argument '" << arg << "' is on cuda:" << t.device.index
+                                                       << " but this thread's current CUDA device is " << current
+                                                       << "; call torch.cuda.set_device(" << t.device.index
+                                                       << ") first");
+  return true;
+}
+
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size) {
   check_cpu(t, arg);
   check_vector(t, arg, dtype, size, t, arg);
@@ -96,6 +109,9 @@ void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t siz
 
 void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg) {
   check_same_device(cache, arg, ref, ref_arg);
+  // The CUDA kernels move cache rows in 16-byte packs.
+  OCTAVO_CHECK(!is_cuda(cache) || reinterpret_cast<uintptr_t>(cache.data) % 16 == 0,
+               "argument '" << arg << "' must start on a 16-byte boundary on CUDA (a view with an odd offset?)");
   check_same_dtype(cache, arg, ref, ref_arg);
   OCTAVO_CHECK(cache.ndim == 4, "argument '" << arg << "' must be [num_blocks, num_kv_heads, block_size, head_size], got "
                                              << cache.ndim << " dimension(s)");

@@ -28,6 +28,9 @@ void check_cpu(const TensorView& t, const char* arg);
 // On the same device (type and index) as ref.
 void check_same_device(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
 inline bool is_cuda(const TensorView& t) { return t.device.type == DeviceType::kCUDA; }
+// Whether the op runs its CUDA kernel: t is a CUDA tensor, on the device this thread launches
+// on (kernels launch on the current device; another one would fault).
+bool runs_on_cuda(const TensorView& t, const char* arg);
 // 1-D, contiguous, `dtype`, `size` elements (size < 0: any); on the CPU, or on ref's device.
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size);
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size, const TensorView& ref,

@@ -74,7 +74,7 @@ void rotary_embedding(const TensorView& positions, const TensorView& query, cons
   p.cos_sin_cache = cos_sin_cache.data_as<float>();
   p.dtype = query.dtype;
   p.is_neox = is_neox;
-  if (ops::is_cuda(positions)) cuda::rotary_embedding(p);
+  if (ops::runs_on_cuda(positions, "positions")) cuda::rotary_embedding(p);
   else cpu_dispatch(rotary_embedding, p);
 }
 

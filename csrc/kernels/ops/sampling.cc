@@ -107,7 +107,7 @@ void sample(const SampleArgs& a) {
               &p.output_offsets, &p.output_token_ids);
   token_lists(a.banned_offsets, "banned_offsets", a.banned_token_ids, "banned_token_ids", n, p.vocab_size, a.logits,
               &p.banned_offsets, &p.banned_token_ids);
-  if (ops::is_cuda(a.logits)) {
+  if (ops::runs_on_cuda(a.logits, "logits")) {
     cuda::sample(p);
     return;
   }

@@ -27,11 +27,19 @@ class ModelRunner:
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
+        self._use_device()
         c = model.config
         shape = (num_blocks, c.num_key_value_heads, block_size, c.head_dim)
         for attn in model.attention_layers():
             attn.kv_cache = (empty_kv_cache(shape, model.dtype, self.device),
                              empty_kv_cache(shape, model.dtype, self.device))
+
+    def _use_device(self) -> None:
+        """Octavo's CUDA kernels launch on this thread's current device and stream: the model's
+        device and torch's current stream there (the engine may step from another thread)."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            _C.set_cuda_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
         # The scheduler's arrays are read-only views of its own buffers, valid until the next
@@ -43,6 +51,7 @@ class ModelRunner:
         """Captures the decode graphs (runner/cuda_graphs.py); returns the seconds it took."""
         from .cuda_graphs import CudaGraphs
 
+        self._use_device()
         self.cuda_graphs = CudaGraphs(self.model, max_num_seqs, max_blocks_per_seq)
         return self.cuda_graphs.capture_seconds
 
@@ -50,8 +59,7 @@ class ModelRunner:
     def execute(self, out, extra_rows: np.ndarray | None = None) -> torch.Tensor:
         """out: a SchedulerOutput -> float32 logits [num_reqs, vocab] in batch order, followed
         by the logits of the flat token rows ``extra_rows`` when given (prompt logprobs)."""
-        if self.device.type == "cuda":  # Octavo's kernels launch on torch's current stream
-            _C.set_cuda_stream(torch.cuda.current_stream(self.device).cuda_stream)
+        self._use_device()
         if self.cuda_graphs is not None and extra_rows is None:
             logits = self.cuda_graphs.run(out)
             if logits is not None:
