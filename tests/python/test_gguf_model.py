@@ -64,10 +64,35 @@ def test_tensor_names_and_rotary_row_order():
 
 
 def test_a_non_gguf_or_foreign_file_is_refused(tmp_path):
+    import gguf
+
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="GGUF"):
         load_model(bad)
+    foreign = tmp_path / "gpt2.gguf"
+    writer = gguf.GGUFWriter(str(foreign), "gpt2")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="is a 'gpt2' GGUF; Octavo runs GGUF files of the architectures llama"):
+        load_model(foreign)
+
+
+def test_config_from_the_metadata_equals_transformers_reading():
+    from transformers import AutoConfig
+
+    from octavo.config import ModelConfig
+    from octavo.loader.gguf_file import gguf_config
+
+    path = default_gguf_path()
+    ours = gguf_config(path)
+    theirs = ModelConfig.from_dict({**AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict(),
+                                    "architectures": ["LlamaForCausalLM"]})
+    assert {k: v for k, v in vars(ours).items() if k != "hf"} == {k: v for k, v in vars(theirs).items() if k != "hf"}
+    assert ours.hf["rope_theta"] == 100000.0 and ours.hf["eos_token_id"] == 2
 
 
 def test_quantized_weight_checks_its_blocks():

@@ -1,8 +1,8 @@
 """Llama-architecture GGUF files run as they are: the model's projections keep the file's Q8_0 /
 Q4_0 / Q4_1 blocks (``QuantizedWeight``), everything else is read as floats.
 
-The config and tokenizer come from the file's metadata through transformers' GGUF support. The
-tensors are read with the ``gguf`` package: llama.cpp's names are mapped to Hugging Face's, and
+The config is read from the file's metadata (as transformers' GGUF loader names it), the tokenizer
+through transformers' GGUF support. The tensors are read with the ``gguf`` package: llama.cpp's names are mapped to Hugging Face's, and
 the rows of attn_q / attn_k are put back in Hugging Face's order (llama.cpp's converter
 interleaves the two rotary halves of every head; this is the inverse, as transformers applies it).
 """
@@ -44,18 +44,46 @@ def hf_name(name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model")
 
 
-def gguf_config(path: Path) -> ModelConfig:
-    from transformers import AutoConfig
+def open_reader(path: Path):
+    import gguf
 
     try:
-        hf = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name).to_dict()
-    except ValueError as e:
+        return gguf.GGUFReader(str(path))
+    except (ValueError, OSError) as e:
         raise ValueError(f"cannot read the GGUF metadata of {path}: {e}") from e
-    if hf.get("model_type") not in ARCHITECTURES:
-        raise ValueError(f"{path} is a {hf.get('model_type')!r} GGUF; Octavo runs GGUF files of the architectures "
+
+
+# Hugging Face config name -> the llama GGUF metadata key after "llama."
+_CONFIG_KEYS = {"max_position_embeddings": "context_length", "hidden_size": "embedding_length",
+                "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
+                "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
+                "rms_norm_eps": "attention.layer_norm_rms_epsilon", "rope_theta": "rope.freq_base",
+                "head_dim": "rope.dimension_count", "vocab_size": "vocab_size"}
+_TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "pad_token_id": "padding_token_id"}
+
+
+def gguf_config(path: Path, reader=None) -> ModelConfig:
+    """The model config in the file's metadata (the names transformers' GGUF loader gives them).
+    ``reader``: the file's gguf.GGUFReader, when one is open already (parsing the metadata, a
+    tokenizer of 50k strings, takes seconds)."""
+    import gguf
+
+    reader = reader or open_reader(path)
+    fields = {name: field.contents() for name, field in reader.fields.items()
+              if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}
+    arch = fields.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{path} is a {arch!r} GGUF; Octavo runs GGUF files of the architectures "
                          f"{', '.join(ARCHITECTURES)}")
-    hf["architectures"] = [ARCHITECTURES[hf["model_type"]]]
-    hf.pop("quantization_config", None)
+    if any(name.startswith(f"{arch}.rope.scaling") for name in fields):
+        raise ValueError(f"{path} uses RoPE scaling, which Octavo does not read from GGUF metadata yet")
+    hf = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu", "torch_dtype": "float32",
+          "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
+    hf.update((name, fields[f"{arch}.{key}"]) for name, key in _CONFIG_KEYS.items() if f"{arch}.{key}" in fields)
+    hf.update((name, fields[f"tokenizer.ggml.{key}"]) for name, key in _TOKEN_IDS.items()
+              if f"tokenizer.ggml.{key}" in fields)
+    if "vocab_size" not in hf:
+        hf["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     return ModelConfig.from_dict(hf)
 
 
@@ -65,12 +93,12 @@ def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
     return rows.reshape(heads, half, 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
 
 
-def _read_tensors(path: Path, config: ModelConfig) -> dict[str, tuple[str | None, np.ndarray]]:
+def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np.ndarray]]:
     """HF name -> (weight format or None for floats, array in HF row order)."""
     import gguf
 
     tensors = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
+    for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
         data = np.asarray(t.data)
         if kind not in KEPT_FORMATS and kind not in FLOAT_TYPES:
@@ -109,13 +137,14 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto"):
     """The model of a Llama GGUF file, with its quantized projections kept quantized. Float
     parts (norms, the embedding table for lookups) are in ``dtype`` ("auto": float32)."""
     path = Path(path)
-    config = gguf_config(path)
+    reader = open_reader(path)
+    config = gguf_config(path, reader)
     if dtype in ("auto", "float32"):
         dtype = torch.float32
     elif isinstance(dtype, str):
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = model_class(config.architecture)(config, dtype)
-    tensors = _read_tensors(path, config)
+    tensors = _read_tensors(reader, config)
     model.load_weights((name, _as_float(fmt, data)) for name, (fmt, data) in tensors.items())
     _keep_quantized(model, tensors)
     return model.eval()
