@@ -19,8 +19,9 @@ def _seed():
 
 
 def assert_matches_cpu(gpu: torch.Tensor, cpu: torch.Tensor):
-    """Equal up to one rounding of the dtype: the kernels sum in different orders."""
-    ulp = {torch.float32: 2.0 ** -20, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[cpu.dtype]
+    """Equal up to one rounding of the dtype (the kernels sum in different orders); float32 gets
+    a few more bits, since the CPU's vectorized exp / erf / tanh and CUDA's differ by ulps."""
+    ulp = {torch.float32: 2.0 ** -16, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[cpu.dtype]
     torch.testing.assert_close(gpu.cpu().float(), cpu.float(), rtol=ulp, atol=ulp * cpu.float().abs().max().item())
 
 
