@@ -8,11 +8,7 @@ namespace octavo {
 namespace {
 
 GatedActivationParams gated_params(const TensorView& out, const TensorView& input) {
-  ops::check_same_device(out, "out", input, "input");
-  ops::check_float(input, "input");
-  ops::check_same_dtype(out, "out", input, "input");
-  const ops::Rows in = ops::last_dim_rows(input, "input");
-  const ops::Rows o = ops::last_dim_rows(out, "out");
+  const auto [in, o] = ops::float_in_out(out, "out", input);
   OCTAVO_CHECK(in.cols % 2 == 0, "argument 'input' must have an even last dimension (gate and up halves), got "
                                      << in.cols);
   OCTAVO_CHECK(o.rows == in.rows && o.cols * 2 == in.cols,

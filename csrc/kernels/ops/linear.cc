@@ -94,12 +94,8 @@ int64_t weight_block_bytes(WeightFormat format) {
 
 void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
             WeightFormat format, const WeightQuant& quant) {
-  ops::check_cpu(out, "out");
   ops::check_cpu(input, "input");
-  ops::check_float(input, "input");
-  ops::check_same_dtype(out, "out", input, "input");
-  const ops::Rows in = ops::last_dim_rows(input, "input");
-  const ops::Rows o = ops::last_dim_rows(out, "out");
+  const auto [in, o] = ops::float_in_out(out, "out", input);
   LinearParams p{};
   const int64_t n = check_weight(weight, format, quant, input, in.cols, p);
   OCTAVO_CHECK(o.rows == in.rows && o.cols == n, "argument 'out' must be [" << in.rows << ", " << n << "], got "

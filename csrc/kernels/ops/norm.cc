@@ -9,13 +9,9 @@ namespace {
 
 RmsNormParams norm_params(const TensorView& out, const char* out_arg, const TensorView& input,
                           const TensorView& weight, double eps, bool weight_offset) {
-  ops::check_same_device(out, out_arg, input, "input");
+  const auto [in, o] = ops::float_in_out(out, out_arg, input);
   ops::check_same_device(weight, "weight", input, "input");
-  ops::check_float(input, "input");
-  ops::check_same_dtype(out, out_arg, input, "input");
   ops::check_same_dtype(weight, "weight", input, "input");
-  const ops::Rows in = ops::last_dim_rows(input, "input");
-  const ops::Rows o = ops::last_dim_rows(out, out_arg);
   OCTAVO_CHECK(o.rows == in.rows && o.cols == in.cols,
                "argument '" << out_arg << "' must have the shape of 'input' (" << in.rows << " rows of " << in.cols
                             << "), got " << o.rows << " rows of " << o.cols);

@@ -83,6 +83,13 @@ void check_same_device(const TensorView& t, const char* arg, const TensorView& r
                             << ref_arg << "' is on " << device_name(ref.device.type) << ":" << ref.device.index);
 }
 
+InOutRows float_in_out(const TensorView& out, const char* out_arg, const TensorView& input) {
+  check_same_device(out, out_arg, input, "input");
+  check_float(input, "input");
+  check_same_dtype(out, out_arg, input, "input");
+  return {last_dim_rows(input, "input"), last_dim_rows(out, out_arg)};
+}
+
 bool runs_on_cuda(const TensorView& t, const char* arg) {
   if (!is_cuda(t)) return false;
   const int current = cuda::current_device();

@@ -21,6 +21,13 @@ Rows as_rows(const TensorView& t, const char* arg);
 Rows last_dim_rows(const TensorView& t, const char* arg);
 
 void check_float(const TensorView& t, const char* arg);  // float32, bfloat16 or float16
+
+// An op's float input and its output, as rows of their last dimension: same device, same dtype.
+struct InOutRows {
+  Rows in;
+  Rows out;
+};
+InOutRows float_in_out(const TensorView& out, const char* out_arg, const TensorView& input);
 void check_same_dtype(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
 void check_index_dtype(const TensorView& t, const char* arg);  // int32 or int64
 // CPU memory, for the ops that have only a CPU kernel so far.
