@@ -148,16 +148,21 @@ def test_bogus_gguf_is_refused(tmp_path, capsys):
     assert "not a GGUF file" in capsys.readouterr().err
 
 
-def test_unsupported_architecture_is_refused(tmp_path):
+def write_gguf_of_architecture(path: Path, arch: str) -> Path:
+    """A GGUF file that declares `arch` and holds one small float tensor."""
     import gguf
 
-    path = tmp_path / "odd.gguf"
-    writer = gguf.GGUFWriter(str(path), "octavo-test-arch")
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return path
+
+
+def test_unsupported_architecture_is_refused(tmp_path):
+    path = write_gguf_of_architecture(tmp_path / "odd.gguf", "octavo-test-arch")
     with pytest.raises(ValueError, match="octavo-test-arch"):
         convert_gguf(path, tmp_path / "out")
 

@@ -64,19 +64,13 @@ def test_tensor_names_and_rotary_row_order():
 
 
 def test_a_non_gguf_or_foreign_file_is_refused(tmp_path):
-    import gguf
+    from test_default_model import write_gguf_of_architecture
 
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(ValueError, match="GGUF"):
         load_model(bad)
-    foreign = tmp_path / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(foreign), "gpt2")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    foreign = write_gguf_of_architecture(tmp_path / "gpt2.gguf", "gpt2")
     with pytest.raises(ValueError, match="is a 'gpt2' GGUF; Octavo runs GGUF files of the architectures llama"):
         load_model(foreign)
 

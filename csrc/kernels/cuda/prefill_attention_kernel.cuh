@@ -13,6 +13,21 @@ namespace prefill_detail {
 
 namespace wmma = nvcuda::wmma;
 
+using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
+
+// acc += A·B for A [16, k] row-major at `a` (leading dimension lda) and B [k, 16] at `b` in
+// layout BLayout (leading dimension ldb); B's next 16 rows of k start b_step elements further.
+template <typename T, typename BLayout>
+__device__ void mma_accumulate(Accumulator& acc, const T* a, int lda, const T* b, int b_step, int ldb, int k) {
+  for (int k0 = 0; k0 < k; k0 += 16) {
+    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a_frag;
+    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> b_frag;
+    wmma::load_matrix_sync(a_frag, a + k0, lda);
+    wmma::load_matrix_sync(b_frag, b + (k0 / 16) * b_step, ldb);
+    wmma::mma_sync(acc, a_frag, b_frag, acc);
+  }
+}
+
 // Row strides in shared memory, padded against bank conflicts; every 16-row tile start stays
 // 32-byte aligned, as wmma's loads and stores need.
 template <int kD>
@@ -125,17 +140,11 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedAttention
     load_kv_tile<T, kD>(p, table, kv_head, k0, k_end, k_s, v_s);
     __syncthreads();
 
-    // S = Q·Kᵀ for this warp's 16 rows.
+    // S = Q·Kᵀ for this warp's 16 rows (Kᵀ: the K rows read column-major).
     for (int n0 = 0; n0 < kKeys; n0 += 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      Accumulator acc;
       wmma::fill_fragment(acc, 0.0f);
-      for (int d0 = 0; d0 < kD; d0 += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::col_major> b;
-        wmma::load_matrix_sync(a, q_s + warp * 16 * L::kLdQ + d0, L::kLdQ);
-        wmma::load_matrix_sync(b, k_s + n0 * L::kLdQ + d0, L::kLdQ);
-        wmma::mma_sync(acc, a, b, acc);
-      }
+      mma_accumulate<T, wmma::col_major>(acc, q_s + warp * 16 * L::kLdQ, L::kLdQ, k_s + n0 * L::kLdQ, 16, L::kLdQ, kD);
       wmma::store_matrix_sync(s_s + warp * 16 * L::kLdS + n0, acc, L::kLdS, wmma::mem_row_major);
     }
     __syncwarp();
@@ -172,16 +181,11 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedAttention
 
     // O += P·V for this warp's 16 rows.
     for (int d0 = 0; d0 < kD; d0 += 16) {
-      wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+      Accumulator acc;
       float* o_tile = o_s + warp * 16 * L::kLdO + d0;
       wmma::load_matrix_sync(acc, o_tile, L::kLdO, wmma::mem_row_major);
-      for (int n0 = 0; n0 < kKeys; n0 += 16) {
-        wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a;
-        wmma::fragment<wmma::matrix_b, 16, 16, 16, T, wmma::row_major> b;
-        wmma::load_matrix_sync(a, p_s + warp * 16 * L::kLdP + n0, L::kLdP);
-        wmma::load_matrix_sync(b, v_s + n0 * L::kLdQ + d0, L::kLdQ);
-        wmma::mma_sync(acc, a, b, acc);
-      }
+      mma_accumulate<T, wmma::row_major>(acc, p_s + warp * 16 * L::kLdP, L::kLdP, v_s + d0, 16 * L::kLdQ, L::kLdQ,
+                                         kKeys);
       wmma::store_matrix_sync(o_tile, acc, L::kLdO, wmma::mem_row_major);
     }
     __syncwarp();
