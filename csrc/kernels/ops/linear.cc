@@ -42,6 +42,10 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
     OCTAVO_CHECK(g > 0 && g % kBlockWeights == 0 && k % g == 0,
                  "weight format int4 needs a group_size that is a multiple of 32 and divides " << k << ", got " << g);
     OCTAVO_CHECK(quant.scales != nullptr && quant.zeros != nullptr, "weight format int4 needs scales and zeros");
+    // The kernel finds a block's group by multiplying (cpu/linear.cc, Int4Rows): exact below this.
+    const int64_t blocks_per_group = g / kBlockWeights;
+    OCTAVO_CHECK(k / kBlockWeights < (int64_t{1} << 32) / (blocks_per_group * blocks_per_group),
+                 "weight format int4: " << k << " inputs in groups of " << g << " is more than the kernel indexes");
     for (const auto& [t, name, dtype] : {std::tuple{quant.scales, "scales", DType::kFloat32},
                                          std::tuple{quant.zeros, "zeros", DType::kUInt8}}) {
       ops::check_cpu(*t, name);
