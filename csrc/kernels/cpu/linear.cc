@@ -203,7 +203,8 @@ inline VecF int4_decode(const uint8_t* q, int j, const BlockScale& s) {
 #endif
 
 // Where the rows n.. n + nr - 1 of a quantized weight live, and how their blocks of 32 decode:
-// scale(r, blk) once per block and row, decode(r, blk, j, scale) for weights [j, j + kW).
+// scale(r, blk) for the first of each blocks_per_scale() blocks that share a scale, and
+// decode(r, blk, j, scale) for weights [j, j + kW).
 // Rows past nr repeat row n (their results are dropped).
 template <WeightFormat F>
 struct GgufRows {
@@ -214,6 +215,7 @@ struct GgufRows {
   }
   const uint8_t* block(int r, int64_t blk) const { return row[r] + blk * Gguf<F>::kBytes; }
   BlockScale scale(int r, int64_t blk) const { return Gguf<F>::scale(block(r, blk)); }
+  int64_t blocks_per_scale() const { return 1; }
   VecF decode(int r, int64_t blk, int j, const BlockScale& s) const { return Gguf<F>::decode(block(r, blk), j, s); }
 };
 
@@ -230,6 +232,7 @@ struct Int8Rows {
   }
   const int8_t* block(int r, int64_t blk) const { return row[r] + blk * kBlock; }
   BlockScale scale(int r, int64_t) const { return {VecF::set1(s[r]), VecF::zero()}; }
+  int64_t blocks_per_scale() const { return row_bytes / kBlock; }  // one scale per row
   VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return VecF::load_i8(block(r, blk) + j) * sc.a; }
 };
 
@@ -260,6 +263,7 @@ struct Int4Rows {
     const uint64_t g = (static_cast<uint64_t>(blk) * group_magic) >> 32;
     return int4_scale(s[r][g], static_cast<float>(z[r][g]));
   }
+  int64_t blocks_per_scale() const { return blocks_per_group; }
   VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return int4_decode(block(r, blk), j, sc); }
 };
 
@@ -270,11 +274,14 @@ void dot_tile_quant(const Rows& w, int64_t blocks, const T* x, int64_t x_stride,
   VecF acc[kRows][NC];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = VecF::zero();
+  BlockScale scale[kRows];
+  int64_t until_rescale = 0;  // blocks left that share the current scales
   for (int64_t blk = 0; blk < blocks; ++blk) {
-    BlockScale scale[kRows];
-    for (int r = 0; r < kRows; ++r) {
+    for (int r = 0; r < kRows; ++r)
       __builtin_prefetch(reinterpret_cast<const char*>(w.block(r, blk)) + kPrefetchRows * w.row_bytes);
-      scale[r] = w.scale(r, blk);
+    if (until_rescale-- == 0) {
+      for (int r = 0; r < kRows; ++r) scale[r] = w.scale(r, blk);
+      until_rescale = w.blocks_per_scale() - 1;
     }
     const T* xb = x + blk * kBlock;
     for (int j = 0; j < kBlock; j += kW) {
