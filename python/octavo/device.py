@@ -17,6 +17,25 @@ def cuda_unusable_reason() -> str | None:
     return None
 
 
+CUDA_HEAD_SIZES = (64, 128, 256)  # the attention kernels compiled in csrc/kernels/cuda/attention_d*.cu
+
+
+def cpu_only_reason(model, quantization: str | None = None) -> str | None:
+    """Why this model cannot run on a GPU yet, or None when it can."""
+    from .config import ModelConfig
+    from .loader.gguf_file import is_gguf
+    from .loader.safetensors_files import quant_method
+
+    if quantization is not None or is_gguf(model):
+        return "quantized weights run on the CPU only so far"
+    config = ModelConfig.from_pretrained(model)
+    if quant_method(config) is not None:
+        return f"{quant_method(config)} checkpoints run on the CPU only so far"
+    if config.head_dim not in CUDA_HEAD_SIZES:
+        return f"head size {config.head_dim} has no CUDA attention kernel (compiled: {CUDA_HEAD_SIZES})"
+    return None
+
+
 def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
     """"auto" (or None), "cpu", "cuda" or "cuda:N" -> a torch.device; ValueError, with the
     reason, for a CUDA device that cannot be used."""

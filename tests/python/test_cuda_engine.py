@@ -6,7 +6,7 @@ selection run everywhere."""
 import pytest
 import torch
 from octavo import _C, LLM, SamplingParams
-from octavo.device import cuda_unusable_reason, resolve_device
+from octavo.device import cpu_only_reason, cuda_unusable_reason, resolve_device
 from test_detokenizer import _byte_level_bpe
 from test_models import ARCHITECTURES, tiny_checkpoint
 
@@ -31,12 +31,22 @@ def test_device_selection():
             resolve_device("cuda")
 
 
+def test_what_cannot_run_on_a_gpu_is_named(tmp_path):
+    tiny_model_dir(tmp_path / "ok")
+    tiny_checkpoint("llama", tmp_path / "head32")  # TINY's head size: 32
+    assert cpu_only_reason(tmp_path / "ok") is None
+    assert "head size 32 has no CUDA attention kernel" in cpu_only_reason(tmp_path / "head32")
+    assert "quantized weights" in cpu_only_reason(tmp_path / "ok", quantization="int4")
+
+
 @pytest.mark.cuda
 @needs_cuda_build
-def test_quantized_weights_stay_on_the_cpu(tmp_path):
+def test_auto_falls_back_to_the_cpu_and_cuda_refuses_what_it_cannot_run(tmp_path, capsys):
     tiny_model_dir(tmp_path)
-    with pytest.raises(ValueError, match="runs on the CPU only so far"):
+    with pytest.raises(ValueError, match="quantized weights run on the CPU only so far"):
         LLM(model=str(tmp_path), quantization="int8", device="cuda")
+    llm = LLM(model=str(tmp_path), quantization="int8", device="auto", kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.device.type == "cpu" and "running on the CPU: quantized" in capsys.readouterr().out
 
 
 def greedy_reference(reference, prompt: list[int], n: int) -> list[int]:

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .. import FINISH_REASONS, Scheduler, SchedulerConfig
-from ..device import resolve_device
+from ..device import cpu_only_reason, resolve_device
 from ..layers.quantize import quantize_model
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -80,8 +80,12 @@ class LLMEngine:
                  enforce_eager: bool = False):
         self.model_path = Path(model)
         self.device = resolve_device(device)
-        if quantization is not None and self.device.type != "cpu":
-            raise ValueError(f"quantization={quantization!r} runs on the CPU only so far; use device='cpu'")
+        reason = cpu_only_reason(model, quantization) if self.device.type == "cuda" else None
+        if reason and device in (None, "auto"):  # "auto" means the best device this model can use
+            print(f"octavo: running on the CPU: {reason}")
+            self.device = torch.device("cpu")
+        elif reason:
+            raise ValueError(f"device={str(device)!r}: {reason}; use device='cpu'")
         self.model = load_model(model, dtype, load_format, self.device)
         if quantization is not None:  # "int8" / "int4": round-to-nearest at load time (layers/quantize.py)
             quantize_model(self.model, quantization)
