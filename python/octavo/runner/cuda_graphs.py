@@ -66,11 +66,10 @@ class CudaGraphs:
     def run(self, out) -> torch.Tensor | None:
         """The logits of a decode-only step (one token per request), or None when the step is not
         one a graph was captured for."""
-        n = out.num_reqs
-        if out.total_num_scheduled_tokens != n or n > self.sizes[-1]:
+        n, table = out.num_reqs, out.block_table
+        if out.total_num_scheduled_tokens != n or n > self.sizes[-1] or table.shape[1] > self.block_tables.shape[1]:
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        table = out.block_table
         for buffer, array in ((self.input_ids, out.input_ids), (self.positions, out.positions),
                               (self.slot_mapping, out.slot_mapping), (self.seq_lens, out.seq_lens)):
             buffer[:n].copy_(torch.from_numpy(np.array(array)))
