@@ -36,17 +36,20 @@ def cpu_only_reason(model, quantization: str | None = None) -> str | None:
     return None
 
 
-def resolve_device(device: str | torch.device | None = "auto") -> torch.device:
+def resolve_device(requested: str | torch.device | None = "auto") -> torch.device:
     """"auto" (or None), "cpu", "cuda" or "cuda:N" -> a torch.device; ValueError, with the
-    reason, for a CUDA device that cannot be used."""
-    if device is None or device == "auto":
+    reason, for anything else or a CUDA device that cannot be used."""
+    if requested is None or requested == "auto":
         return torch.device("cpu") if cuda_unusable_reason() else torch.device("cuda", torch.cuda.current_device())
-    device = torch.device(device)
+    try:
+        device = torch.device(requested)
+    except RuntimeError:  # torch's message lists every device type it knows
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {str(device or requested)!r}")
     if device.type == "cuda":
         reason = cuda_unusable_reason()
         if reason:
             raise ValueError(f"device {str(device)!r} cannot be used: {reason}")
         return torch.device("cuda", device.index or 0)
-    if device.type != "cpu":
-        raise ValueError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {str(device)!r}")
     return device

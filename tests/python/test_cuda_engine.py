@@ -31,6 +31,14 @@ def test_device_selection():
             resolve_device("cuda")
 
 
+def test_bad_engine_device_arguments_are_refused(tmp_path):
+    tiny_model_dir(tmp_path)
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization must be in \(0, 1\], got 0"):
+        LLM(model=str(tmp_path), device="cpu", gpu_memory_utilization=0)
+    with pytest.raises(ValueError, match="device must be 'auto', 'cpu' or 'cuda"):
+        LLM(model=str(tmp_path), device="tpu")
+
+
 def test_what_cannot_run_on_a_gpu_is_named(tmp_path):
     tiny_model_dir(tmp_path / "ok")
     tiny_checkpoint("llama", tmp_path / "head32")  # TINY's head size: 32

@@ -168,7 +168,7 @@ class AsyncLLM:
 
     def _abort(self, request_id: str) -> None:
         if request_id in self._live:
-            self._live.discard(request_id)
+            self._live.remove(request_id)
             self.engine.abort_request([request_id])
             self.stats.record_abort(request_id)
 

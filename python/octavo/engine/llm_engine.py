@@ -79,6 +79,8 @@ class LLMEngine:
                  quantization: str | None = None, device: str = "auto", gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False):
         self.model_path = Path(model)
+        if not 0 < gpu_memory_utilization <= 1:  # checked on any device: a bad value is a bad value
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.device = resolve_device(device)
         reason = cpu_only_reason(model, quantization) if self.device.type == "cuda" else None
         if reason and device in (None, "auto"):  # "auto" means the best device this model can use
@@ -125,8 +127,6 @@ class LLMEngine:
         weights, other processes) and a step's measured activation peak come off it."""
         if self.device.type == "cpu":
             return DEFAULT_KV_CACHE_BYTES
-        if not 0 < gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         activations = profile_activation_bytes(self.model, step_tokens, max_num_seqs, block_size)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - activations

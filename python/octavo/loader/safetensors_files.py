@@ -65,9 +65,12 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     from .gguf_file import is_gguf, load_gguf_model
 
     device = torch.device(device)
-    if device.type != "cpu" and (is_gguf(path) or quant_method(ModelConfig.from_pretrained(path)) is not None):
-        raise ValueError(f"{path} holds quantized weights, which run on the CPU only so far; "
-                         f"use device='cpu' or a float checkpoint")
+    if device.type != "cpu":
+        from ..device import cpu_only_reason
+
+        reason = cpu_only_reason(path)
+        if reason:
+            raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):
         return load_gguf_model(path, dtype)
     config = ModelConfig.from_pretrained(path)
