@@ -96,3 +96,22 @@ def test_kv_cache_is_sized_from_gpu_memory(tmp_path, capsys):
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(model=str(tmp_path), dtype="float32", device="cuda", gpu_memory_utilization=1.5)
 
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_staging_moves_mixed_arrays_in_one_buffer_and_keeps_them_apart(device):
+    import numpy as np
+    from octavo.runner.staging import Staging
+
+    staging = Staging(torch.device(device))
+    rng = np.random.default_rng(0)
+    for step in range(3):  # the buffers are reused, and grow at step 2
+        n = 5 if step < 2 else 3000
+        arrays = [rng.integers(-9, 9, n, dtype=np.int32), rng.random((n, 3)).astype(np.float32),
+                  rng.integers(0, 1 << 40, 7, dtype=np.int64), np.zeros(0, dtype=np.int32),
+                  rng.integers(0, 9, (2, n), dtype=np.int32)[:, ::2]]  # not contiguous
+        moved = staging.to_device(*arrays)
+        for a, t in zip(arrays, moved):
+            assert t.device.type == device and t.shape == a.shape and t.is_contiguous()
+            assert t.data_ptr() % 16 == 0 or t.numel() == 0
+            np.testing.assert_array_equal(t.cpu().numpy(), a)

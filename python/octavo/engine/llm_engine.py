@@ -21,6 +21,7 @@ from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.model_runner import ModelRunner, kv_cache_block_bytes, profile_activation_bytes
 from ..runner.sampler import SamplingState, sample
+from ..runner.staging import Staging
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .detokenizer import IncrementalDetokenizer, check_stop_strings
 from .prompt_logprobs import prompt_chunks, record_prompt_logprobs
@@ -102,6 +103,7 @@ class LLMEngine:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block; give at least "
                              f"{2 * kv_cache_block_bytes(self.model, block_size)} bytes")
         self.runner = ModelRunner(self.model, num_blocks, block_size)
+        self._sampling_staging = Staging(self.runner.device)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
@@ -222,7 +224,7 @@ class LLMEngine:
             logits = self.runner.execute(out, np.concatenate([c.rows() for c in chunks]) if chunks else None)
             if chunks:  # on the CPU, where the Python that reads them runs
                 record_prompt_logprobs(chunks, logits[out.num_reqs:].cpu(), self._decode)
-            sampled = sample(logits[:out.num_reqs], [s.state for _, s in batch])
+            sampled = sample(logits[:out.num_reqs], [s.state for _, s in batch], self._sampling_staging)
             update = self.scheduler.update_from_output(sampled.token_ids)
             offsets = update.new_token_offsets
             for i, handle in enumerate(update.req_handles):

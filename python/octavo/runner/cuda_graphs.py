@@ -6,6 +6,9 @@ gets one graph, captured at startup over static input buffers. A decode-only ste
 copies its arrays into the buffers, pads to the next captured size and replays; padded rows
 decode one token of a one-token context in the null block, and their KV writes are skipped
 (slot -1). Prefill and mixed steps, and larger batches, run eagerly.
+
+The static int32 inputs live in one device buffer mirrored by one pinned host buffer, so a
+replay's inputs travel in a single asynchronous copy.
 """
 
 from __future__ import annotations
@@ -13,7 +16,6 @@ from __future__ import annotations
 import bisect
 import time
 
-import numpy as np
 import torch
 
 from .. import _C
@@ -33,13 +35,15 @@ class CudaGraphs:
                             {next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])})
         largest = self.sizes[-1]
 
-        def buffer(*shape, fill):
-            return torch.full(shape, fill, dtype=torch.int32, device=device)
-
-        self.input_ids, self.positions = buffer(largest, fill=0), buffer(largest, fill=0)
-        self.slot_mapping = buffer(largest, fill=-1)
-        self.seq_lens = buffer(largest, fill=1)
-        self.block_tables = buffer(largest, max_blocks_per_seq, fill=0)  # 0: the null block
+        # [input_ids | positions | slot_mapping | seq_lens] x largest, then block_tables.
+        self._host = torch.zeros(4 * largest + largest * max_blocks_per_seq, dtype=torch.int32, pin_memory=True)
+        host = self._host.numpy()
+        host[2 * largest:3 * largest] = -1  # no KV write
+        host[3 * largest:4 * largest] = 1   # one key, in block 0: the null block
+        self._inputs = self._host.to(device)
+        self._copied = torch.cuda.Event()
+        self.input_ids, self.positions, self.slot_mapping, self.seq_lens = self._inputs[:4 * largest].view(4, largest)
+        self.block_tables = self._inputs[4 * largest:].view(largest, max_blocks_per_seq)
         self.query_start_loc = torch.arange(largest + 1, dtype=torch.int32, device=device)
         self.logits_indices = torch.arange(largest, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -70,12 +74,25 @@ class CudaGraphs:
         if out.total_num_scheduled_tokens != n or n > self.sizes[-1] or table.shape[1] > self.block_tables.shape[1]:
             return None
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        for buffer, array in ((self.input_ids, out.input_ids), (self.positions, out.positions),
-                              (self.slot_mapping, out.slot_mapping), (self.seq_lens, out.seq_lens)):
-            buffer[:n].copy_(torch.from_numpy(np.array(array)))
-        self.slot_mapping[n:size].fill_(-1)
-        self.seq_lens[n:size].fill_(1)
-        self.block_tables[:n, :table.shape[1]].copy_(torch.from_numpy(np.array(table)))
+        self._stage_inputs(out, size)
         graph, logits = self.graphs[size]
         graph.replay()
         return logits[:n]
+
+    def _stage_inputs(self, out, size: int) -> None:
+        """Writes a step's n requests, padded to ``size``, into the pinned buffer and copies what the
+        graph of that size reads. Padded rows get slot -1 and one key; table rows past n and
+        columns past the step's width keep older block ids, which are never read past a row's
+        seq_len."""
+        self._copied.synchronize()  # the last copy has read the pinned buffer
+        n, largest, width = out.num_reqs, self.sizes[-1], self.block_tables.shape[1]
+        host = self._host.numpy()
+        rows = host[:4 * largest].reshape(4, largest)
+        for row, array in zip(rows, (out.input_ids, out.positions, out.slot_mapping, out.seq_lens)):
+            row[:n] = array
+        rows[2, n:size], rows[3, n:size] = -1, 1
+        tables = host[4 * largest:].reshape(largest, width)
+        tables[:n, :out.block_table.shape[1]] = out.block_table
+        used = 4 * largest + size * width
+        self._inputs[:used].copy_(self._host[:used], non_blocking=True)
+        self._copied.record()

@@ -10,6 +10,7 @@ import torch
 from .. import _C
 from ..kv_cache import empty_kv_cache
 from ..layers.attention import AttentionMetadata
+from .staging import Staging
 
 
 def kv_cache_block_bytes(model, block_size: int) -> int:
@@ -27,6 +28,7 @@ class ModelRunner:
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
+        self.staging = Staging(self.device)
         self._use_device()
         c = model.config
         shape = (num_blocks, c.num_key_value_heads, block_size, c.head_dim)
@@ -41,10 +43,14 @@ class ModelRunner:
             torch.cuda.set_device(self.device)
             _C.set_cuda_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        # The scheduler's arrays are read-only views of its own buffers, valid until the next
-        # step; a copy of a few KiB per step is cheaper than keeping them alive and writable.
-        return torch.from_numpy(np.array(array)).to(self.device)
+    def _plan(self, out) -> np.ndarray:
+        """The attention kernels' batch layout (plan_paged_attention), for CUDA; empty elsewhere."""
+        if self.device.type != "cuda":
+            return np.zeros(0, dtype=np.int32)
+        c = self.model.config
+        plan = np.empty(len(out.query_start_loc), dtype=np.int32)
+        _C.ops.plan_paged_attention(plan, np.array(out.query_start_loc), c.num_attention_heads, c.num_key_value_heads)
+        return plan
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> float:
@@ -64,12 +70,16 @@ class ModelRunner:
             logits = self.cuda_graphs.run(out)
             if logits is not None:
                 return logits
-        meta = AttentionMetadata(slot_mapping=self._tensor(out.slot_mapping),
-                                 query_start_loc=self._tensor(out.query_start_loc),
-                                 seq_lens=self._tensor(out.seq_lens), block_tables=self._tensor(out.block_table))
-        hidden = self.model(self._tensor(out.input_ids), self._tensor(out.positions), meta)
         indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])
-        return self.model.compute_logits(hidden, self._tensor(indices).long())
+        # The scheduler's arrays are read-only views of its buffers, valid until its next step:
+        # staging copies them.
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, indices, plan = \
+            self.staging.to_device(out.input_ids, out.positions, out.slot_mapping, out.query_start_loc,
+                                   out.seq_lens, out.block_table, indices.astype(np.int64), self._plan(out))
+        meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
+                                 block_tables=block_tables, plan=plan if self.device.type == "cuda" else None)
+        hidden = self.model(input_ids, positions, meta)
+        return self.model.compute_logits(hidden, indices)
 
     def release(self) -> None:
         """Drops the KV cache (a profiling runner's, before the real one is allocated)."""

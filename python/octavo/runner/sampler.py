@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from .staging import Staging
 
 
 @dataclass
@@ -30,34 +31,39 @@ class SamplerOutput:
     top_logprobs: np.ndarray | None = None       # [R, n] float32
 
 
-def _csr(lists: list[list[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.zeros(len(lists) + 1, dtype=np.int32)
     np.cumsum([len(x) for x in lists], out=offsets[1:])
     flat = np.fromiter((t for x in lists for t in x), dtype=np.int32, count=int(offsets[-1]))
-    return torch.from_numpy(offsets).to(device), torch.from_numpy(flat).to(device)
+    return offsets, flat
 
 
-def _column(states, name: str, dtype, device: torch.device) -> torch.Tensor:
-    return torch.tensor([getattr(s.params, name) for s in states], dtype=dtype).to(device)
+def _column(states, name: str, dtype) -> np.ndarray:
+    return np.array([getattr(s.params, name) for s in states], dtype=dtype)
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging | None = None) -> SamplerOutput:
     """logits: float32 [R, vocab] in batch order, on the CPU or a GPU; states: the same R requests.
-    Sampling runs where the logits are; the results come back as NumPy arrays."""
+    Sampling runs where the logits are; the results come back as NumPy arrays. The per-request
+    inputs are built on the host and moved in one copy through ``staging`` (a new one if None)."""
     n, device = len(states), logits.device
-    kwargs = dict(top_k=_column(states, "top_k", torch.int32, device),
-                  top_p=_column(states, "top_p", torch.float32, device),
-                  min_p=_column(states, "min_p", torch.float32, device))
-    rep, freq, pres = (_column(states, k, torch.float32, device)
+    inputs = dict(temperature=_column(states, "temperature", np.float32),
+                  seeds=np.array([s.seed for s in states], dtype=np.int64),
+                  counters=np.array([len(s.output_token_ids) for s in states], dtype=np.int64),
+                  top_k=_column(states, "top_k", np.int32), top_p=_column(states, "top_p", np.float32),
+                  min_p=_column(states, "min_p", np.float32))
+    rep, freq, pres = (_column(states, k, np.float32)
                        for k in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
     if (rep != 1).any() or (freq != 0).any() or (pres != 0).any():
-        kwargs.update(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
-        kwargs["prompt_offsets"], kwargs["prompt_token_ids"] = _csr([s.prompt_token_ids for s in states], device)
-        kwargs["output_offsets"], kwargs["output_token_ids"] = _csr([s.output_token_ids for s in states], device)
+        inputs.update(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
+        inputs["prompt_offsets"], inputs["prompt_token_ids"] = _csr([s.prompt_token_ids for s in states])
+        inputs["output_offsets"], inputs["output_token_ids"] = _csr([s.output_token_ids for s in states])
     # min_tokens: stop tokens cannot be sampled until the request has that many outputs.
     banned = [s.stop_token_ids if len(s.output_token_ids) < s.params.min_tokens else [] for s in states]
     if any(banned):
-        kwargs["banned_offsets"], kwargs["banned_token_ids"] = _csr(banned, device)
+        inputs["banned_offsets"], inputs["banned_token_ids"] = _csr(banned)
+    kwargs = dict(zip(inputs, (staging or Staging(device)).to_device(*inputs.values())))
+    temperature, seeds, counters = kwargs.pop("temperature"), kwargs.pop("seeds"), kwargs.pop("counters")
     num_top = max((s.params.logprobs or 0) for s in states)
     wants_logprobs = any(s.params.logprobs is not None for s in states)
     outputs = {"token_ids": torch.empty(n, dtype=torch.int32, device=device)}
@@ -69,8 +75,5 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
             outputs.update(top_token_ids=torch.empty(n, num_top, dtype=torch.int32, device=device),
                            top_logprobs=torch.empty(n, num_top, dtype=torch.float32, device=device))
             kwargs.update(top_token_ids=outputs["top_token_ids"], top_logprobs=outputs["top_logprobs"])
-    _C.ops.sample(logits, _column(states, "temperature", torch.float32, device),
-                  torch.tensor([s.seed for s in states], dtype=torch.int64).to(device),
-                  torch.tensor([len(s.output_token_ids) for s in states], dtype=torch.int64).to(device),
-                  outputs["token_ids"], **kwargs)
+    _C.ops.sample(logits, temperature, seeds, counters, outputs["token_ids"], **kwargs)
     return SamplerOutput(**{name: t.cpu().numpy() for name, t in outputs.items()})
