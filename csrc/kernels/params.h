@@ -61,6 +61,7 @@ struct PagedAttentionParams {
   int64_t sliding_window;          // 0: off
   float scale, softcap;            // softcap 0: off
   DType dtype;
+  const int32_t* tile_offsets;     // CUDA only: plan_paged_attention's [num_seqs + 1], or null
 };
 
 struct LinearParams {

@@ -53,9 +53,19 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 // out, query: [T, H, D]; key_cache, value_cache: [num_blocks, Hkv, block_size, D];
 // query_start_loc: [B + 1] int32; seq_lens: [B] int32; block_tables: [B, max_blocks] int32.
 // softcap > 0: scores become softcap * tanh(scores / softcap) (Gemma 2).
+// plan: null, or plan_paged_attention's result for this batch's query_start_loc and heads, on
+// the query's device. The CUDA kernels use it (without one they lay the batch out on the device
+// per call); the CPU kernel needs none and ignores it.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
-                     const TensorView& block_tables, double scale, int64_t sliding_window = 0, double softcap = 0.0);
+                     const TensorView& block_tables, double scale, int64_t sliding_window = 0, double softcap = 0.0,
+                     const TensorView* plan = nullptr);
+
+// The host half of paged_attention on CUDA, computed once per step from the batch layout the
+// host already has: plan [B + 1] int32 (CPU) gets, for each sequence, the offset of its first
+// tile of query rows in the tensor-core prefill kernel. query_start_loc: [B + 1] int32 (CPU).
+void plan_paged_attention(const TensorView& plan, const TensorView& query_start_loc, int64_t num_heads,
+                          int64_t num_kv_heads);
 
 // How `linear`'s weight is stored. kDense: [N, K] in the activations' dtype (torch's Linear
 // layout). The GGUF block formats keep a file's quantized tensor as it is: weight is uint8

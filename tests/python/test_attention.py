@@ -230,3 +230,33 @@ def test_empty_kv_cache_serves_attention(num_blocks):
     _C.ops.reshape_and_cache(key, key, key_cache, value_cache, slots)
     assert torch.equal(key_cache[1, :, 3], key[3])
     assert torch.equal(value_cache[2, :, 1], key[17])
+
+
+@pytest.mark.parametrize("heads,tokens_per_tile", [((4, 4), 64), ((8, 2), 16), ((32, 2), 4), ((64, 1), 1)])
+def test_plan_lays_out_tiles_of_query_rows(heads, tokens_per_tile):
+    """plan[b]: the first tile of sequence b, tiles of 64 (token, query head) rows of one KV head."""
+    query_tokens = [1, 0, 64, 65, 3, 200]
+    query_start_loc = torch.tensor([0] + query_tokens, dtype=torch.int32).cumsum(0).to(torch.int32)
+    plan = torch.full((len(query_tokens) + 1,), -7, dtype=torch.int32)
+    _C.ops.plan_paged_attention(plan, query_start_loc, *heads)
+    tiles = [math.ceil(n / tokens_per_tile) for n in query_tokens]
+    assert plan.tolist() == [sum(tiles[:b]) for b in range(len(tiles) + 1)]
+    # The CPU kernel takes a plan and needs none: the result is the same.
+    gen = torch.Generator().manual_seed(4)
+    batch = Batch(MIXED, 8, 2, 64, 16, torch.float32, gen)
+    out, planned = batch.run(0.125), torch.empty_like(batch.query)
+    plan = torch.empty(len(MIXED) + 1, dtype=torch.int32)
+    _C.ops.plan_paged_attention(plan, batch.query_start_loc, 8, 2)
+    _C.ops.paged_attention(planned, batch.query, batch.key_cache, batch.value_cache, batch.query_start_loc,
+                           batch.seq_lens, batch.block_tables, 0.125, plan=plan)
+    assert torch.equal(planned, out)
+
+
+def test_plan_refuses_bad_arguments():
+    qsl = torch.tensor([0, 3, 2], dtype=torch.int32)
+    with pytest.raises(ValueError, match="non-decreasing"):
+        _C.ops.plan_paged_attention(torch.empty(3, dtype=torch.int32), qsl, 4, 2)
+    with pytest.raises(ValueError, match="plan"):
+        _C.ops.plan_paged_attention(torch.empty(2, dtype=torch.int32), qsl, 4, 2)
+    with pytest.raises(ValueError, match="must be a multiple of num_kv_heads"):
+        _C.ops.plan_paged_attention(torch.empty(3, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), 6, 4)

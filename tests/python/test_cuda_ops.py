@@ -178,18 +178,23 @@ def test_mixed_devices_are_refused():
 
 def check_attention_on_gpu(batch, dtype, sliding_window=0, softcap=0.0):
     """The batch of test_attention.py (built on the CPU, NaN in every unused block) run on the GPU,
-    against the same float64 reference as the CPU kernel."""
+    against the same float64 reference as the CPU kernel; with the host's plan the result is the
+    same to the bit as with the one laid out on the device."""
     from test_attention import TOLERANCE, rel_error
 
     scale = batch.query.shape[-1] ** -0.5
-    out = torch.empty_like(batch.query, device="cuda")
-    _C.ops.paged_attention(out, batch.query.cuda(), batch.key_cache.cuda(), batch.value_cache.cuda(),
-                           batch.query_start_loc.cuda(), batch.seq_lens.cuda(), batch.block_tables.cuda(), scale,
-                           sliding_window, softcap)
+    plan = torch.empty(len(batch.seqs) + 1, dtype=torch.int32)
+    _C.ops.plan_paged_attention(plan, batch.query_start_loc, batch.query.shape[1], batch.key_cache.shape[1])
+    args = (batch.query.cuda(), batch.key_cache.cuda(), batch.value_cache.cuda(), batch.query_start_loc.cuda(),
+            batch.seq_lens.cuda(), batch.block_tables.cuda(), scale, sliding_window, softcap)
+    out, planned = torch.empty_like(args[0]), torch.empty_like(args[0])
+    _C.ops.paged_attention(out, *args)
+    _C.ops.paged_attention(planned, *args, plan=plan.cuda())
     torch.cuda.synchronize()
     out = out.cpu()
     assert torch.isfinite(out).all()
     assert rel_error(out, batch.reference(scale, sliding_window, softcap)) < TOLERANCE[dtype]
+    assert torch.equal(planned.cpu(), out)
 
 
 @pytest.mark.parametrize("heads", [(4, 4), (8, 2), (32, 8), (16, 1)])

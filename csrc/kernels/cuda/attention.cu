@@ -54,7 +54,8 @@ __global__ void merge_splits_kernel(PagedAttentionParams p, SplitOutputs splits)
   }
 }
 
-// Tiles per sequence, prefix-summed: offsets[b] = tiles of sequences before b.
+// Tiles per sequence, prefix-summed: offsets[b] = tiles of sequences before b (what
+// plan_paged_attention computes on the host).
 __global__ void tile_offsets_kernel(const int32_t* query_start_loc, int64_t num_seqs, int tokens_per_tile,
                                     int32_t* offsets) {
   if (threadIdx.x != 0) return;
@@ -80,11 +81,15 @@ bool run_prefill(const PagedAttentionParams& p) {
       return false;
     const int64_t tokens_per_tile = kPrefillRows / (p.num_heads / p.num_kv_heads);
     const int64_t max_tiles = p.num_seqs + ceil_div(p.num_tokens, tokens_per_tile);
-    auto* offsets = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kAttentionTiles,
-                                                           (p.num_seqs + 1) * sizeof(int32_t), "paged_attention"));
-    tile_offsets_kernel<<<1, 32, 0, current_stream()>>>(p.query_start_loc, p.num_seqs,
-                                                        static_cast<int>(tokens_per_tile), offsets);
-    check_launch("paged_attention (prefill tiles)");
+    const int32_t* offsets = p.tile_offsets;
+    if (offsets == nullptr) {  // no host plan: lay the tiles out here, still without a host sync
+      auto* laid_out = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kAttentionTiles,
+                                                              (p.num_seqs + 1) * sizeof(int32_t), "paged_attention"));
+      tile_offsets_kernel<<<1, 32, 0, current_stream()>>>(p.query_start_loc, p.num_seqs,
+                                                          static_cast<int>(tokens_per_tile), laid_out);
+      check_launch("paged_attention (prefill tiles)");
+      offsets = laid_out;
+    }
     switch (p.head_size) {
       case 64: launch_prefill_attention<T, 64>(p, offsets, max_tiles); return true;
       case 128: launch_prefill_attention<T, 128>(p, offsets, max_tiles); return true;

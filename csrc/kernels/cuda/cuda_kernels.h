@@ -22,6 +22,9 @@ void gelu_and_mul(const GatedActivationParams& p, GeluApproximation approximate)
 void reshape_and_cache(const CacheWriteParams& p);
 // Head sizes 64, 128 and 256, at most 16 query heads per KV head.
 void paged_attention(const PagedAttentionParams& p);
+// Query rows per block of the tensor-core prefill kernel: (token, query head) pairs of one KV
+// head, so a tile holds kPrefillRows / group tokens of one sequence.
+constexpr int kPrefillRows = 64;
 void sample(const SampleParams& p);
 
 }  // namespace octavo::cuda

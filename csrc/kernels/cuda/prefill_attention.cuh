@@ -5,18 +5,18 @@
 // the paged cache serves the whole group. Each warp owns 16 rows from S = Q·Kᵀ through the
 // softmax to O += P·V, so only the K/V loads need the whole block.
 //
-// Tiles are laid out on the device (attention.cu's tile_offsets_kernel) as sequence b's tiles
-// [offsets[b], offsets[b + 1]) of ceil(query tokens / tokens per tile); the grid is an upper
-// bound and blocks past the last tile return. Nothing is read on the host, so a step can run
-// inside a CUDA graph.
+// Sequence b's tiles are [offsets[b], offsets[b + 1]), ceil(query tokens / tokens per tile) of
+// them: the host plan's (plan_paged_attention, once per step) or, without one, laid out on the
+// device by attention.cu's tile_offsets_kernel. The grid is an upper bound and blocks past the
+// last tile return, so nothing is read back on the host and a step can run in a CUDA graph.
 #pragma once
 
 #include "common.cuh"
+#include "cuda_kernels.h"  // kPrefillRows
 #include "params.h"
 
 namespace octavo::cuda {
 
-constexpr int kPrefillRows = 64;      // query rows per block
 constexpr int kPrefillThreads = 128;  // 4 warps x 16 rows
 
 // Keys per tile: fewer for head size 256, so that shared memory fits an A100's 163 KiB.

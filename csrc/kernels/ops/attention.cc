@@ -39,7 +39,8 @@ void check_batch(const PagedAttentionParams& p, int64_t table_width) {
 
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
-                     const TensorView& block_tables, double scale, int64_t sliding_window, double softcap) {
+                     const TensorView& block_tables, double scale, int64_t sliding_window, double softcap,
+                     const TensorView* plan) {
   ops::check_float(query, "query");
   check_ndim(query, "query", 3);
   const ops::Rows q = ops::as_rows(query, "query");
@@ -71,6 +72,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   OCTAVO_CHECK(scale > 0, "scale must be positive, got " << scale);
   OCTAVO_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0 = off), got " << sliding_window);
   OCTAVO_CHECK(softcap >= 0, "softcap must be >= 0 (0 = off), got " << softcap);
+  if (plan != nullptr) ops::check_vector(*plan, "plan", DType::kInt32, num_seqs + 1, query, "query");
 
   PagedAttentionParams p{};
   p.out = out.data;
@@ -95,12 +97,35 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.dtype = query.dtype;
+  p.tile_offsets = plan != nullptr ? plan->data_as<int32_t>() : nullptr;
   if (ops::runs_on_cuda(query, "query")) {
     cuda::paged_attention(p);
   } else {
     check_batch(p, bt.cols);
     cpu_dispatch(paged_attention, p);
   }
+}
+
+void plan_paged_attention(const TensorView& plan, const TensorView& query_start_loc, int64_t num_heads,
+                          int64_t num_kv_heads) {
+  ops::check_vector(query_start_loc, "query_start_loc", DType::kInt32, -1);  // on the host, as plan
+  const int64_t num_seqs = query_start_loc.shape[0] - 1;
+  OCTAVO_CHECK(num_seqs >= 0, "query_start_loc must hold at least one offset");
+  ops::check_vector(plan, "plan", DType::kInt32, num_seqs + 1);
+  OCTAVO_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= cuda::kPrefillRows,
+               "num_heads (" << num_heads << ") must be a multiple of num_kv_heads (" << num_kv_heads
+                             << ") by at most " << cuda::kPrefillRows);
+  const int64_t tokens_per_tile = cuda::kPrefillRows / (num_heads / num_kv_heads);
+  const auto* starts = query_start_loc.data_as<int32_t>();
+  auto* offsets = plan.data_as<int32_t>();
+  int64_t total = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    offsets[b] = static_cast<int32_t>(total);
+    const int64_t n = starts[b + 1] - starts[b];
+    OCTAVO_CHECK(n >= 0, "query_start_loc must be non-decreasing (at sequence " << b << ")");
+    total += (n + tokens_per_tile - 1) / tokens_per_tile;
+  }
+  offsets[num_seqs] = static_cast<int32_t>(total);
 }
 
 }  // namespace octavo

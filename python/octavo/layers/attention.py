@@ -13,13 +13,16 @@ from .. import _C
 class AttentionMetadata:
     """One step's batch layout, straight from the scheduler's arrays (int32 tensors).
 
-    slot_mapping [T]; query_start_loc [R + 1]; seq_lens [R]; block_tables [R, max_blocks].
+    slot_mapping [T]; query_start_loc [R + 1]; seq_lens [R]; block_tables [R, max_blocks];
+    plan [R + 1]: ``plan_paged_attention``'s, made on the host once per step for the CUDA kernels
+    (None: they lay the batch out themselves, per layer).
     """
 
     slot_mapping: torch.Tensor
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
+    plan: torch.Tensor | None = None
 
 
 class Attention(torch.nn.Module):
@@ -45,5 +48,5 @@ class Attention(torch.nn.Module):
         out = torch.empty(tokens, self.num_heads, self.head_size, dtype=q.dtype, device=q.device)
         _C.ops.paged_attention(out, q.view(tokens, self.num_heads, self.head_size), key_cache, value_cache,
                                meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-                               self.sliding_window)
+                               self.sliding_window, plan=meta.plan)
         return out.view(tokens, self.num_heads * self.head_size)
