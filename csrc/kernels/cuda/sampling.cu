@@ -6,9 +6,10 @@
 //
 // Nothing is sorted: top_k and top_p become thresholds on the probabilities, found by a 16-way
 // search over their float bit patterns (each pass reads the row once and narrows the range 16
-// times), and the draw is a block-wide prefix sum in token order. Tokens tied exactly at the
-// top_k or top_p threshold are all kept (the CPU kernel keeps the lowest ids among them).
+// times), and the draw is a block-wide prefix sum in token order. Of the tokens tied exactly at
+// the threshold, the lowest ids are kept, as many as the CPU kernel keeps (a Cut's quota).
 #include <cfloat>
+#include <climits>
 
 #include "common.cuh"
 #include "cuda_kernels.h"
@@ -178,56 +179,125 @@ __device__ float search_threshold(const float* w, int64_t n, float lo_value, Eno
   return __uint_as_float(lo);
 }
 
-__device__ double kept_mass(const float* w, int64_t n, float threshold, Scratch& s) {
-  double m = 0;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads)
-    if (w[i] >= threshold && w[i] > 0) m += w[i];
-  return block_reduce(m, add_d, s.d);
+// ---- the cut: which tokens top_k and top_p keep ---------------------------------------------
+
+// Keeps the tokens with w > threshold, and the `quota` lowest-id ones with w == threshold;
+// never a zero weight. No top_k / top_p: threshold 0.
+struct Cut {
+  float threshold;
+  int quota;
+};
+
+// Tokens strictly above t (how many, their mass) and tied at t, t > 0.
+struct Band {
+  int above;
+  double mass_above;
+  int ties;
+};
+
+__device__ Band band(const float* w, int64_t n, float t, Scratch& s) {
+  int above = 0, ties = 0;
+  double mass = 0;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) {
+    above += w[i] > t;
+    ties += w[i] == t && t > 0;
+    if (w[i] > t) mass += w[i];
+  }
+  return {block_reduce(above, add_i, s.i), block_reduce(mass, add_d, s.d), block_reduce(ties, add_i, s.i)};
+}
+
+// top_k's cut: t is the largest threshold keeping k tokens, so fewer than k lie above it and the
+// rest of the k come from its ties.
+__device__ Cut top_k_cut(const float* w, int64_t n, int k, Scratch& s) {
+  const float t = search_threshold(w, n, 0.0f, [k](int count, double) { return count >= k; }, s);
+  if (t == 0.0f) return {0.0f, INT_MAX};  // fewer than k nonzero weights: all of them
+  return {t, k - band(w, n, t, s).above};
+}
+
+// top_p's cut inside `kept`: the likeliest tokens (lowest ids first among equals) until their
+// mass reaches top_p of the kept mass, as the CPU kernel's prefix. t is the largest threshold
+// whose tokens reach the target, so the mass above it falls short and ties at t make up the rest.
+__device__ Cut top_p_cut(const float* w, int64_t n, Cut kept, float top_p, Scratch& s) {
+  const Band at_kept = band(w, n, kept.threshold, s);
+  const double kept_mass = at_kept.mass_above + static_cast<double>(min(kept.quota, at_kept.ties)) * kept.threshold;
+  const double target = top_p * kept_mass;
+  const float t = search_threshold(w, n, kept.threshold, [target](int, double mass) { return mass >= target; }, s);
+  if (t == 0.0f) return kept;
+  const Band at_t = band(w, n, t, s);
+  const int available = t == kept.threshold ? min(kept.quota, at_t.ties) : at_t.ties;
+  const double needed = ceil((target - at_t.mass_above) / t);
+  return {t, static_cast<int>(fmin(fmax(needed, 1.0), static_cast<double>(available)))};
 }
 
 // ---- the draw -----------------------------------------------------------------------------
 
+// Prefix sums over the block in thread order: `start` and `end` of this thread's v, and the
+// total. Thread i + 1's start is computed exactly as thread i's end, so the runs tile [0, total).
+template <typename T>
+__device__ void block_scan(T v, T* warp_sums, T& start, T& end, T& total) {
+  T incl = v;
+  for (int o = 1; o < 32; o *= 2) {
+    const T up = __shfl_up_sync(0xffffffffu, incl, o);
+    if (threadIdx.x % 32 >= o) incl += up;
+  }
+  const T incl_before = __shfl_up_sync(0xffffffffu, incl, 1);
+  if (threadIdx.x % 32 == 31) warp_sums[threadIdx.x / 32] = incl;
+  __syncthreads();
+  T before = 0;
+  total = 0;
+  for (int wi = 0; wi < kWarps; ++wi) {
+    if (wi < static_cast<int>(threadIdx.x / 32)) before += warp_sums[wi];
+    total += warp_sums[wi];
+  }
+  start = threadIdx.x % 32 == 0 ? before : before + incl_before;
+  end = before + incl;
+  __syncthreads();  // warp_sums may be reused right after
+}
+
+// Walks a thread's run of tokens in order, calling fn(i) for each one `cut` keeps; tie_rank
+// is the number of tied tokens before the run.
+template <typename Fn>
+__device__ void for_each_kept(const float* w, int64_t begin, int64_t end, Cut cut, int tie_rank, Fn fn) {
+  for (int64_t i = begin; i < end; ++i) {
+    const bool tie = w[i] == cut.threshold;
+    if (w[i] > 0 && (w[i] > cut.threshold || (tie && tie_rank < cut.quota))) {
+      if (!fn(i)) return;
+    }
+    tie_rank += tie;
+  }
+}
+
 // The first token (in token order) at which the running sum of the kept weights passes u times
-// their total; -1 when nothing is kept. Each thread owns a contiguous run of tokens; a block scan
-// of the runs' sums finds the run to walk.
-__device__ int draw(const float* w, int64_t n, float threshold, double u, Scratch& s) {
+// their total; -1 when nothing is kept. Each thread owns a contiguous run of tokens; block scans
+// of the runs' tie counts and sums find each tie's rank and the run to walk.
+__device__ int draw(const float* w, int64_t n, Cut cut, double u, Scratch& s) {
   const int64_t per = (n + kThreads - 1) / kThreads;
   const int64_t begin = min64(n, threadIdx.x * per), end = min64(n, begin + per);
+  int ties = 0;
+  for (int64_t i = begin; i < end; ++i) ties += w[i] == cut.threshold;
+  int tie_rank, tie_end, all_ties;
+  block_scan(ties, s.i, tie_rank, tie_end, all_ties);
   double run = 0;
   int last = -1;
-  for (int64_t i = begin; i < end; ++i)
-    if (w[i] >= threshold && w[i] > 0) run += w[i], last = static_cast<int>(i);
-  // Prefix sums of the runs: within warps by shuffles, then over the warp totals.
-  double incl = run;
-  for (int o = 1; o < 32; o *= 2) {
-    const double v = __shfl_up_sync(0xffffffffu, incl, o);
-    if (threadIdx.x % 32 >= o) incl += v;
-  }
-  // A run's start is computed exactly as the previous run's end, so runs tile [0, total).
-  const double incl_before = __shfl_up_sync(0xffffffffu, incl, 1);
-  if (threadIdx.x % 32 == 31) s.d[threadIdx.x / 32] = incl;
+  for_each_kept(w, begin, end, cut, tie_rank, [&](int64_t i) {
+    run += w[i];
+    last = static_cast<int>(i);
+    return true;
+  });
+  double run_start, run_end, total;
   if (threadIdx.x == 0) s.result = -1;
-  __syncthreads();
-  double before = 0, total = 0;
-  for (int wi = 0; wi < kWarps; ++wi) {
-    if (wi < static_cast<int>(threadIdx.x / 32)) before += s.d[wi];
-    total += s.d[wi];
-  }
-  const double run_start = threadIdx.x % 32 == 0 ? before : before + incl_before;
-  const double run_end = before + incl;
+  block_scan(run, s.d, run_start, run_end, total);
   const double target = u * total;
   const int last_kept = block_reduce(last, [](int a, int b) { return a > b ? a : b; }, s.i);
   if (run > 0 && run_start <= target && target < run_end) {
     double acc = run_start;
     int pick = last;
-    for (int64_t i = begin; i < end; ++i) {
-      if (!(w[i] >= threshold && w[i] > 0)) continue;
+    for_each_kept(w, begin, end, cut, tie_rank, [&](int64_t i) {
       acc += w[i];
-      if (acc > target) {
-        pick = static_cast<int>(i);
-        break;
-      }
-    }
+      if (acc <= target) return true;
+      pick = static_cast<int>(i);
+      return false;
+    });
     s.result = pick;
   }
   __syncthreads();
@@ -249,13 +319,10 @@ __device__ int random_token(const SampleParams& p, int64_t r, const float* row, 
   __syncthreads();
   const int32_t k = p.top_k ? p.top_k[r] : 0;
   const float top_p = p.top_p ? p.top_p[r] : 1.0f;
-  float threshold = 0.0f;
-  if (k > 0 && k < n) threshold = search_threshold(w, n, 0.0f, [k](int count, double) { return count >= k; }, s);
-  if (top_p < 1.0f) {
-    const double target = top_p * kept_mass(w, n, threshold, s);
-    threshold = search_threshold(w, n, threshold, [target](int, double mass) { return mass >= target; }, s);
-  }
-  const int token = draw(w, n, threshold, uniform(p.seeds[r], p.counters[r]), s);
+  Cut cut{0.0f, INT_MAX};
+  if (k > 0 && k < n) cut = top_k_cut(w, n, k, s);
+  if (top_p < 1.0f) cut = top_p_cut(w, n, cut, top_p, s);
+  const int token = draw(w, n, cut, uniform(p.seeds[r], p.counters[r]), s);
   return token >= 0 ? token : argmax_below(w, n, ~0ull, s);  // no mass left (NaN logits)
 }
 
