@@ -10,7 +10,7 @@
 namespace octavo::cuda {
 namespace {
 
-constexpr int kMaxSplits = 32;
+constexpr int kMaxSplits = 128;  // a batch-1 MQA step has one (token, KV head): up to ~2 blocks per SM from splits alone
 constexpr int64_t kMinKeysPerSplit = 256;  // below this a split's fixed costs dominate
 constexpr int kMaxDevices = 64;
 

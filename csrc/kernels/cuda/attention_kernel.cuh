@@ -1,5 +1,14 @@
 // The kernel template behind launch_paged_attention (attention.cuh); included only by the
 // per-head-size files that instantiate it.
+//
+// A block is kLanes x heads x slices threads, heads being the GQA group padded to whole warps
+// (the padding heads compute on a zero query and write nothing). The kLanes threads of one
+// (head, slice) share each key row, kVec consecutive elements (whole 16-byte packs) apiece: a
+// score is their partial dot products summed by shuffles, and each keeps kVec elements of the
+// head's output. The slices take disjoint runs of each tile's keys and are folded together at
+// the end. Every thread works through the same number of keys (masked ones included), so all
+// branches around the shuffles and barriers are uniform, and every warp is whole, so the
+// shuffles name all 32 lanes.
 #pragma once
 
 #include <cfloat>
@@ -8,6 +17,24 @@
 
 namespace octavo::cuda {
 namespace attention_detail {
+
+constexpr int kChunk = 4;  // keys scored together before one softmax update
+
+template <typename T, int kD>
+struct DecodeShape {
+  static constexpr int kPack = Pack<T>::kSize;
+  static constexpr int kLanes = kD / kPack < 32 ? kD / kPack : 32;  // threads per key row
+  static constexpr int kVec = kD / kLanes;                          // elements per thread
+  static constexpr int kTileKeys = kDecodeTileBytes / (kD * static_cast<int>(sizeof(T)));
+  static constexpr int kTileElements = kTileKeys * kD;
+  // K and V, two buffers each, then a flag per key of each buffer.
+  static constexpr size_t kSharedBytes = 4 * sizeof(T) * kTileElements + 2 * sizeof(int) * kTileKeys;
+  // The fold of the slices reuses the tiles' memory: (max, sum) and an accumulator per row.
+  static constexpr size_t kFoldBytes = sizeof(float) * (kMaxDecodeThreads / kLanes) * (kD + 2);
+  static_assert(kVec % kPack == 0 && kTileKeys % kChunk == 0, "whole packs per thread, whole chunks per tile");
+  static_assert(kFoldBytes <= 4 * sizeof(T) * kTileElements, "the slices' fold fits in the tiles' memory");
+  static_assert(kSharedBytes <= 48 * 1024, "no opt-in for more shared memory needed");
+};
 
 // The sequence owning query token t: the last b with query_start_loc[b] <= t.
 __device__ inline int seq_of_token(const int32_t* query_start_loc, int num_seqs, int t) {
@@ -20,157 +47,246 @@ __device__ inline int seq_of_token(const int32_t* query_start_loc, int num_seqs,
   return lo;
 }
 
-template <typename T, int kD>
-__global__ void __launch_bounds__(kAttentionThreads) paged_attention_kernel(PagedAttentionParams p,
-                                                                             SplitOutputs splits) {
-  extern __shared__ float shared[];
-  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
-  float* q_s = shared;                       // [group][kD], scaled
-  float* acc_s = q_s + group * kD;           // [group][kD]
-  float* score_s = acc_s + group * kD;       // [group][kTile]
-  float* max_s = score_s + group * kTile;    // [group]
-  float* sum_s = max_s + group;              // [group]
-  float* alpha_s = sum_s + group;            // [group]
-  int* block_s = reinterpret_cast<int*>(alpha_s + group);  // [kTile] cache block of each tile key, -1 masked
+// Sum of v over the kLanes threads of this thread's key row (aligned runs of kLanes lanes of a
+// whole warp); each of them gets it.
+template <int kLanes>
+__device__ __forceinline__ float segment_sum(float v) {
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset, kLanes);
+  return v;
+}
 
-  const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+// Heads per block: the group padded so that kLanes x heads fills whole warps.
+template <int kLanes>
+inline int padded_heads(int group) {
+  const int per_warp = 32 / kLanes > 1 ? 32 / kLanes : 1;
+  return static_cast<int>(ceil_div(group, per_warp) * per_warp);
+}
+
+template <int kVec, typename T>
+__device__ __forceinline__ void load_floats(const T* src, float (&dst)[kVec]) {
+  constexpr int kPack = Pack<T>::kSize;
+#pragma unroll
+  for (int i = 0; i < kVec; i += kPack) {
+    const Pack<T> pack = load_pack(src + i);
+#pragma unroll
+    for (int e = 0; e < kPack; ++e) dst[i + e] = to_float(pack.v[e]);
+  }
+}
+
+// What one block of the kernel works on: its query token's sequence and visible keys, and where
+// its KV head's rows sit in the cache.
+struct DecodeWork {
+  const int32_t* table;  // the sequence's block table
+  const void* key_cache;  // the KV head's rows (block 0, key 0)
+  const void* value_cache;
+  int64_t block_stride;  // elements between cache blocks
+  int64_t k_begin, k_end;  // this split's keys
+  int block_size;
+  int block_shift;  // log2(block_size) when a power of two (the usual case: a shift, not a division), else -1
+};
+
+template <typename T, int kD>
+__device__ DecodeWork decode_work(const PagedAttentionParams& p, int token, int kv_head, int split, int num_splits) {
+  using S = DecodeShape<T, kD>;
   const int seq = seq_of_token(p.query_start_loc, static_cast<int>(p.num_seqs), token);
-  const int64_t seq_len = p.seq_lens[seq];
   const int64_t n_query = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
-  const int64_t pos = seq_len - n_query + (token - p.query_start_loc[seq]);  // this query's position
-  const int64_t capacity = p.max_blocks_per_seq * p.block_size;
+  const int64_t pos = p.seq_lens[seq] - n_query + (token - p.query_start_loc[seq]);  // this query's position
   const int64_t lo = p.sliding_window > 0 ? max64(0, pos - p.sliding_window + 1) : 0;
-  const int64_t hi = min64(pos + 1, capacity);  // keys [lo, hi)
+  const int64_t hi = min64(pos + 1, p.max_blocks_per_seq * p.block_size);  // keys [lo, hi)
   // Splits take whole tiles, so that only the last tile of the range is partial.
   const int64_t span = hi > lo ? hi - lo : 0;
-  const int64_t per_split = ceil_div(ceil_div(span, splits.num_splits), kTile) * kTile;
-  const int64_t k_begin = lo + split * per_split, k_end = min64(hi, k_begin + per_split);
+  const int64_t per_split = ceil_div(ceil_div(span, num_splits), S::kTileKeys) * S::kTileKeys;
+  const int64_t head_stride = p.block_size * kD;  // between KV heads of one block
+  DecodeWork w;
+  w.table = p.block_tables + seq * p.block_table_stride;
+  w.key_cache = static_cast<const T*>(p.key_cache) + kv_head * head_stride;
+  w.value_cache = static_cast<const T*>(p.value_cache) + kv_head * head_stride;
+  w.block_stride = p.num_kv_heads * head_stride;
+  w.k_begin = lo + split * per_split;
+  w.k_end = min64(hi, w.k_begin + per_split);
+  w.block_size = static_cast<int>(p.block_size);
+  w.block_shift = (w.block_size & (w.block_size - 1)) == 0 ? __ffs(w.block_size) - 1 : -1;
+  return w;
+}
 
-  const T* query = static_cast<const T*>(p.query) + token * p.query_stride + kv_head * group * kD;
-  for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
-    q_s[i] = to_float(query[i]) * p.scale;
-    acc_s[i] = 0.0f;
+// Starts copying keys [start, start + kTileKeys) into buffer `buf`: K and V rows, zeros for keys
+// past k_end or in a block outside the cache, and a flag per key saying whether it is real. Each
+// thread looks up the block of every row it copies a pack of (the entries of one tile sit in a
+// cache line or two).
+template <typename T, int kD>
+__device__ void load_tile(const PagedAttentionParams& p, const DecodeWork& w, int64_t start, int buf, int tid,
+                          int threads, T* k_s, T* v_s, int* ok_s) {
+  using S = DecodeShape<T, kD>;
+  constexpr int kPacksPerRow = kD / S::kPack;
+  for (int c = tid; c < S::kTileKeys * kPacksPerRow; c += threads) {
+    const int j = c / kPacksPerRow, d = (c % kPacksPerRow) * S::kPack;
+    const int64_t key = start + j;
+    const int k = static_cast<int>(key);  // contexts fit 32 bits: cheaper index arithmetic
+    const int entry = w.block_shift >= 0 ? k >> w.block_shift : k / w.block_size;
+    const int offset = k - entry * w.block_size;
+    const int block = key < w.k_end ? w.table[entry] : -1;
+    const bool ok = block >= 0 && block < p.num_blocks;
+    const int64_t at = ok ? block * w.block_stride + offset * kD + d : 0;
+    const int64_t to = buf * S::kTileElements + j * kD + d;
+    copy_async_16(k_s + to, static_cast<const T*>(w.key_cache) + at, !ok);
+    copy_async_16(v_s + to, static_cast<const T*>(w.value_cache) + at, !ok);
+    if (d == 0) ok_s[buf * S::kTileKeys + j] = ok;
   }
-  if (threadIdx.x < group) {
-    max_s[threadIdx.x] = -FLT_MAX;
-    sum_s[threadIdx.x] = 0.0f;
+  copy_async_commit();
+}
+
+// A thread's running softmax state for its head: max m, sum l, and kVec output elements.
+template <int kVec>
+struct Running {
+  float m = -FLT_MAX;  // finite, so that a chunk of masked keys gives e^0 = 1 for alpha, not NaN
+  float l = 0.0f;
+  float acc[kVec] = {};
+};
+
+// Folds keys [j0, j0 + kChunk) of the tile in k_tile / v_tile into `run`.
+template <typename T, int kD>
+__device__ __forceinline__ void fold_chunk(const PagedAttentionParams& p, const float (&q)[DecodeShape<T, kD>::kVec],
+                                           const T* k_tile, const T* v_tile, const int* ok_tile, int j0, int lane,
+                                           Running<DecodeShape<T, kD>::kVec>& run) {
+  using S = DecodeShape<T, kD>;
+  float s[kChunk];
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) {
+    float k[S::kVec];
+    load_floats<S::kVec>(k_tile + (j0 + c) * kD + lane * S::kVec, k);
+    s[c] = 0.0f;
+#pragma unroll
+    for (int e = 0; e < S::kVec; ++e) s[c] += q[e] * k[e];
   }
-  const int32_t* table = p.block_tables + seq * p.block_table_stride;
-  const int64_t head_stride = p.block_size * kD;             // between KV heads of one block
-  const int64_t block_stride = p.num_kv_heads * head_stride;  // between blocks
-  const T* key_cache = static_cast<const T*>(p.key_cache) + kv_head * head_stride;
-  const T* value_cache = static_cast<const T*>(p.value_cache) + kv_head * head_stride;
+  float m_new = run.m;
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) {
+    s[c] = segment_sum<S::kLanes>(s[c]);
+    if (p.softcap > 0) s[c] = p.softcap * tanhf(s[c] / p.softcap);
+    if (!ok_tile[j0 + c]) s[c] = -INFINITY;
+    m_new = fmaxf(m_new, s[c]);
+  }
+  const float alpha = __expf(run.m - m_new);
+  run.m = m_new;
+  run.l *= alpha;
+#pragma unroll
+  for (int e = 0; e < S::kVec; ++e) run.acc[e] *= alpha;
+#pragma unroll
+  for (int c = 0; c < kChunk; ++c) {
+    const float weight = __expf(s[c] - m_new);  // 0 for masked keys
+    float v[S::kVec];
+    load_floats<S::kVec>(v_tile + (j0 + c) * kD + lane * S::kVec, v);
+    run.l += weight;
+#pragma unroll
+    for (int e = 0; e < S::kVec; ++e) run.acc[e] += weight * v[e];
+  }
+}
+
+// Folds the slices' states into slice 0's threads through shared memory (`fold`, free once the
+// tiles are done). Returns false on the other slices' threads, which are then finished.
+template <int kD, int kVec>
+__device__ bool fold_slices(Running<kVec>& run, float* fold, int lane, int head, int slice, int group, int slices) {
+  float* stats = fold;                       // [slices][group] (max, sum)
+  float* accs = fold + 2 * slices * group;   // [slices][group][kD]
+  const int row = slice * group + head;
+  if (lane == 0) {
+    stats[2 * row] = run.m;
+    stats[2 * row + 1] = run.l;
+  }
+#pragma unroll
+  for (int e = 0; e < kVec; ++e) accs[row * kD + lane * kVec + e] = run.acc[e];
   __syncthreads();
+  if (slice != 0) return false;
+  float m = -FLT_MAX;
+  for (int z = 0; z < slices; ++z) m = fmaxf(m, stats[2 * (z * group + head)]);
+  Running<kVec> total;
+  total.m = m;
+  for (int z = 0; z < slices; ++z) {
+    const int r = z * group + head;
+    const float w = __expf(stats[2 * r] - m);
+    total.l += w * stats[2 * r + 1];
+#pragma unroll
+    for (int e = 0; e < kVec; ++e) total.acc[e] += w * accs[r * kD + lane * kVec + e];
+  }
+  run = total;
+  return true;
+}
 
-  for (int64_t tile = k_begin; tile < k_end; tile += kTile) {
-    const int count = static_cast<int>(min64(kTile, k_end - tile));
-    // Scores: thread j takes key tile + j for every head of the group.
-    const int j = threadIdx.x;
-    if (j < count) {
-      const int64_t key_pos = tile + j;
-      const int block = table[key_pos / p.block_size];
-      const bool valid = block >= 0 && block < p.num_blocks;
-      block_s[j] = valid ? block : -1;
-      float dots[kMaxGroup];
+template <typename T, int kD>
+__global__ void __launch_bounds__(kMaxDecodeThreads) paged_attention_kernel(PagedAttentionParams p,
+                                                                             SplitOutputs splits) {
+  using S = DecodeShape<T, kD>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* k_s = reinterpret_cast<T*>(smem);                                 // [2][kTileKeys][kD]
+  T* v_s = k_s + 2 * S::kTileElements;                                 // [2][kTileKeys][kD]
+  int* ok_s = reinterpret_cast<int*>(v_s + 2 * S::kTileElements);      // [2][kTileKeys]
+
+  const int lane = threadIdx.x, head = threadIdx.y, slice = threadIdx.z;  // head: within the group
+  const int heads = blockDim.y, slices = blockDim.z;  // heads: the group and its padding
+  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int tid = lane + S::kLanes * (head + heads * slice), threads = S::kLanes * heads * slices;
+  const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  const DecodeWork w = decode_work<T, kD>(p, token, kv_head, split, splits.num_splits);
+  const int64_t q_head = static_cast<int64_t>(kv_head) * group + head;
+
+  float q[S::kVec] = {};  // this thread's slice of its head's query, scaled; zero for padding
+  const T* query = static_cast<const T*>(p.query) + token * p.query_stride + q_head * kD + lane * S::kVec;
+  if (head < group) {
 #pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) dots[g] = 0.0f;
-      if (valid) {
-        const T* k = key_cache + block * block_stride + (key_pos % p.block_size) * kD;
-        for (int d = 0; d < kD; d += Pack<T>::kSize) {
-          const Pack<T> kp = load_pack(k + d);
-#pragma unroll
-          for (int e = 0; e < Pack<T>::kSize; ++e) {
-            const float kv = to_float(kp.v[e]);
-#pragma unroll
-            for (int g = 0; g < kMaxGroup; ++g)
-              if (g < group) dots[g] += q_s[g * kD + d + e] * kv;
-          }
-        }
-      }
-#pragma unroll
-      for (int g = 0; g < kMaxGroup; ++g) {
-        if (g >= group) break;
-        float s = dots[g];
-        if (p.softcap > 0) s = p.softcap * tanhf(s / p.softcap);
-        score_s[g * kTile + j] = valid ? s : -INFINITY;
-      }
-    }
-    __syncthreads();
-    // Online softmax: warp w takes heads w, w + 4, ...; scores become probabilities in place.
-    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-    for (int g = warp; g < group; g += kAttentionThreads / 32) {
-      float m = -INFINITY;
-      for (int i = lane; i < count; i += 32) m = fmaxf(m, score_s[g * kTile + i]);
-      for (int o = 16; o > 0; o /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-      const float m_new = fmaxf(max_s[g], m);
-      float sum = 0.0f;
-      for (int i = lane; i < count; i += 32) {
-        const float e = __expf(score_s[g * kTile + i] - m_new);  // 0 for masked keys
-        score_s[g * kTile + i] = e;
-        sum += e;
-      }
-      for (int o = 16; o > 0; o /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      if (lane == 0) {
-        const float alpha = __expf(max_s[g] - m_new);
-        alpha_s[g] = alpha;
-        sum_s[g] = sum_s[g] * alpha + sum;
-        max_s[g] = m_new;
-      }
-    }
-    __syncthreads();
-    // acc[g][d] = acc[g][d] * alpha[g] + sum_j p[g][j] v_j[d]; consecutive threads read
-    // consecutive d of a value row.
-    for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
-      const int g = i / kD, d = i % kD;
-      float a = acc_s[i] * alpha_s[g];
-      for (int jj = 0; jj < count; ++jj) {
-        const int block = block_s[jj];
-        if (block < 0) continue;
-        const int64_t key_pos = tile + jj;
-        a += score_s[g * kTile + jj] *
-             to_float(value_cache[block * block_stride + (key_pos % p.block_size) * kD + d]);
-      }
-      acc_s[i] = a;
-    }
-    __syncthreads();
+    for (int e = 0; e < S::kVec; ++e) q[e] = to_float(query[e]) * p.scale;
   }
 
-  const int64_t head0 = static_cast<int64_t>(kv_head) * group;
-  if (splits.num_splits == 1) {
-    T* out = static_cast<T*>(p.out) + token * p.out_stride + head0 * kD;
-    for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
-      const float sum = sum_s[i / kD];
-      out[i] = from_float<T>(sum > 0 ? acc_s[i] / sum : 0.0f);
+  Running<S::kVec> run;
+  const int per_slice = S::kTileKeys / slices;
+  if (w.k_begin < w.k_end) load_tile<T, kD>(p, w, w.k_begin, 0, tid, threads, k_s, v_s, ok_s);
+  int buf = 0;
+  for (int64_t start = w.k_begin; start < w.k_end; start += S::kTileKeys, buf ^= 1) {
+    if (start + S::kTileKeys < w.k_end) {  // the next tile's copy runs while this one is used
+      load_tile<T, kD>(p, w, start + S::kTileKeys, buf ^ 1, tid, threads, k_s, v_s, ok_s);
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
     }
+    __syncthreads();  // every thread's copies into `buf` are done
+    const T* k_tile = k_s + buf * S::kTileElements;
+    const T* v_tile = v_s + buf * S::kTileElements;
+    for (int j0 = slice * per_slice; j0 < (slice + 1) * per_slice; j0 += kChunk)
+      fold_chunk<T, kD>(p, q, k_tile, v_tile, ok_s + buf * S::kTileKeys, j0, lane, run);
+    __syncthreads();  // `buf` is refilled by the next iteration's copy
+  }
+  if (slices > 1 && !fold_slices<kD>(run, reinterpret_cast<float*>(smem), lane, head, slice, heads, slices)) return;
+  if (head >= group) return;
+
+  if (splits.num_splits == 1) {
+    T* out = static_cast<T*>(p.out) + token * p.out_stride + q_head * kD + lane * S::kVec;
+#pragma unroll
+    for (int e = 0; e < S::kVec; ++e) out[e] = from_float<T>(run.l > 0 ? run.acc[e] / run.l : 0.0f);
     return;
   }
-  for (int i = threadIdx.x; i < group * kD; i += blockDim.x) {
-    const int64_t row = (token * p.num_heads + head0 + i / kD) * splits.num_splits + split;
-    splits.acc[row * kD + i % kD] = acc_s[i];
-  }
-  if (threadIdx.x < group) {
-    const int64_t row = (token * p.num_heads + head0 + threadIdx.x) * splits.num_splits + split;
-    splits.max_sum[2 * row] = max_s[threadIdx.x];
-    splits.max_sum[2 * row + 1] = sum_s[threadIdx.x];
+  const int64_t row = (token * p.num_heads + q_head) * splits.num_splits + split;
+#pragma unroll
+  for (int e = 0; e < S::kVec; ++e) splits.acc[row * kD + lane * S::kVec + e] = run.acc[e];
+  if (lane == 0) {
+    splits.max_sum[2 * row] = run.m;
+    splits.max_sum[2 * row + 1] = run.l;
   }
 }
 
 }  // namespace attention_detail
 
+// Slices: as many as bring the block to kDecodeThreads, each with whole chunks of a tile.
 template <typename T, int kD>
 void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& splits) {
-  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
-  const size_t shared = attention_shared_bytes(group, kD);
-  auto kernel = attention_detail::paged_attention_kernel<T, kD>;
-  if (shared > 48 * 1024) {
-    OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
-                      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(shared)) == cudaSuccess,
-                      "paged_attention: " << shared << " bytes of shared memory are not available");
-  }
+  using S = attention_detail::DecodeShape<T, kD>;
+  const int heads = attention_detail::padded_heads<S::kLanes>(static_cast<int>(p.num_heads / p.num_kv_heads));
+  int slices = 1;
+  while (S::kLanes * heads * slices * 2 <= kDecodeThreads && slices * 2 * attention_detail::kChunk <= S::kTileKeys)
+    slices *= 2;
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(splits.num_splits));
-  kernel<<<grid, kAttentionThreads, shared, current_stream()>>>(p, splits);
+  const dim3 block(S::kLanes, static_cast<unsigned>(heads), static_cast<unsigned>(slices));
+  attention_detail::paged_attention_kernel<T, kD><<<grid, block, S::kSharedBytes, current_stream()>>>(p, splits);
   check_launch("paged_attention");
 }
 

@@ -103,6 +103,30 @@ inline bool packs_fit(const void* ptr, int64_t cols, int64_t stride) {
   return reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && cols % n == 0 && stride % n == 0;
 }
 
+// Copies 16 bytes from global to shared memory without a stop in registers (cp.async, sm_80 and
+// up), or writes 16 zero bytes when `zero`; the source address must be valid either way. Copies
+// issued since the last commit form one group; wait<N> returns once at most N groups are pending.
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global, bool zero) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  const int src_bytes = zero ? 0 : 16;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(src_bytes));
+#else
+  *static_cast<uint4*>(shared) = zero ? make_uint4(0, 0, 0, 0) : *static_cast<const uint4*>(global);
+#endif
+}
+__device__ __forceinline__ void copy_async_commit() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int N>
+__device__ __forceinline__ void copy_async_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#endif
+}
+
 // Sum of `v` over the block; every thread gets the result. blockDim.x a multiple of 32, at most
 // 1024; `scratch` holds 32 floats of shared memory.
 __device__ __forceinline__ float block_sum(float v, float* scratch) {
