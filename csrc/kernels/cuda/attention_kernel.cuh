@@ -231,8 +231,8 @@ __global__ void __launch_bounds__(kMaxDecodeThreads) paged_attention_kernel(Page
   const int64_t q_head = static_cast<int64_t>(kv_head) * group + head;
 
   float q[S::kVec] = {};  // this thread's slice of its head's query, scaled; zero for padding
-  const T* query = static_cast<const T*>(p.query) + token * p.query_stride + q_head * kD + lane * S::kVec;
   if (head < group) {
+    const T* query = static_cast<const T*>(p.query) + token * p.query_stride + q_head * kD + lane * S::kVec;
 #pragma unroll
     for (int e = 0; e < S::kVec; ++e) q[e] = to_float(query[e]) * p.scale;
   }
