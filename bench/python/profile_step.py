@@ -21,13 +21,11 @@ from octavo import LLM, SamplingParams
 
 
 def build(args: argparse.Namespace):
-    model, extra = args.model, {}
-    if model is None:
-        from octavo.benchmarks.shapes import dummy_model_dir
+    from octavo.benchmarks.shapes import model_arguments
 
-        model, extra = str(dummy_model_dir(args.dummy_shape)), dict(load_format="dummy", skip_tokenizer_init=True)
-    llm = LLM(model=model, dtype=args.dtype, device=args.device, max_model_len=1024, kv_cache_memory_bytes=4 << 30,
-              max_num_seqs=max(args.batch), enforce_eager=not args.graphs, **extra)
+    llm = LLM(dtype=args.dtype, device=args.device, max_model_len=1024, kv_cache_memory_bytes=4 << 30,
+              max_num_seqs=max(args.batch), enforce_eager=not args.graphs,
+              **model_arguments(args.model, None if args.model else args.dummy_shape))
     return llm.llm_engine
 
 

@@ -30,13 +30,10 @@ def run(args: argparse.Namespace) -> dict:
 
     from .memory import decode_weight_bytes, read_bandwidth  # torch: imported only when run
 
-    model, extra = args.model, {}
-    if args.dummy_shape:
-        from .shapes import dummy_model_dir
+    from .shapes import model_arguments
 
-        model, extra = str(dummy_model_dir(args.dummy_shape)), dict(load_format="dummy", skip_tokenizer_init=True)
-    llm = LLM(model=model, dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024,
-              quantization=args.quantization, device=args.device, **extra)
+    llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024, quantization=args.quantization,
+              device=args.device, **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
     vocab = engine.model.config.vocab_size
     rng = np.random.default_rng(0)

@@ -25,3 +25,11 @@ def dummy_model_dir(name: str) -> Path:
     path = Path(tempfile.mkdtemp(prefix=f"octavo-{name}-"))
     (path / "config.json").write_text(json.dumps(SHAPES[name], indent=2))
     return path
+
+
+def model_arguments(model: str | None, dummy_shape: str | None) -> dict:
+    """``LLM`` arguments for a benchmark's --model / --dummy-shape: the model as given, or the
+    shape's config with random weights and no tokenizer."""
+    if not dummy_shape:
+        return {"model": model}
+    return {"model": str(dummy_model_dir(dummy_shape)), "load_format": "dummy", "skip_tokenizer_init": True}

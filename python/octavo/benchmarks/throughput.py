@@ -96,13 +96,10 @@ def run(args: argparse.Namespace) -> dict:
     device = resolve_device(args.device)
     # The CPU default of issue #4's runs; on a GPU the engine sizes the cache from its memory.
     kv_bytes = args.kv_cache_memory_bytes or (4 << 30 if device.type == "cpu" else None)
-    model, extra = args.model, {}
-    if args.dummy_shape:
-        from .shapes import dummy_model_dir
+    from .shapes import model_arguments
 
-        model, extra = str(dummy_model_dir(args.dummy_shape)), dict(load_format="dummy", skip_tokenizer_init=True)
-    llm = LLM(model=model, dtype=args.dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=1024,
-              max_num_seqs=args.max_num_seqs, device=device, **extra)
+    llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=1024, max_num_seqs=args.max_num_seqs,
+              device=device, **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
     requests = workload(args.num_requests, engine.model.config.vocab_size, input_len=args.input_len,
                         output_len=args.output_len)

@@ -44,9 +44,7 @@ class ModelRunner:
             _C.set_cuda_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _plan(self, out) -> np.ndarray:
-        """The attention kernels' batch layout (plan_paged_attention), for CUDA; empty elsewhere."""
-        if self.device.type != "cuda":
-            return np.zeros(0, dtype=np.int32)
+        """The CUDA attention kernels' batch layout (plan_paged_attention)."""
         c = self.model.config
         plan = np.empty(len(out.query_start_loc), dtype=np.int32)
         _C.ops.plan_paged_attention(plan, np.array(out.query_start_loc), c.num_attention_heads, c.num_key_value_heads)
@@ -73,11 +71,14 @@ class ModelRunner:
         indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])
         # The scheduler's arrays are read-only views of its buffers, valid until its next step:
         # staging copies them.
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, indices, plan = \
-            self.staging.to_device(out.input_ids, out.positions, out.slot_mapping, out.query_start_loc,
-                                   out.seq_lens, out.block_table, indices.astype(np.int64), self._plan(out))
+        arrays = [out.input_ids, out.positions, out.slot_mapping, out.query_start_loc, out.seq_lens, out.block_table,
+                  indices.astype(np.int64)]
+        if self.device.type == "cuda":  # the CPU kernel needs no plan
+            arrays.append(self._plan(out))
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, indices, *plan = \
+            self.staging.to_device(*arrays)
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                                 block_tables=block_tables, plan=plan if self.device.type == "cuda" else None)
+                                 block_tables=block_tables, plan=plan[0] if plan else None)
         hidden = self.model(input_ids, positions, meta)
         return self.model.compute_logits(hidden, indices)
 
