@@ -40,17 +40,21 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64, 512])
     parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16", "float16"])
     parser.add_argument("--formats", nargs="*", default=["q8_0", "q4_0", "q4_1", "int8", "int4"])
+    parser.add_argument("--shapes", nargs="*", default=[f"{n}x{k}" for n, k in SHAPES],
+                        help="N x K weight shapes (default: the default model's; Llama-3-8B's down projection "
+                             "is 4096x14336)")
     args = parser.parse_args()
+    shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
     print(f"threads {octavo.get_num_threads()} (torch {torch.get_num_threads()}), cpu isa {octavo.cpu_isa()}, "
           f"torch {torch.__version__}; read bandwidth {read_bandwidth() / 1e9:.1f} GB/s")
     print(f"{'weights':>9} {'N x K':>11} {'M':>4} {'octavo us':>10} {'GB/s':>6} {'torch us':>9} {'GB/s':>6} {'speedup':>7}")
     for name in args.dtypes:
         dtype = getattr(torch, name)
-        for n, k in SHAPES:
+        for n, k in shapes:
             w = torch.randn(n, k).to(dtype)
             rows(name, w, w, args.rows, lambda out, x: _C.ops.linear(out, x, w, None))
     for fmt in args.formats:
-        for n, k in SHAPES:
+        for n, k in shapes:
             qw = quantized(torch.randn(n, k), fmt)
             rows(fmt, qw, qw.dequantize(), args.rows, lambda out, x: _C.ops.linear(out, x, qw.qweight, None,
                                                                                    **qw.kernel_args()))

@@ -313,11 +313,15 @@ void dot_tile_quant_any(int nc, const Rows& w, int64_t blocks, const T* x, int64
 // 19 MB of activations from L3 or DRAM once per 4 weight rows, and ran 2.5-4x slower per row than
 // M = 2048 (bench/RESULTS.md). Chunks are multiples of kCols, so the groups of input rows, and
 // with them every output bit, are the same whatever M is.
+// Long rows (K > 8192 floats) still get kMinChunkRows per chunk: a chunk re-reads the whole
+// weight matrix from memory, so chunks of 4 rows read it M / 4 times (1024 x 14336 float32 at
+// M = 64: 23 ms, against 13 ms for torch).
 constexpr int64_t kChunkBytes = 1 << 18;
+constexpr int64_t kMinChunkRows = 64;
 
 int64_t rows_per_chunk(int64_t row_bytes) {
   const int64_t rows = kChunkBytes / row_bytes / kCols * kCols;
-  return rows > kCols ? rows : kCols;
+  return rows > kMinChunkRows ? rows : kMinChunkRows;
 }
 
 // Output features [n_begin, n_end) of every row. For each tile of kRows weight rows,

@@ -5,7 +5,8 @@ Crossover measured on the development machine (AMD EPYC, AVX-512 with BF16, 2 th
 - float32: Octavo's kernel is faster at every M from 1 to 8192 (M = 1: 2-3x; prefill M = 512
   to 8192: 1.4-2x; torch's MKL float32 GEMM is slow on this AMD CPU), so it is used at every M.
   (Up to M = 8192 since the kernel takes input rows in L2-sized chunks; before that, M = 8192 ran
-  2.5-4x slower per row than M = 2048 and lost to torch.)
+  2.5-4x slower per row than M = 2048 and lost to torch.) At Llama-3-8B's down projection
+  (1024x14336, a slice of it) torch catches up at M = 256 (0.96x); 2.2x at M = 1.
 - float16: torch's CPU float16 GEMM is 3-6x slower at every M: always Octavo's kernel.
 - bfloat16: Octavo's kernel (vdpbf16ps) wins up to M = 16 (M = 1: 1.3-5x); from M = 32
   torch's oneDNN GEMM (packed, larger register blocks) is faster.
@@ -33,7 +34,8 @@ TORCH_FROM_ROWS = {torch.float32: math.inf, torch.float16: math.inf, torch.bfloa
 
 
 class QuantizedWeight(torch.nn.Module):
-    """A projection weight in a quantized format that ``linear`` decodes in registers.
+    """A projection weight in a quantized format that ``linear`` decodes as it reads (in registers
+    below 8 input rows, once per weight tile from 8 rows on).
 
     GGUF blocks as a file stores them ("q8_0", "q4_0", "q4_1": ``qweight`` uint8 [N, K / 32 *
     block bytes]), or Octavo's own load-time formats ("int8": ``qweight`` int8 [N, K] and
