@@ -1,8 +1,9 @@
 // Octavo's kernels as functions on tensor views: the one public entry point per op, with the
 // same name in C++, in octavo._C.ops and in Python. Each checks its arguments (a bad dtype is a
 // TypeError-kind Error, a bad shape / device / layout a ValueError-kind Error naming the
-// argument) and runs the best compiled CPU variant (see cpu_isa.h) on the thread pool
-// (threading.h). CUDA tensors are refused until the CUDA backend exists.
+// argument) and runs where its tensors live: the best compiled CPU variant (see cpu_isa.h) on
+// the thread pool (threading.h), or the CUDA kernel on this thread's current device and stream
+// (cuda_info.h), when this build has CUDA kernels.
 //
 // Shapes use T = tokens, H = query heads, Hkv = KV heads, D = head size, B = sequences,
 // V = vocabulary. "Rows" arguments may have any row stride as long as each row is contiguous,

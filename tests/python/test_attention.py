@@ -232,7 +232,7 @@ def test_empty_kv_cache_serves_attention(num_blocks):
     assert torch.equal(value_cache[2, :, 1], key[17])
 
 
-@pytest.mark.parametrize("heads,tokens_per_tile", [((4, 4), 64), ((8, 2), 16), ((32, 2), 4), ((64, 1), 1)])
+@pytest.mark.parametrize("heads,tokens_per_tile", [((4, 4), 64), ((8, 2), 16), ((32, 8), 16), ((32, 2), 4)])
 def test_plan_lays_out_tiles_of_query_rows(heads, tokens_per_tile):
     """plan[b]: the first tile of sequence b, tiles of 64 (token, query head) rows of one KV head."""
     query_tokens = [1, 0, 64, 65, 3, 200]
@@ -260,3 +260,5 @@ def test_plan_refuses_bad_arguments():
         _C.ops.plan_paged_attention(torch.empty(2, dtype=torch.int32), qsl, 4, 2)
     with pytest.raises(ValueError, match="must be a multiple of num_kv_heads"):
         _C.ops.plan_paged_attention(torch.empty(3, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), 6, 4)
+    with pytest.raises(ValueError, match="by at most 16"):  # the CUDA kernels' largest GQA group
+        _C.ops.plan_paged_attention(torch.empty(3, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), 64, 2)

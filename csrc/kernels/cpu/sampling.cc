@@ -18,13 +18,15 @@
 #include "octavo/status.h"
 #include "octavo/threading.h"
 #include "parallel.h"
+#include "sample_random.h"
 #include "vec.h"
 
 namespace octavo::cpu::OCTAVO_ISA {
 namespace {
 
 constexpr float kInf = INFINITY;
-constexpr float kGreedyTemperature = 1e-5f;  // below this a request is greedy, as in vLLM
+using sampling::kGreedyTemperature;
+using sampling::uniform;
 
 // ---------------------------------------------------------------------------------------------
 // Vectorized passes over a row.
@@ -286,20 +288,6 @@ int64_t select_kept(const float* e, int64_t n, double total, int64_t k, float to
 
 // ---------------------------------------------------------------------------------------------
 // The draw: inverse CDF in token order, so the pick depends only on the kept set and weights.
-
-// splitmix64's finalizer: a bijective 64-bit mix whose outputs look independent for
-// neighbouring inputs, so (seed, counter) pairs give a counter-based random stream.
-uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-// u in [0, 1) with 53 random bits.
-double uniform(int64_t seed, int64_t counter) {
-  const uint64_t h = mix64(mix64(static_cast<uint64_t>(seed) + 0x9e3779b97f4a7c15ull) ^ static_cast<uint64_t>(counter));
-  return static_cast<double>(h >> 11) * 0x1.0p-53;
-}
 
 // The first token of w[0, n) (weights >= 0) at which the running sum passes u * total; -1 when
 // there is no mass. Sums are taken per block with vectors, so only one block is walked token by

@@ -1,5 +1,6 @@
 // paged_attention's host side: how many splits, the split workspace, the head-size and dtype
 // dispatch, and the merge of split results.
+#include <atomic>
 #include <cmath>
 #include <type_traits>
 
@@ -12,14 +13,17 @@ namespace {
 
 constexpr int kMaxSplits = 128;  // a batch-1 MQA step has one (token, KV head): up to ~2 blocks per SM from splits alone
 constexpr int64_t kMinKeysPerSplit = 256;  // below this a split's fixed costs dominate
-constexpr int kMaxDevices = 64;
-
 int multiprocessor_count() {
-  static int counts[kMaxDevices] = {};
-  int device = 0;
-  cudaGetDevice(&device);
-  if (counts[device] == 0) cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device);
-  return counts[device];
+  static std::atomic<int> counts[kMaxDevices] = {};  // threads may ask for two devices at once
+  const int device = current_device();
+  if (counts[device].load() == 0) {
+    int count = 0;
+    OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
+                      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
+                      "paged_attention: cannot read CUDA device " << device << "'s multiprocessor count");
+    counts[device].store(count);
+  }
+  return counts[device].load();
 }
 
 // Enough blocks to fill the GPU twice over, without splits shorter than kMinKeysPerSplit. The
@@ -56,14 +60,12 @@ __global__ void merge_splits_kernel(PagedAttentionParams p, SplitOutputs splits)
 
 // Tiles per sequence, prefix-summed: offsets[b] = tiles of sequences before b (what
 // plan_paged_attention computes on the host).
-__global__ void tile_offsets_kernel(const int32_t* query_start_loc, int64_t num_seqs, int tokens_per_tile,
-                                    int32_t* offsets) {
+__global__ void tile_offsets_kernel(const int32_t* query_start_loc, int64_t num_seqs, int group, int32_t* offsets) {
   if (threadIdx.x != 0) return;
   int32_t total = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
     offsets[b] = total;
-    const int32_t n = query_start_loc[b + 1] - query_start_loc[b];
-    total += n > 0 ? (n + tokens_per_tile - 1) / tokens_per_tile : 0;
+    total += prefill_tiles(query_start_loc[b + 1] - query_start_loc[b], group);
   }
   offsets[num_seqs] = total;
 }
@@ -79,23 +81,22 @@ bool run_prefill(const PagedAttentionParams& p) {
     if (p.num_tokens == p.num_seqs || !packs_fit<T>(p.query, p.head_size, p.query_stride) ||
         !packs_fit<T>(p.out, p.head_size, p.out_stride))
       return false;
-    const int64_t tokens_per_tile = kPrefillRows / (p.num_heads / p.num_kv_heads);
-    const int64_t max_tiles = p.num_seqs + ceil_div(p.num_tokens, tokens_per_tile);
+    const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+    const int64_t max_tiles = p.num_seqs + ceil_div(p.num_tokens, kPrefillRows / group);
     const int32_t* offsets = p.tile_offsets;
     if (offsets == nullptr) {  // no host plan: lay the tiles out here, still without a host sync
       auto* laid_out = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kAttentionTiles,
                                                               (p.num_seqs + 1) * sizeof(int32_t), "paged_attention"));
-      tile_offsets_kernel<<<1, 32, 0, current_stream()>>>(p.query_start_loc, p.num_seqs,
-                                                          static_cast<int>(tokens_per_tile), laid_out);
+      tile_offsets_kernel<<<1, 32, 0, current_stream()>>>(p.query_start_loc, p.num_seqs, group, laid_out);
       check_launch("paged_attention (prefill tiles)");
       offsets = laid_out;
     }
     switch (p.head_size) {
-      case 64: launch_prefill_attention<T, 64>(p, offsets, max_tiles); return true;
-      case 128: launch_prefill_attention<T, 128>(p, offsets, max_tiles); return true;
-      case 256: launch_prefill_attention<T, 256>(p, offsets, max_tiles); return true;
-      default: return false;
+      case 64: launch_prefill_attention<T, 64>(p, offsets, max_tiles); break;
+      case 128: launch_prefill_attention<T, 128>(p, offsets, max_tiles); break;
+      default: launch_prefill_attention<T, 256>(p, offsets, max_tiles); break;  // checked by paged_attention
     }
+    return true;
   }
 }
 
@@ -113,10 +114,7 @@ void run(const PagedAttentionParams& p) {
   switch (p.head_size) {
     case 64: launch_paged_attention<T, 64>(p, splits); break;
     case 128: launch_paged_attention<T, 128>(p, splits); break;
-    case 256: launch_paged_attention<T, 256>(p, splits); break;
-    default:
-      OCTAVO_CHECK(false, "paged_attention: head_size " << p.head_size
-                                                        << " has no CUDA kernel (compiled: 64, 128, 256)");
+    default: launch_paged_attention<T, 256>(p, splits); break;  // checked by paged_attention
   }
   if (splits.num_splits > 1) {
     const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
@@ -129,6 +127,8 @@ void run(const PagedAttentionParams& p) {
 
 void paged_attention(const PagedAttentionParams& p) {
   if (p.num_tokens == 0) return;
+  OCTAVO_CHECK(p.head_size == 64 || p.head_size == 128 || p.head_size == 256,
+               "paged_attention: head_size " << p.head_size << " has no CUDA kernel (compiled: 64, 128, 256)");
   const int64_t group = p.num_heads / p.num_kv_heads;
   OCTAVO_CHECK(group <= kMaxGroup, "paged_attention: " << group << " query heads per KV head; the CUDA kernel takes "
                                                        << "at most " << kMaxGroup);

@@ -17,7 +17,6 @@
 
 namespace octavo::cuda {
 
-constexpr int kMaxGroup = 16;              // query heads per KV head
 constexpr int kDecodeThreads = 128;        // threads per block aimed at; a group of 16 takes more
 constexpr int kMaxDecodeThreads = 512;     // 32 lanes x kMaxGroup heads
 constexpr int kDecodeTileBytes = 8 * 1024;  // bytes of K per tile (as many again of V, twice over)

@@ -36,17 +36,6 @@ struct DecodeShape {
   static_assert(kSharedBytes <= 48 * 1024, "no opt-in for more shared memory needed");
 };
 
-// The sequence owning query token t: the last b with query_start_loc[b] <= t.
-__device__ inline int seq_of_token(const int32_t* query_start_loc, int num_seqs, int t) {
-  int lo = 0, hi = num_seqs - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (query_start_loc[mid] <= t) lo = mid;
-    else hi = mid - 1;
-  }
-  return lo;
-}
-
 // Sum of v over the kLanes threads of this thread's key row (aligned runs of kLanes lanes of a
 // whole warp); each of them gets it.
 template <int kLanes>
@@ -89,7 +78,7 @@ struct DecodeWork {
 template <typename T, int kD>
 __device__ DecodeWork decode_work(const PagedAttentionParams& p, int token, int kv_head, int split, int num_splits) {
   using S = DecodeShape<T, kD>;
-  const int seq = seq_of_token(p.query_start_loc, static_cast<int>(p.num_seqs), token);
+  const int seq = last_at_most(p.query_start_loc, static_cast<int>(p.num_seqs), token);
   const int64_t n_query = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
   const int64_t pos = p.seq_lens[seq] - n_query + (token - p.query_start_loc[seq]);  // this query's position
   const int64_t lo = p.sliding_window > 0 ? max64(0, pos - p.sliding_window + 1) : 0;

@@ -20,8 +20,7 @@ cudaStream_t current_stream();
 // zero-filled (in stream order) when allocated. Growing allocates, which a CUDA graph capture
 // cannot do; outgrown buffers stay allocated, since a captured graph may hold them. One buffer
 // per slot and device: kernels of one slot must not run concurrently on two streams.
-enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kSampleCounts };
-constexpr int kNumWorkspaceSlots = 4;
+enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kSampleCounts, kCount };
 void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op);
 // Throws octavo::Error naming `what` if the last launch (or an earlier asynchronous error) failed.
 void check_launch(const char* what);
@@ -150,6 +149,18 @@ void dispatch_float(DType dtype, const char* op, Fn&& fn) {
     case DType::kFloat16: return fn(f16{});
     default: OCTAVO_CHECK(false, op << ": unsupported dtype " << dtype_name(dtype));
   }
+}
+
+// The last b in [0, n) with a[b] <= x, for a non-decreasing a with a[0] <= x: the sequence that
+// owns query token x (a = query_start_loc) or prefill tile x (a = tile offsets).
+__device__ inline int last_at_most(const int32_t* a, int n, int x) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (a[mid] <= x) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
 }
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }

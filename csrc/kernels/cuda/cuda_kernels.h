@@ -8,23 +8,32 @@
 // happen in the kernels: an out-of-range position or slot leaves its token untouched.
 #pragma once
 
+#include "host_device.h"
 #include "octavo/ops.h"
 #include "params.h"
 
 namespace octavo::cuda {
 
-int current_device();  // the CUDA device this host thread launches on
+constexpr int kMaxDevices = 64;  // per-device tables (workspaces, SM counts) have this many rows
+int current_device();            // the CUDA device this host thread launches on, below kMaxDevices
 
 void rms_norm(const RmsNormParams& p);
 void rotary_embedding(const RotaryParams& p);
 void silu_and_mul(const GatedActivationParams& p);
 void gelu_and_mul(const GatedActivationParams& p, GeluApproximation approximate);
 void reshape_and_cache(const CacheWriteParams& p);
-// Head sizes 64, 128 and 256, at most 16 query heads per KV head.
+// Head sizes 64, 128 and 256, at most kMaxGroup query heads per KV head.
 void paged_attention(const PagedAttentionParams& p);
+constexpr int kMaxGroup = 16;
 // Query rows per block of the tensor-core prefill kernel: (token, query head) pairs of one KV
 // head, so a tile holds kPrefillRows / group tokens of one sequence.
 constexpr int kPrefillRows = 64;
+// Tiles of a sequence with n query tokens in the prefill kernel: what the host plan
+// (plan_paged_attention) and the device's own layout both count.
+OCTAVO_HOST_DEVICE inline int32_t prefill_tiles(int32_t n, int32_t group) {
+  const int32_t tokens_per_tile = kPrefillRows / group;
+  return n > 0 ? (n + tokens_per_tile - 1) / tokens_per_tile : 0;
+}
 void sample(const SampleParams& p);
 
 }  // namespace octavo::cuda

@@ -4,6 +4,7 @@
 
 #include <mma.h>
 
+#include <atomic>
 #include <cfloat>
 
 #include "prefill_attention.cuh"
@@ -91,12 +92,7 @@ __global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedAttention
   const int64_t num_seqs = p.num_seqs;
   const int tile = blockIdx.x, kv_head = blockIdx.y;
   if (tile >= tile_offsets[num_seqs]) return;
-  int seq = 0;
-  for (int lo = 0, hi = static_cast<int>(num_seqs) - 1; lo <= hi;) {  // last b with offsets[b] <= tile
-    const int mid = (lo + hi) / 2;
-    if (tile_offsets[mid] <= tile) seq = mid, lo = mid + 1;
-    else hi = mid - 1;
-  }
+  const int seq = last_at_most(tile_offsets, static_cast<int>(num_seqs), tile);
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int tokens_per_tile = kPrefillRows / group;
   const int64_t first_token = p.query_start_loc[seq];
@@ -207,10 +203,16 @@ template <typename T, int kD>
 void launch_prefill_attention(const PagedAttentionParams& p, const int32_t* tile_offsets, int64_t max_tiles) {
   using L = prefill_detail::Layout<kD>;
   auto kernel = prefill_detail::prefill_kernel<T, kD>;
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
-                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(L::kBytes)) == cudaSuccess,
-                    "paged_attention: the prefill kernel's " << L::kBytes << " bytes of shared memory are not available");
+  static std::atomic<bool> opted_in[kMaxDevices] = {};  // the shared-memory limit is per device and kernel
+  const int device = current_device();
+  if (!opted_in[device].load()) {
+    OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
+                      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(L::kBytes)) == cudaSuccess,
+                      "paged_attention: the prefill kernel's " << L::kBytes
+                                                               << " bytes of shared memory are not available");
+    opted_in[device].store(true);
+  }
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(p.num_kv_heads));
   kernel<<<grid, kPrefillThreads, L::kBytes, current_stream()>>>(p, tile_offsets);
   check_launch("paged_attention (prefill)");

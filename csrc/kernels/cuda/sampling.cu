@@ -13,27 +13,17 @@
 
 #include "common.cuh"
 #include "cuda_kernels.h"
+#include "sample_random.h"
 
 namespace octavo::cuda {
 namespace {
 
+using sampling::kGreedyTemperature;
+using sampling::uniform;
+
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
-constexpr float kGreedyTemperature = 1e-5f;  // below this a request is greedy, as in vLLM
 constexpr int kSplits = 16;                  // ways per threshold-search pass
-
-// ---- random numbers (the CPU kernel's) ------------------------------------------------------
-
-__device__ uint64_t mix64(uint64_t z) {
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  return z ^ (z >> 31);
-}
-
-__device__ double uniform(int64_t seed, int64_t counter) {
-  const uint64_t h = mix64(mix64(static_cast<uint64_t>(seed) + 0x9e3779b97f4a7c15ull) ^ static_cast<uint64_t>(counter));
-  return static_cast<double>(h >> 11) * 0x1.0p-53;
-}
 
 // ---- block reductions (blockDim.x == kThreads) ------------------------------------------------
 

@@ -1,5 +1,6 @@
 // The stream each host thread launches Octavo's kernels on, and launch error checks.
 #include "common.cuh"
+#include "cuda_kernels.h"
 #include "octavo/cuda_info.h"
 
 namespace octavo {
@@ -18,6 +19,8 @@ cudaStream_t current_stream() { return t_stream; }
 int current_device() {
   int device = 0;
   OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaGetDevice(&device) == cudaSuccess, "no usable CUDA device");
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, device < kMaxDevices,
+                    "CUDA device " << device << ": Octavo handles devices 0.." << kMaxDevices - 1);
   return device;
 }
 

@@ -3,21 +3,20 @@
 #include <vector>
 
 #include "common.cuh"
+#include "cuda_kernels.h"
 
 namespace octavo::cuda {
-namespace {
-constexpr int kMaxDevices = 64;
-}  // namespace
 
 void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op) {
   static std::mutex mu;
-  static void* buffers[kMaxDevices][kNumWorkspaceSlots] = {};
-  static size_t sizes[kMaxDevices][kNumWorkspaceSlots] = {};
-  // Outgrown buffers are never freed: a captured CUDA graph may still read or write them.
+  constexpr int kSlots = static_cast<int>(WorkspaceSlot::kCount);
+  static void* buffers[kMaxDevices][kSlots] = {};
+  static size_t sizes[kMaxDevices][kSlots] = {};
+  // Outgrown buffers are never freed: a captured CUDA graph may still read or write them. They
+  // are kept here, so that they stay reachable rather than leaked.
   static std::vector<void*> retired;
+  const int device = current_device();
   std::lock_guard<std::mutex> lock(mu);
-  int device = 0;
-  cudaGetDevice(&device);
   const int s = static_cast<int>(slot);
   if (sizes[device][s] >= bytes) return buffers[device][s];
   cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;

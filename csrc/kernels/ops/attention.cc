@@ -13,12 +13,12 @@ namespace {
 bool supported_head_size(int64_t d) { return d == 32 || d == 64 || d == 80 || d == 96 || d == 128 || d == 256; }
 
 // query_start_loc, seq_lens and block_tables must describe a valid batch over the cache.
-void check_batch(const PagedAttentionParams& p, int64_t table_width) {
+void check_batch(const PagedAttentionParams& p) {
   OCTAVO_CHECK(p.query_start_loc[0] == 0, "query_start_loc[0] must be 0, got " << p.query_start_loc[0]);
   OCTAVO_CHECK(p.query_start_loc[p.num_seqs] == p.num_tokens,
                "query_start_loc[-1] must equal the number of query tokens (" << p.num_tokens << "), got "
                                                                               << p.query_start_loc[p.num_seqs]);
-  const int64_t capacity = table_width * p.block_size;
+  const int64_t capacity = p.max_blocks_per_seq * p.block_size;
   for (int64_t b = 0; b < p.num_seqs; ++b) {
     const int64_t n_q = p.query_start_loc[b + 1] - p.query_start_loc[b];
     const int64_t len = p.seq_lens[b];
@@ -101,7 +101,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   if (ops::runs_on_cuda(query, "query")) {
     cuda::paged_attention(p);
   } else {
-    check_batch(p, bt.cols);
+    check_batch(p);
     cpu_dispatch(paged_attention, p);
   }
 }
@@ -112,20 +112,19 @@ void plan_paged_attention(const TensorView& plan, const TensorView& query_start_
   const int64_t num_seqs = query_start_loc.shape[0] - 1;
   OCTAVO_CHECK(num_seqs >= 0, "query_start_loc must hold at least one offset");
   ops::check_vector(plan, "plan", DType::kInt32, num_seqs + 1);
-  OCTAVO_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= cuda::kPrefillRows,
+  OCTAVO_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= cuda::kMaxGroup,
                "num_heads (" << num_heads << ") must be a multiple of num_kv_heads (" << num_kv_heads
-                             << ") by at most " << cuda::kPrefillRows);
-  const int64_t tokens_per_tile = cuda::kPrefillRows / (num_heads / num_kv_heads);
+                             << ") by at most " << cuda::kMaxGroup << ", as the CUDA kernels take");
+  const auto group = static_cast<int32_t>(num_heads / num_kv_heads);
   const auto* starts = query_start_loc.data_as<int32_t>();
   auto* offsets = plan.data_as<int32_t>();
-  int64_t total = 0;
+  int32_t total = 0;
   for (int64_t b = 0; b < num_seqs; ++b) {
-    offsets[b] = static_cast<int32_t>(total);
-    const int64_t n = starts[b + 1] - starts[b];
-    OCTAVO_CHECK(n >= 0, "query_start_loc must be non-decreasing (at sequence " << b << ")");
-    total += (n + tokens_per_tile - 1) / tokens_per_tile;
+    offsets[b] = total;
+    OCTAVO_CHECK(starts[b + 1] >= starts[b], "query_start_loc must be non-decreasing (at sequence " << b << ")");
+    total += cuda::prefill_tiles(starts[b + 1] - starts[b], group);
   }
-  offsets[num_seqs] = static_cast<int32_t>(total);
+  offsets[num_seqs] = total;
 }
 
 }  // namespace octavo

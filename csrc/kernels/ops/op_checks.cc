@@ -3,6 +3,7 @@
 #include <cstdint>
 
 #include "cuda/cuda_kernels.h"
+#include "octavo/cuda_info.h"
 #include "octavo/status.h"
 
 namespace octavo::ops {
@@ -92,6 +93,10 @@ InOutRows float_in_out(const TensorView& out, const char* out_arg, const TensorV
 
 bool runs_on_cuda(const TensorView& t, const char* arg) {
   if (!is_cuda(t)) return false;
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cuda_compiled(),
+                    "argument '" << arg << "' is a CUDA tensor, but this build of Octavo has no CUDA kernels (it was "
+                                    "configured without nvcc); rebuild with the CUDA toolkit, or move the tensors to "
+                                    "the CPU");
   const int current = cuda::current_device();
   OCTAVO_CHECK(t.device.index == current, "argument '" << arg << "' is on cuda:" << t.device.index
                                                        << " but this thread's current CUDA device is " << current
