@@ -107,3 +107,22 @@ def test_unsupported_gptq_and_awq_variants_are_named(tmp_path):
             **config["quantization_config"], **change}}))
         with pytest.raises(ValueError, match=message):
             load_model(quant_dir)
+
+
+def test_a_quantized_checkpoint_is_not_quantized_again_and_missing_parts_are_named(tmp_path):
+    from octavo.layers.quantize import quantize_model
+    from octavo.loader.quantized_checkpoint import write_quantized_checkpoint
+
+    quant_dir, _ = write_checkpoints(tmp_path, "gptq", 32)
+    with pytest.raises(ValueError, match="quantized already"):
+        quantize_model(load_model(quant_dir), "int8")
+    with pytest.raises(ValueError, match="quantized already"):
+        write_quantized_checkpoint(quant_dir, tmp_path / "again", "int4")
+    with pytest.raises(ValueError, match="no config.json"):
+        write_quantized_checkpoint(quant_dir / "model.safetensors", tmp_path / "again", "int4")
+    tensors = load_file(str(quant_dir / "model.safetensors"))
+    del tensors["model.layers.0.mlp.down_proj.qzeros"]
+    save_file(tensors, str(quant_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match="has model.layers.0.mlp.down_proj.qweight but lacks "
+                                         "model.layers.0.mlp.down_proj.qzeros"):
+        load_model(quant_dir)

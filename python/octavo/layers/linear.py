@@ -55,6 +55,18 @@ class QuantizedWeight(torch.nn.Module):
         if data.dim() != 2 or data.shape[1] != expected or data.element_size() != 1:
             raise ValueError(f"{weight_format} data for {in_features} inputs must be [N, {expected}] bytes, "
                              f"got {data.dtype} {list(data.shape)}")
+        self._bind()
+
+    def _bind(self) -> None:
+        """What ``linear`` passes, read once into a plain attribute: a step calls ``linear`` about
+        120 times, and each buffer read through nn.Module's attribute lookup costs time there."""
+        self.bound = (self.qweight, self.weight_format, self.scales, self.zeros, self.group_size,
+                      self.qweight.shape[0], self.input_order)
+
+    def _apply(self, fn, recurse=True):
+        module = super()._apply(fn, recurse)  # .to() and friends replace the buffers
+        self._bind()
+        return module
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -80,10 +92,11 @@ class QuantizedWeight(torch.nn.Module):
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N]."""
     if isinstance(weight, QuantizedWeight):  # Octavo's kernel at every M (no torch kernel reads the format)
-        if weight.input_order is not None:
-            x = x.index_select(-1, weight.input_order)
-        out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-        _C.ops.linear(out, x, weight.qweight, bias, **weight.kernel_args())
+        qweight, weight_format, scales, zeros, group_size, n, input_order = weight.bound
+        if input_order is not None:
+            x = x.index_select(-1, input_order)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size)
         return out
     if x.device.type != "cpu" or x.shape[0] >= TORCH_FROM_ROWS.get(x.dtype, 0):
         return F.linear(x, weight, bias)

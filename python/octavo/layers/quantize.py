@@ -73,6 +73,9 @@ def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
     """Quantizes ``model``'s float matmul weights in place (see the module docstring)."""
     if method not in METHODS:
         raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
+    if any(isinstance(m, QuantizedWeight) for m in model.modules()):
+        raise ValueError(f"quantization={method!r} needs float weights, but this model's are quantized already "
+                         f"(a GGUF file or a GPTQ / AWQ / octavo checkpoint)")
     for module, attr, _ in model.matmul_weights():
         weight = module._parameters[attr].data
         replace_weight(module, attr, quantize_int8(weight) if attr == "lm_head" else quantize(weight, method))
@@ -83,8 +86,9 @@ def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
 # A directory like the source's (config.json, tokenizer and generation files) whose config.json
 # gains quantization_config {"quant_method": "octavo", "format": METHOD}, and whose
 # model.safetensors holds the quantized model's state_dict: float parameters under their module
-# names and, per quantized projection, "<name>.qweight" / ".scales" / ".zeros" buffers. Loading
-# puts empty QuantizedWeights of the saved shapes where the projections are, then loads it.
+# names and, per quantized projection, "<name>.qweight" / ".scales" / ".zeros" buffers; the
+# config's "layouts" give each projection's format, group size and input count. Loading puts
+# empty QuantizedWeights of the saved shapes where the projections are, then loads it.
 
 QUANT_METHOD = "octavo"
 
@@ -103,6 +107,9 @@ def load_quantized_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
 
         def saved(part: str) -> torch.Tensor | None:
             return tensors.get(f"{name}.{part}")
+
+        if saved("qweight") is None:
+            raise ValueError(f"the checkpoint's quantization_config lists {name} but it has no {name}.qweight")
 
         replace_weight(module, attr, QuantizedWeight(torch.empty_like(saved("qweight")), layout["format"],
                                                      layout["in_features"], saved("scales"), saved("zeros"),

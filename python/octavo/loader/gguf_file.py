@@ -66,8 +66,6 @@ def gguf_config(path: Path, reader=None) -> ModelConfig:
     """The model config in the file's metadata (the names transformers' GGUF loader gives them).
     ``reader``: the file's gguf.GGUFReader, when one is open already (parsing the metadata, a
     tokenizer of 50k strings, takes seconds)."""
-    import gguf
-
     reader = reader or open_reader(path)
     fields = {name: field.contents() for name, field in reader.fields.items()
               if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}

@@ -86,6 +86,9 @@ def load_gptq_awq(model, tensors: dict[str, torch.Tensor], quant: dict) -> None:
     for name, tensor in tensors.items():
         if name.endswith(".qweight"):
             prefix = name[: -len(".qweight")]
+            missing = [f"{prefix}.{p}" for p in ("qzeros", "scales") if f"{prefix}.{p}" not in tensors]
+            if missing:
+                raise ValueError(f"the checkpoint has {name} but lacks {' and '.join(missing)}")
             parts = unpack(method, tensor, tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
                            tensors.get(f"{prefix}.g_idx"), zero_offset)
             unpacked[f"{prefix}.weight"] = parts

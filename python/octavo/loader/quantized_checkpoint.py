@@ -21,6 +21,9 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, method: str) ->
     src, dst = Path(src), Path(dst)
     if dst.exists() and (not dst.is_dir() or any(dst.iterdir())):
         raise FileExistsError(f"{dst} already exists and is not an empty directory")
+    if not (src / "config.json").is_file():
+        raise ValueError(f"{src} is not a Hugging Face checkpoint directory (no config.json); "
+                         f"octavo quantize takes float safetensors checkpoints")
     model = quantize_model(load_model(src, "auto"), method)
     tensors, layouts = quantized_state(model)
     config = json.loads((src / "config.json").read_text())
