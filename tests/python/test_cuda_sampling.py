@@ -17,3 +17,22 @@ def _on_cuda(monkeypatch):
 
 # Argument checks belong to the op adapter, which these call with CPU tensors: tested once there.
 del test_bad_arguments_raise_clear_errors  # noqa: F821
+
+
+def test_penalties_without_token_lists_are_refused():
+    """The CPU reads the penalties and lets neutral ones come without token lists; on CUDA their
+    values are not read on the host, so penalties without their lists are refused outright
+    rather than silently ignored."""
+    import torch
+
+    logits, sampled = torch.randn(2, 10, device="cuda"), torch.empty(2, dtype=torch.int32, device="cuda")
+    args = (logits, torch.ones(2, device="cuda"), torch.zeros(2, dtype=torch.int64, device="cuda"),
+            torch.zeros(2, dtype=torch.int64, device="cuda"), sampled)
+    with pytest.raises(ValueError, match="repetition_penalty needs the prompt and/or output token lists"):
+        _C.ops.sample(*args, repetition_penalty=torch.ones(2, device="cuda"))
+    with pytest.raises(ValueError, match="frequency_penalty and presence_penalty need"):
+        _C.ops.sample(*args, presence_penalty=torch.zeros(2, device="cuda"))
+    offsets, ids = torch.tensor([0, 1, 1], dtype=torch.int32, device="cuda"), torch.tensor([3], dtype=torch.int32,
+                                                                                            device="cuda")
+    _C.ops.sample(*args, repetition_penalty=torch.ones(2, device="cuda"), frequency_penalty=torch.zeros(2, device="cuda"),
+                  output_offsets=offsets, output_token_ids=ids)

@@ -108,6 +108,13 @@ void sample(const SampleArgs& a) {
   token_lists(a.banned_offsets, "banned_offsets", a.banned_token_ids, "banned_token_ids", n, p.vocab_size, a.logits,
               &p.banned_offsets, &p.banned_token_ids);
   if (ops::runs_on_cuda(a.logits, "logits")) {
+    // The host reads no CUDA tensor's values, so neutral penalties cannot be told from active
+    // ones there: penalties come with the token lists they apply to, or not at all.
+    OCTAVO_CHECK(!p.repetition_penalty || p.prompt_offsets || p.output_offsets,
+                 "on CUDA, repetition_penalty needs the prompt and/or output token lists (even when neutral)");
+    OCTAVO_CHECK(!(p.frequency_penalty || p.presence_penalty) || p.output_offsets,
+                 "on CUDA, frequency_penalty and presence_penalty need 'output_offsets' and 'output_token_ids' "
+                 "(even when neutral)");
     cuda::sample(p);
     return;
   }
