@@ -99,17 +99,24 @@ def paged_batch(batch: int, context: int, heads: int, kv_heads: int, d: int, que
 
 
 def decode_attention(dtype, copy_bw: float, quick: bool) -> None:
+    """Both decode kernels on each shape: the tensor-core one (what GQA groups of 4 and more get)
+    and the split-KV one on CUDA cores, reached through a query whose rows are not 16-byte
+    aligned (the tensor-core kernel reads them in 16-byte packs; the split-KV kernel does not)."""
     d, heads = 128, 32
     size = torch.empty((), dtype=dtype).element_size()
     for kv_heads in (8, 4):
         for batch in ((16, 64) if quick else (16, 32, 64, 128)):
             for context in ((2048, 8192) if quick else (2048, 4096, 8192)):
                 query, kc, vc, qsl, lens, tables = paged_batch(batch, context, heads, kv_heads, d, 1, dtype)
-                out = torch.empty_like(query)
-                ms = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc, vc, qsl, lens, tables, d ** -0.5))
-                bw = 2 * batch * context * kv_heads * d * size / (ms / 1e3)
-                print(f"  decode GQA {heads // kv_heads}:1 batch {batch:3d} context {context:5d}: {ms * 1e3:8.1f} us "
-                      f"{bw / 1e9:6.0f} GB/s = {bw / copy_bw:.2f} of copy")
+                unaligned = torch.empty(batch, heads * d + 1, dtype=dtype, device="cuda")[:, 1:].view(batch, heads, d)
+                unaligned.copy_(query)
+                nbytes = 2 * batch * context * kv_heads * d * size
+                for kernel, q in (("tensor cores", query), ("split-KV", unaligned)):
+                    out = torch.empty_like(query)
+                    ms = cuda_ms(lambda: _C.ops.paged_attention(out, q, kc, vc, qsl, lens, tables, d ** -0.5))
+                    bw = nbytes / (ms / 1e3)
+                    print(f"  decode GQA {heads // kv_heads}:1 batch {batch:3d} context {context:5d} {kernel:>12}: "
+                          f"{ms * 1e3:8.1f} us {bw / 1e9:6.0f} GB/s = {bw / copy_bw:.2f} of copy")
 
 
 def prefill_attention(dtype, quick: bool) -> None:

@@ -232,10 +232,10 @@ def test_empty_kv_cache_serves_attention(num_blocks):
     assert torch.equal(value_cache[2, :, 1], key[17])
 
 
-@pytest.mark.parametrize("heads,tokens_per_tile", [((4, 4), 64), ((8, 2), 16), ((32, 8), 16), ((32, 2), 4)])
+@pytest.mark.parametrize("heads,tokens_per_tile", [((4, 4), 128), ((8, 2), 32), ((32, 8), 32), ((32, 2), 8)])
 def test_plan_lays_out_tiles_of_query_rows(heads, tokens_per_tile):
-    """plan[b]: the first tile of sequence b, tiles of 64 (token, query head) rows of one KV head."""
-    query_tokens = [1, 0, 64, 65, 3, 200]
+    """plan[b]: the first tile of sequence b, tiles of 128 (token, query head) rows of one KV head."""
+    query_tokens = [1, 0, 128, 129, 3, 300]
     query_start_loc = torch.tensor([0] + query_tokens, dtype=torch.int32).cumsum(0).to(torch.int32)
     plan = torch.full((len(query_tokens) + 1,), -7, dtype=torch.int32)
     _C.ops.plan_paged_attention(plan, query_start_loc, *heads)

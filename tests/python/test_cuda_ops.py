@@ -207,12 +207,33 @@ def test_paged_attention_mixed_batch(dtype, head_size, heads):
     check_attention_on_gpu(Batch(MIXED, *heads, head_size, 16, dtype, gen), dtype)
 
 
+DECODES = [(37, 1), (0, 1), (64, 1), (300, 1), (1, 1), (129, 1)]
+
+
+@pytest.mark.parametrize("heads", [(6, 3), (8, 2), (12, 2), (8, 1), (16, 1)], ids=lambda h: f"group{h[0] // h[1]}")
+@pytest.mark.parametrize("head_size", [64, 128, 256])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_paged_attention_decodes(dtype, head_size, heads):
+    """Decodes alone: groups of 4 and more in bfloat16 / float16 take the tensor-core decode
+    kernel (padded to 16 rows), smaller groups and float32 the split-KV kernel; block size 32
+    and 24 (a division instead of a shift), a window and a cap."""
+    from test_attention import Batch
+
+    gen = torch.Generator().manual_seed(head_size * 10 + heads[0] * 3 + heads[1])
+    check_attention_on_gpu(Batch(DECODES, *heads, head_size, 32, dtype, gen), dtype)
+    batch = Batch(DECODES, *heads, head_size, 24, dtype, gen)
+    check_attention_on_gpu(batch, dtype, sliding_window=50)
+    batch.query *= 8  # large scores, so that the cap matters
+    check_attention_on_gpu(batch, dtype, softcap=5.0)
+
+
 @pytest.mark.parametrize("seqs", [[(5000, 1), (2047, 1), (10, 1)], [(5000, 1), (2047, 1), (3000, 2), (10, 1)]],
                          ids=["decodes", "with-a-chunk"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_paged_attention_long_contexts(dtype, seqs):
-    """Contexts of 2-5k tokens. Decodes alone take the split-KV kernel (keys split across blocks,
-    then merged); with a multi-token query, bfloat16 / float16 take the tensor-core kernel."""
+    """Contexts of 2-5k tokens, GQA 4:1. Decodes alone split their keys across blocks (the
+    tensor-core decode kernel in bfloat16 / float16, the split-KV kernel in float32), then merge;
+    with a multi-token query, bfloat16 / float16 take the tensor-core prefill kernel."""
     from test_attention import Batch
 
     gen = torch.Generator().manual_seed(3)

@@ -1,5 +1,6 @@
-// paged_attention's host side: how many splits, the split workspace, the head-size and dtype
-// dispatch, and the merge of split results.
+// paged_attention's host side: which kernel takes a batch (prefill, grouped decode or split-KV
+// decode), how many splits, the split workspace, the head-size and dtype dispatch, and the merge
+// of split results.
 #include <atomic>
 #include <cmath>
 #include <type_traits>
@@ -70,6 +71,16 @@ __global__ void tile_offsets_kernel(const int32_t* query_start_loc, int64_t num_
   offsets[num_seqs] = total;
 }
 
+// Calls fn(std::integral_constant<int, D>{}) for the head size D (checked by paged_attention).
+template <typename Fn>
+void dispatch_head_size(int64_t head_size, Fn&& fn) {
+  switch (head_size) {
+    case 64: return fn(std::integral_constant<int, 64>{});
+    case 128: return fn(std::integral_constant<int, 128>{});
+    default: return fn(std::integral_constant<int, 256>{});
+  }
+}
+
 // The tensor-core prefill kernel takes batches with at least one multi-token query (a sequence
 // of decodes alone is the split-KV kernel's case) in bfloat16 / float16, when query and output
 // rows can be read in 16-byte packs.
@@ -91,13 +102,17 @@ bool run_prefill(const PagedAttentionParams& p) {
       check_launch("paged_attention (prefill tiles)");
       offsets = laid_out;
     }
-    switch (p.head_size) {
-      case 64: launch_prefill_attention<T, 64>(p, offsets, max_tiles); break;
-      case 128: launch_prefill_attention<T, 128>(p, offsets, max_tiles); break;
-      default: launch_prefill_attention<T, 256>(p, offsets, max_tiles); break;  // checked by paged_attention
-    }
+    dispatch_head_size(p.head_size, [&](auto d) { launch_prefill_attention<T, d()>(p, offsets, max_tiles); });
     return true;
   }
+}
+
+// Decodes of large GQA groups in bfloat16 / float16 go to the tensor-core kernel, which reads
+// the query rows in 16-byte packs.
+template <typename T>
+bool use_grouped_decode(const PagedAttentionParams& p) {
+  return !std::is_same_v<T, float> && p.num_heads / p.num_kv_heads >= kMinMmaGroup &&
+         packs_fit<T>(p.query, p.head_size, p.query_stride);
 }
 
 template <typename T>
@@ -111,11 +126,16 @@ void run(const PagedAttentionParams& p) {
     splits.acc = workspace;
     splits.max_sum = workspace + rows * p.head_size;
   }
-  switch (p.head_size) {
-    case 64: launch_paged_attention<T, 64>(p, splits); break;
-    case 128: launch_paged_attention<T, 128>(p, splits); break;
-    default: launch_paged_attention<T, 256>(p, splits); break;  // checked by paged_attention
-  }
+  const bool grouped = use_grouped_decode<T>(p);
+  dispatch_head_size(p.head_size, [&](auto d) {
+    if constexpr (std::is_same_v<T, float>) {
+      launch_paged_attention<T, d()>(p, splits);
+    } else if (grouped) {
+      launch_grouped_decode<T, d()>(p, splits);
+    } else {
+      launch_paged_attention<T, d()>(p, splits);
+    }
+  });
   if (splits.num_splits > 1) {
     const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
     merge_splits_kernel<T><<<grid, static_cast<unsigned>(min64(p.head_size, 256)), 0, current_stream()>>>(p, splits);

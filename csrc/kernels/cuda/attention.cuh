@@ -32,4 +32,10 @@ struct SplitOutputs {
 template <typename T, int kD>
 void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& splits);
 
+// Decodes of GQA groups this large or larger (bfloat16 / float16) go to the tensor-core kernel
+// (grouped_decode_kernel.cuh), which takes the same splits.
+constexpr int kMinMmaGroup = 4;
+template <typename T, int kD>
+void launch_grouped_decode(const PagedAttentionParams& p, const SplitOutputs& splits);
+
 }  // namespace octavo::cuda

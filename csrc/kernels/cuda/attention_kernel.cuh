@@ -14,6 +14,7 @@
 #include <cfloat>
 
 #include "attention.cuh"
+#include "paged_kv.cuh"
 
 namespace octavo::cuda {
 namespace attention_detail {
@@ -63,65 +64,13 @@ __device__ __forceinline__ void load_floats(const T* src, float (&dst)[kVec]) {
   }
 }
 
-// What one block of the kernel works on: its query token's sequence and visible keys, and where
-// its KV head's rows sit in the cache.
-struct DecodeWork {
-  const int32_t* table;  // the sequence's block table
-  const void* key_cache;  // the KV head's rows (block 0, key 0)
-  const void* value_cache;
-  int64_t block_stride;  // elements between cache blocks
-  int64_t k_begin, k_end;  // this split's keys
-  int block_size;
-  int block_shift;  // log2(block_size) when a power of two (the usual case: a shift, not a division), else -1
-};
-
+// Starts copying keys [start, start + kTileKeys) into buffer `buf` (see copy_kv_tile).
 template <typename T, int kD>
-__device__ DecodeWork decode_work(const PagedAttentionParams& p, int token, int kv_head, int split, int num_splits) {
+__device__ void load_tile(const DecodeWork& w, int64_t start, int buf, int tid, int threads, T* k_s, T* v_s,
+                          int* ok_s) {
   using S = DecodeShape<T, kD>;
-  const int seq = last_at_most(p.query_start_loc, static_cast<int>(p.num_seqs), token);
-  const int64_t n_query = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
-  const int64_t pos = p.seq_lens[seq] - n_query + (token - p.query_start_loc[seq]);  // this query's position
-  const int64_t lo = p.sliding_window > 0 ? max64(0, pos - p.sliding_window + 1) : 0;
-  const int64_t hi = min64(pos + 1, p.max_blocks_per_seq * p.block_size);  // keys [lo, hi)
-  // Splits take whole tiles, so that only the last tile of the range is partial.
-  const int64_t span = hi > lo ? hi - lo : 0;
-  const int64_t per_split = ceil_div(ceil_div(span, num_splits), S::kTileKeys) * S::kTileKeys;
-  const int64_t head_stride = p.block_size * kD;  // between KV heads of one block
-  DecodeWork w;
-  w.table = p.block_tables + seq * p.block_table_stride;
-  w.key_cache = static_cast<const T*>(p.key_cache) + kv_head * head_stride;
-  w.value_cache = static_cast<const T*>(p.value_cache) + kv_head * head_stride;
-  w.block_stride = p.num_kv_heads * head_stride;
-  w.k_begin = lo + split * per_split;
-  w.k_end = min64(hi, w.k_begin + per_split);
-  w.block_size = static_cast<int>(p.block_size);
-  w.block_shift = (w.block_size & (w.block_size - 1)) == 0 ? __ffs(w.block_size) - 1 : -1;
-  return w;
-}
-
-// Starts copying keys [start, start + kTileKeys) into buffer `buf`: K and V rows, zeros for keys
-// past k_end or in a block outside the cache, and a flag per key saying whether it is real. Each
-// thread looks up the block of every row it copies a pack of (the entries of one tile sit in a
-// cache line or two).
-template <typename T, int kD>
-__device__ void load_tile(const PagedAttentionParams& p, const DecodeWork& w, int64_t start, int buf, int tid,
-                          int threads, T* k_s, T* v_s, int* ok_s) {
-  using S = DecodeShape<T, kD>;
-  constexpr int kPacksPerRow = kD / S::kPack;
-  for (int c = tid; c < S::kTileKeys * kPacksPerRow; c += threads) {
-    const int j = c / kPacksPerRow, d = (c % kPacksPerRow) * S::kPack;
-    const int64_t key = start + j;
-    const int k = static_cast<int>(key);  // contexts fit 32 bits: cheaper index arithmetic
-    const int entry = w.block_shift >= 0 ? k >> w.block_shift : k / w.block_size;
-    const int offset = k - entry * w.block_size;
-    const int block = key < w.k_end ? w.table[entry] : -1;
-    const bool ok = block >= 0 && block < p.num_blocks;
-    const int64_t at = ok ? block * w.block_stride + offset * kD + d : 0;
-    const int64_t to = buf * S::kTileElements + j * kD + d;
-    copy_async_16(k_s + to, static_cast<const T*>(w.key_cache) + at, !ok);
-    copy_async_16(v_s + to, static_cast<const T*>(w.value_cache) + at, !ok);
-    if (d == 0) ok_s[buf * S::kTileKeys + j] = ok;
-  }
+  const int64_t at = buf * S::kTileElements;
+  copy_kv_tile<T, kD, S::kTileKeys, kD>(w.kv, start, k_s + at, v_s + at, ok_s + buf * S::kTileKeys, tid, threads);
   copy_async_commit();
 }
 
@@ -216,7 +165,7 @@ __global__ void __launch_bounds__(kMaxDecodeThreads) paged_attention_kernel(Page
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int tid = lane + S::kLanes * (head + heads * slice), threads = S::kLanes * heads * slices;
   const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-  const DecodeWork w = decode_work<T, kD>(p, token, kv_head, split, splits.num_splits);
+  const DecodeWork w = decode_work<T, kD, S::kTileKeys>(p, token, kv_head, split, splits.num_splits);
   const int64_t q_head = static_cast<int64_t>(kv_head) * group + head;
 
   float q[S::kVec] = {};  // this thread's slice of its head's query, scaled; zero for padding
@@ -228,11 +177,11 @@ __global__ void __launch_bounds__(kMaxDecodeThreads) paged_attention_kernel(Page
 
   Running<S::kVec> run;
   const int per_slice = S::kTileKeys / slices;
-  if (w.k_begin < w.k_end) load_tile<T, kD>(p, w, w.k_begin, 0, tid, threads, k_s, v_s, ok_s);
+  if (w.k_begin < w.kv.k_end) load_tile<T, kD>(w, w.k_begin, 0, tid, threads, k_s, v_s, ok_s);
   int buf = 0;
-  for (int64_t start = w.k_begin; start < w.k_end; start += S::kTileKeys, buf ^= 1) {
-    if (start + S::kTileKeys < w.k_end) {  // the next tile's copy runs while this one is used
-      load_tile<T, kD>(p, w, start + S::kTileKeys, buf ^ 1, tid, threads, k_s, v_s, ok_s);
+  for (int64_t start = w.k_begin; start < w.kv.k_end; start += S::kTileKeys, buf ^= 1) {
+    if (start + S::kTileKeys < w.kv.k_end) {  // the next tile's copy runs while this one is used
+      load_tile<T, kD>(w, start + S::kTileKeys, buf ^ 1, tid, threads, k_s, v_s, ok_s);
       copy_async_wait<1>();
     } else {
       copy_async_wait<0>();

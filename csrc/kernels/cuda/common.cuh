@@ -7,8 +7,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
+#include "cuda_kernels.h"  // kMaxDevices, current_device
 #include "octavo/status.h"
 #include "octavo/tensor_view.h"
 
@@ -24,6 +26,20 @@ enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kS
 void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op);
 // Throws octavo::Error naming `what` if the last launch (or an earlier asynchronous error) failed.
 void check_launch(const char* what);
+
+// Lets `kernel` take `bytes` of dynamic shared memory, past the 48 KiB a launch gets without
+// asking, on the current device. The limit is per device and kernel, so each kernel keeps its own
+// `opted_in` table and asks once per device.
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes, std::atomic<bool> (&opted_in)[kMaxDevices], const char* what) {
+  const int device = current_device();
+  if (opted_in[device].load()) return;
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
+                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(bytes)) == cudaSuccess,
+                    what << ": the kernel's " << bytes << " bytes of shared memory are not available");
+  opted_in[device].store(true);
+}
 
 using bf16 = __nv_bfloat16;
 using f16 = __half;

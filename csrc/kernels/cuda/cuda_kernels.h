@@ -27,7 +27,7 @@ void paged_attention(const PagedAttentionParams& p);
 constexpr int kMaxGroup = 16;
 // Query rows per block of the tensor-core prefill kernel: (token, query head) pairs of one KV
 // head, so a tile holds kPrefillRows / group tokens of one sequence.
-constexpr int kPrefillRows = 64;
+constexpr int kPrefillRows = 128;
 // Tiles of a sequence with n query tokens in the prefill kernel: what the host plan
 // (plan_paged_attention) and the device's own layout both count.
 OCTAVO_HOST_DEVICE inline int32_t prefill_tiles(int32_t n, int32_t group) {

@@ -1,220 +1,179 @@
 // The kernel template behind launch_prefill_attention (prefill_attention.cuh); included only by
 // the per-head-size files that instantiate it.
+//
+// A block takes kPrefillRows (token, query head) rows of one KV head; warp w owns kM m-tiles of
+// 16 of them and runs the warp-level steps of attention_mma.cuh over every tile of keys its rows
+// can see. Only the copies of Q, K and V into shared memory need the whole block.
 #pragma once
 
-#include <mma.h>
-
-#include <atomic>
-#include <cfloat>
-
+#include "attention_mma.cuh"
+#include "paged_kv.cuh"
 #include "prefill_attention.cuh"
 
 namespace octavo::cuda {
 namespace prefill_detail {
 
-namespace wmma = nvcuda::wmma;
-
-using Accumulator = wmma::fragment<wmma::accumulator, 16, 16, 16, float>;
-
-// acc += A·B for A [16, k] row-major at `a` (leading dimension lda) and B [k, 16] at `b` in
-// layout BLayout (leading dimension ldb); B's next 16 rows of k start b_step elements further.
-template <typename T, typename BLayout>
-__device__ void mma_accumulate(Accumulator& acc, const T* a, int lda, const T* b, int b_step, int ldb, int k) {
-  for (int k0 = 0; k0 < k; k0 += 16) {
-    wmma::fragment<wmma::matrix_a, 16, 16, 16, T, wmma::row_major> a_frag;
-    wmma::fragment<wmma::matrix_b, 16, 16, 16, T, BLayout> b_frag;
-    wmma::load_matrix_sync(a_frag, a + k0, lda);
-    wmma::load_matrix_sync(b_frag, b + (k0 / 16) * b_step, ldb);
-    wmma::mma_sync(acc, a_frag, b_frag, acc);
-  }
-}
-
-// Row strides in shared memory, padded against bank conflicts; every 16-row tile start stays
-// 32-byte aligned, as wmma's loads and stores need.
+// Two m-tiles per warp where registers allow (each K / V fragment read from shared memory then
+// serves 32 rows); one for head size 256, whose outputs alone take 128 registers per m-tile.
+// Keys per tile: 32 where 64 would not fit in registers (head size 128 spills with 64) or, for
+// head size 256, in an A100's 163 KiB of shared memory. Shared memory: Q, then K and V twice
+// (the next tile is copied while this one is used), then the keys' flags for both buffers.
 template <int kD>
-struct Layout {
-  static constexpr int kKeys = prefill_keys(kD);
-  static constexpr int kLdQ = kD + 8;     // Q, K, V rows (16-bit elements)
-  static constexpr int kLdS = kKeys + 4;  // scores (float)
-  static constexpr int kLdP = kKeys + 8;  // probabilities (16-bit)
-  static constexpr int kLdO = kD + 4;     // output accumulator (float)
-  static constexpr size_t kQ = 0;
-  static constexpr size_t kK = kQ + sizeof(uint16_t) * kPrefillRows * kLdQ;
-  static constexpr size_t kV = kK + sizeof(uint16_t) * kKeys * kLdQ;
-  static constexpr size_t kS = kV + sizeof(uint16_t) * kKeys * kLdQ;
-  static constexpr size_t kP = kS + sizeof(float) * kPrefillRows * kLdS;
-  static constexpr size_t kO = kP + sizeof(uint16_t) * kPrefillRows * kLdP;
-  static constexpr size_t kStats = kO + sizeof(float) * kPrefillRows * kLdO;  // max, sum per row
-  static constexpr size_t kBytes = kStats + sizeof(float) * 2 * kPrefillRows;
+struct Shape {
+  static constexpr int kM = kD == 256 ? 1 : 2;
+  static constexpr int kWarps = kPrefillRows / (16 * kM);
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kKeys = kD == 64 ? 64 : 32;
+  static constexpr int kLd = kD + 8;
+  static constexpr int kTile = kKeys * kLd;  // elements of one K or V tile
+  static constexpr int kK = kPrefillRows * kLd, kV = kK + 2 * kTile, kEnd = kV + 2 * kTile;
+  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd + sizeof(int) * 2 * kKeys;
+  static_assert(kD % 16 == 0 && kKeys % 16 == 0 && kPrefillRows % (16 * kM) == 0, "whole fragments");
 };
 
-// Writes keys [k0, k0 + kKeys) of sequence `table`'s KV head into shared rows; keys past
-// `k_end` or in a block outside the cache become zeros (their scores are masked; zeros keep a
-// masked NaN out of P·V).
+// Where the block's rows come from: sequence, token range and positions.
+struct PrefillTile {
+  int seq;
+  int64_t first_token;  // the tile's first query token
+  int64_t q_count;      // query tokens in the tile
+  int64_t pos0;         // position of the tile's first token
+};
+
+__device__ inline PrefillTile prefill_tile(const PagedAttentionParams& p, const int32_t* tile_offsets, int tile,
+                                           int group) {
+  const int seq = last_at_most(tile_offsets, static_cast<int>(p.num_seqs), tile);
+  const int tokens_per_tile = kPrefillRows / group;
+  const int64_t n_query = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+  const int64_t q_begin = static_cast<int64_t>(tile - tile_offsets[seq]) * tokens_per_tile;
+  PrefillTile t;
+  t.seq = seq;
+  t.first_token = p.query_start_loc[seq] + q_begin;
+  t.q_count = min64(tokens_per_tile, n_query - q_begin);
+  t.pos0 = p.seq_lens[seq] - n_query + q_begin;
+  return t;
+}
+
+// Starts copying the block's query rows into q_s: row r is token first_token + r / group, query
+// head kv_head * group + r % group; rows past the tile's tokens are zeros.
 template <typename T, int kD>
-__device__ void load_kv_tile(const PagedAttentionParams& p, const int32_t* table, int kv_head, int64_t k0,
-                             int64_t k_end, T* k_s, T* v_s) {
-  using L = Layout<kD>;
-  constexpr int kPacks = kD / Pack<T>::kSize;
-  const int64_t head_stride = p.block_size * kD, block_stride = p.num_kv_heads * head_stride;
-  for (int i = threadIdx.x; i < L::kKeys * kPacks; i += kPrefillThreads) {
-    const int j = i / kPacks, d = (i % kPacks) * Pack<T>::kSize;
-    const int64_t key = k0 + j;
-    Pack<T> kp = zero_pack<T>(), vp = zero_pack<T>();
-    if (key < k_end) {
-      const int block = table[key / p.block_size];
-      if (block >= 0 && block < p.num_blocks) {
-        const int64_t at = block * block_stride + kv_head * head_stride + (key % p.block_size) * kD + d;
-        kp = load_pack(static_cast<const T*>(p.key_cache) + at);
-        vp = load_pack(static_cast<const T*>(p.value_cache) + at);
-      }
+__device__ void copy_query(const PagedAttentionParams& p, const PrefillTile& t, int kv_head, int group, T* q_s) {
+  using S = Shape<kD>;
+  constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
+  for (int i = threadIdx.x; i < kPrefillRows * kPacksPerRow; i += S::kThreads) {
+    const int r = i / kPacksPerRow, d = (i % kPacksPerRow) * kPack;
+    const bool real = r / group < t.q_count;
+    const int64_t token = t.first_token + (real ? r / group : 0);
+    const T* src = static_cast<const T*>(p.query) + token * p.query_stride + (kv_head * group + r % group) * kD + d;
+    copy_async_16(q_s + r * S::kLd + d, src, !real);
+  }
+}
+
+// out = o / sum for the thread's real rows, two adjacent elements per store; a row that saw no
+// key gets zeros.
+template <typename T, int kD>
+__device__ void write_rows(const PagedAttentionParams& p, const PrefillTile& t, int kv_head, int group, int row0,
+                           int lane, const mma_attention::RowStats<Shape<kD>::kM>& rows,
+                           const mma_attention::Outputs<Shape<kD>::kM, kD>& o) {
+#pragma unroll
+  for (int i = 0; i < Shape<kD>::kM; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float sum = rows.total(i, h);
+      const int r = row0 + 16 * i + 8 * h;
+      if (r / group >= t.q_count) continue;
+      const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+      T* out = static_cast<T*>(p.out) + (t.first_token + r / group) * p.out_stride + (kv_head * group + r % group) * kD;
+#pragma unroll
+      for (int c = 0; c < kD / 8; ++c)
+        *reinterpret_cast<uint32_t*>(out + 8 * c + 2 * (lane % 4)) =
+            pack_pair<T>(o[i][c][2 * h] * inv, o[i][c][2 * h + 1] * inv);
     }
-    store_pack(k_s + j * L::kLdQ + d, kp);
-    store_pack(v_s + j * L::kLdQ + d, vp);
   }
 }
 
 template <typename T, int kD>
-__global__ void __launch_bounds__(kPrefillThreads) prefill_kernel(PagedAttentionParams p, const int32_t* tile_offsets) {
-  using L = Layout<kD>;
-  constexpr int kKeys = L::kKeys;
+__global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAttentionParams p,
+                                                                     const int32_t* tile_offsets) {
+  using S = Shape<kD>;
+  constexpr int kM = S::kM;
   extern __shared__ __align__(128) unsigned char smem[];
-  T* q_s = reinterpret_cast<T*>(smem + L::kQ);
-  T* k_s = reinterpret_cast<T*>(smem + L::kK);
-  T* v_s = reinterpret_cast<T*>(smem + L::kV);
-  float* s_s = reinterpret_cast<float*>(smem + L::kS);
-  T* p_s = reinterpret_cast<T*>(smem + L::kP);
-  float* o_s = reinterpret_cast<float*>(smem + L::kO);
-  float* max_s = reinterpret_cast<float*>(smem + L::kStats);
-  float* sum_s = max_s + kPrefillRows;
+  T* q_s = reinterpret_cast<T*>(smem);                 // [kPrefillRows][kLd]
+  T* k_s = q_s + S::kK;                                // [2][kKeys][kLd]
+  T* v_s = q_s + S::kV;                                // [2][kKeys][kLd]
+  int* ok_s = reinterpret_cast<int*>(q_s + S::kEnd);  // [2][kKeys]
 
-  // Which sequence and query tokens this block takes.
-  const int64_t num_seqs = p.num_seqs;
-  const int tile = blockIdx.x, kv_head = blockIdx.y;
-  if (tile >= tile_offsets[num_seqs]) return;
-  const int seq = last_at_most(tile_offsets, static_cast<int>(num_seqs), tile);
+  // Blocks run roughly in index order; the last tiles of a sequence see the most keys, so they
+  // go first, and the short ones fill in at the end.
+  const int tile = gridDim.x - 1 - blockIdx.x, kv_head = blockIdx.y;
+  if (tile >= tile_offsets[p.num_seqs]) return;
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
-  const int tokens_per_tile = kPrefillRows / group;
-  const int64_t first_token = p.query_start_loc[seq];
-  const int64_t n_query = p.query_start_loc[seq + 1] - first_token;
-  const int64_t q_begin = static_cast<int64_t>(tile - tile_offsets[seq]) * tokens_per_tile;
-  const int64_t q_count = min64(tokens_per_tile, n_query - q_begin);
-  const int64_t seq_len = p.seq_lens[seq];
-  const int64_t pos0 = seq_len - n_query + q_begin;  // position of the tile's first token
-  const int64_t capacity = p.max_blocks_per_seq * p.block_size;
-  const int32_t* table = p.block_tables + seq * p.block_table_stride;
-
-  // Row r is token q_begin + r / group, query head kv_head * group + r % group.
-  constexpr int kPacks = kD / Pack<T>::kSize;
-  for (int i = threadIdx.x; i < kPrefillRows * kPacks; i += kPrefillThreads) {
-    const int r = i / kPacks, d = (i % kPacks) * Pack<T>::kSize;
-    Pack<T> qp = zero_pack<T>();
-    if (r / group < q_count) {
-      const int64_t token = first_token + q_begin + r / group;
-      qp = load_pack(static_cast<const T*>(p.query) + token * p.query_stride + (kv_head * group + r % group) * kD + d);
-    }
-    store_pack(q_s + r * L::kLdQ + d, qp);
-  }
-  for (int i = threadIdx.x; i < kPrefillRows * L::kLdO; i += kPrefillThreads) o_s[i] = 0.0f;
-  if (threadIdx.x < kPrefillRows) {
-    max_s[threadIdx.x] = -FLT_MAX;
-    sum_s[threadIdx.x] = 0.0f;
-  }
-  __syncthreads();  // rows are initialized by one thread and read by two others, even with no key
+  const PrefillTile t = prefill_tile(p, tile_offsets, tile, group);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row0 = warp * 16 * kM + lane / 4;  // the thread's rows: row0 + 16i + 8h
+  int pos[kM][2];  // their positions (contexts fit 32 bits)
+#pragma unroll
+  for (int i = 0; i < kM; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) pos[i][h] = static_cast<int>(t.pos0 + (row0 + 16 * i + 8 * h) / group);
 
   // Keys [k_begin, k_end): what the tile's first and last tokens can see between them.
-  const int64_t last_pos = pos0 + q_count - 1;
-  const int64_t k_end = min64(last_pos + 1, capacity);
-  const int64_t k_begin = p.sliding_window > 0 ? max64(0, pos0 - p.sliding_window + 1) / kKeys * kKeys : 0;
-  const int warp = threadIdx.x / 32;
-  const int row = threadIdx.x / 2, half = threadIdx.x % 2;  // softmax: two threads per row, in the row's warp
-  const bool row_valid = row / group < q_count;
-  const int64_t row_pos = pos0 + row / group;
+  const int64_t last_pos = t.pos0 + t.q_count - 1;
+  const int64_t k_end = min64(last_pos + 1, p.max_blocks_per_seq * p.block_size);
+  const int64_t k_begin = p.sliding_window > 0 ? max64(0, t.pos0 - p.sliding_window + 1) : 0;
+  const int window = static_cast<int>(p.sliding_window);
+  const PagedKv kv = paged_kv<T, kD>(p, t.seq, kv_head, k_end);
 
-  for (int64_t k0 = k_begin; k0 < k_end; k0 += kKeys) {
-    __syncthreads();  // the previous tile's K / V are no longer read (and, first time, Q is stored)
-    load_kv_tile<T, kD>(p, table, kv_head, k0, k_end, k_s, v_s);
-    __syncthreads();
+  copy_query<T, kD>(p, t, kv_head, group, q_s);
+  bool next_masked = k_begin < k_end &&
+                     copy_kv_tile<T, kD, S::kKeys, S::kLd>(kv, k_begin, k_s, v_s, ok_s, threadIdx.x, S::kThreads);
+  copy_async_commit();  // the query rows and the first tile
 
-    // S = Q·Kᵀ for this warp's 16 rows (Kᵀ: the K rows read column-major).
-    for (int n0 = 0; n0 < kKeys; n0 += 16) {
-      Accumulator acc;
-      wmma::fill_fragment(acc, 0.0f);
-      mma_accumulate<T, wmma::col_major>(acc, q_s + warp * 16 * L::kLdQ, L::kLdQ, k_s + n0 * L::kLdQ, 16, L::kLdQ, kD);
-      wmma::store_matrix_sync(s_s + warp * 16 * L::kLdS + n0, acc, L::kLdS, wmma::mem_row_major);
+  mma_attention::Outputs<kM, kD> o = {};
+  mma_attention::RowStats<kM> rows;
+  int buf = 0;
+  for (int64_t k0 = k_begin; k0 < k_end; k0 += S::kKeys, buf ^= 1) {
+    bool masked = next_masked;
+    if (k0 + S::kKeys < k_end) {  // the next tile's copy runs while this one is used
+      const int next = buf ^ 1;
+      next_masked = copy_kv_tile<T, kD, S::kKeys, S::kLd>(kv, k0 + S::kKeys, k_s + next * S::kTile,
+                                                         v_s + next * S::kTile, ok_s + next * S::kKeys, threadIdx.x,
+                                                         S::kThreads);
+      copy_async_commit();
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
     }
-    __syncwarp();
-
-    // Online softmax of the row's scores; P in 16 bits, the accumulator rescaled.
-    float m = -INFINITY;
-    float* s_row = s_s + row * L::kLdS;
-    for (int c = half * kKeys / 2; c < (half + 1) * kKeys / 2; ++c) {
-      const int64_t key = k0 + c;
-      float s = s_row[c] * p.scale;
-      if (p.softcap > 0) s = p.softcap * tanhf(s / p.softcap);
-      const bool visible = row_valid && key <= row_pos && key < k_end &&
-                           (p.sliding_window == 0 || key > row_pos - p.sliding_window);
-      s_row[c] = visible ? s : -INFINITY;
-      m = fmaxf(m, s_row[c]);
-    }
-    m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
-    const float m_old = max_s[row];
-    const float m_new = fmaxf(m_old, m);
-    float sum = 0.0f;
-    for (int c = half * kKeys / 2; c < (half + 1) * kKeys / 2; ++c) {
-      const float e = __expf(s_row[c] - m_new);  // 0 for masked keys
-      p_s[row * L::kLdP + c] = from_float<T>(e);
-      sum += e;
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    const float alpha = __expf(m_old - m_new);
-    for (int d = half * kD / 2; d < (half + 1) * kD / 2; ++d) o_s[row * L::kLdO + d] *= alpha;
-    __syncwarp();
-    if (half == 0) {
-      max_s[row] = m_new;
-      sum_s[row] = sum_s[row] * alpha + sum;
-    }
-
-    // O += P·V for this warp's 16 rows.
-    for (int d0 = 0; d0 < kD; d0 += 16) {
-      Accumulator acc;
-      float* o_tile = o_s + warp * 16 * L::kLdO + d0;
-      wmma::load_matrix_sync(acc, o_tile, L::kLdO, wmma::mem_row_major);
-      mma_accumulate<T, wmma::row_major>(acc, p_s + warp * 16 * L::kLdP, L::kLdP, v_s + d0, 16 * L::kLdQ, L::kLdQ,
-                                         kKeys);
-      wmma::store_matrix_sync(o_tile, acc, L::kLdO, wmma::mem_row_major);
-    }
-    __syncwarp();
+    // Every thread's copies into `buf` are done. Masks are needed where a key is not real, or
+    // where some row does not see the whole tile (the diagonal, the window's edge).
+    masked = __syncthreads_or(masked) || k0 + S::kKeys - 1 > t.pos0 ||
+             (window > 0 && k0 <= last_pos - window);
+    const int* ok = ok_s + buf * S::kKeys;
+    const int first = static_cast<int>(k0);
+    const auto visible = [&](int i, int h, int j) {
+      const int key = first + j;
+      return !masked || (ok[j] && key <= pos[i][h] && (window == 0 || key > pos[i][h] - window));
+    };
+    mma_attention::Scores<kM, S::kKeys> s;
+    mma_attention::score_tile<T, kM, kD, S::kKeys, S::kLd>(q_s + warp * 16 * kM * S::kLd, k_s + buf * S::kTile,
+                                                           lane, s);
+    mma_attention::softmax_tile<kM, kD, S::kKeys>(p, visible, lane, s, rows, o);
+    mma_attention::accumulate_tile<T, kM, kD, S::kKeys, S::kLd>(s, v_s + buf * S::kTile, lane, o);
+    __syncthreads();  // `buf` is refilled by the next iteration's copy
   }
-
-  // out = O / sum for the valid rows; a row that saw no key (none in range) gets zeros.
-  if (row_valid) {
-    const int64_t token = first_token + q_begin + row / group;
-    T* out = static_cast<T*>(p.out) + token * p.out_stride + (kv_head * group + row % group) * kD;
-    const float sum = sum_s[row];
-    for (int d = half * kD / 2; d < (half + 1) * kD / 2; ++d)
-      out[d] = from_float<T>(sum > 0 ? o_s[row * L::kLdO + d] / sum : 0.0f);
-  }
+  copy_async_wait<0>();  // with no key at all, the query's copies are still pending
+  write_rows<T, kD>(p, t, kv_head, group, row0, lane, rows, o);
 }
 
 }  // namespace prefill_detail
 
 template <typename T, int kD>
 void launch_prefill_attention(const PagedAttentionParams& p, const int32_t* tile_offsets, int64_t max_tiles) {
-  using L = prefill_detail::Layout<kD>;
+  using S = prefill_detail::Shape<kD>;
   auto kernel = prefill_detail::prefill_kernel<T, kD>;
-  static std::atomic<bool> opted_in[kMaxDevices] = {};  // the shared-memory limit is per device and kernel
-  const int device = current_device();
-  if (!opted_in[device].load()) {
-    OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
-                      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           static_cast<int>(L::kBytes)) == cudaSuccess,
-                      "paged_attention: the prefill kernel's " << L::kBytes
-                                                               << " bytes of shared memory are not available");
-    opted_in[device].store(true);
-  }
+  static std::atomic<bool> opted_in[kMaxDevices] = {};
+  allow_shared_memory(kernel, S::kBytes, opted_in, "paged_attention (prefill)");
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(p.num_kv_heads));
-  kernel<<<grid, kPrefillThreads, L::kBytes, current_stream()>>>(p, tile_offsets);
+  kernel<<<grid, S::kThreads, S::kBytes, current_stream()>>>(p, tile_offsets);
   check_launch("paged_attention (prefill)");
 }
 

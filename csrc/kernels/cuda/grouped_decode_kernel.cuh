@@ -1,0 +1,163 @@
+// The kernel template behind launch_grouped_decode (attention.cuh); included only by the
+// per-head-size files that instantiate it.
+//
+// Decode on tensor cores for GQA groups of kMinMmaGroup and more, where the split-KV kernel's
+// per-head dot products would cost more instruction issue than the K/V reads take: one block per
+// (query token, KV head, split), its 16 rows the group's query heads (padded with zero rows).
+// Each warp takes its own 16 keys of every tile through the warp-level steps of
+// attention_mma.cuh, so K and V are read from memory once for the group and from shared memory
+// once per warp. At the end the warps' partial results are folded together through shared
+// memory, and written as the split-KV kernel writes them (so one merge serves both).
+#pragma once
+
+#include <atomic>
+
+#include "attention.cuh"
+#include "attention_mma.cuh"
+#include "cuda_kernels.h"
+#include "paged_kv.cuh"
+
+namespace octavo::cuda {
+namespace grouped_decode_detail {
+
+// Shared memory: the group's 16 query rows, then K and V twice (the next tile is copied while
+// this one is used), then the keys' flags for both buffers. The fold at the end reuses the tiles.
+template <int kD>
+struct Shape {
+  static constexpr int kKeys = kD == 256 ? 32 : 64;  // per tile, 16 per warp: shared memory under 80 KiB
+  static constexpr int kWarps = kKeys / 16;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kLd = kD + 8;
+  static constexpr int kTile = kKeys * kLd;
+  static constexpr int kK = 16 * kLd, kV = kK + 2 * kTile, kEnd = kV + 2 * kTile;
+  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd + sizeof(int) * 2 * kKeys;
+  static constexpr size_t kFoldBytes = sizeof(float) * kWarps * 16 * (kD + 2);
+  static_assert(kFoldBytes <= sizeof(uint16_t) * 4 * kTile, "the warps' fold fits in the tiles' memory");
+};
+
+// Folds the warps' (max, sum, o) of the group's rows into the block's result, through shared
+// memory at `fold`, and writes it: the normalized output with one split, else the split's
+// unnormalized accumulator and (max, sum), as merge_splits_kernel reads them.
+template <typename T, int kD>
+__device__ void fold_and_write(const PagedAttentionParams& p, const SplitOutputs& splits, int token, int kv_head,
+                               int split, int group, const mma_attention::RowStats<1>& rows,
+                               const mma_attention::Outputs<1, kD>& o,
+                               float* fold) {
+  using S = Shape<kD>;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float* stats = fold;                      // [warps][16] (max, sum)
+  float* accs = fold + 2 * S::kWarps * 16;  // [warps][16][kD]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp * 16 + lane / 4 + 8 * h;
+    const float sum = rows.total(0, h);
+    if (lane % 4 == 0) {
+      stats[2 * row] = rows.m[0][h];
+      stats[2 * row + 1] = sum;
+    }
+#pragma unroll
+    for (int c = 0; c < kD / 8; ++c) {
+      accs[row * kD + 8 * c + 2 * (lane % 4)] = o[0][c][2 * h];
+      accs[row * kD + 8 * c + 2 * (lane % 4) + 1] = o[0][c][2 * h + 1];
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < group * kD; i += S::kThreads) {
+    const int r = i / kD, d = i % kD;
+    float m = -FLT_MAX;
+    for (int w = 0; w < S::kWarps; ++w) m = fmaxf(m, stats[2 * (w * 16 + r)]);
+    float num = 0.0f, den = 0.0f;
+    for (int w = 0; w < S::kWarps; ++w) {
+      const float weight = __expf(stats[2 * (w * 16 + r)] - m);
+      num += weight * accs[(w * 16 + r) * kD + d];
+      den += weight * stats[2 * (w * 16 + r) + 1];
+    }
+    const int64_t q_head = static_cast<int64_t>(kv_head) * group + r;
+    if (splits.num_splits == 1) {
+      static_cast<T*>(p.out)[token * p.out_stride + q_head * kD + d] = from_float<T>(den > 0 ? num / den : 0.0f);
+      continue;
+    }
+    const int64_t split_row = (token * p.num_heads + q_head) * splits.num_splits + split;
+    splits.acc[split_row * kD + d] = num;
+    if (d == 0) {
+      splits.max_sum[2 * split_row] = m;
+      splits.max_sum[2 * split_row + 1] = den;
+    }
+  }
+}
+
+template <typename T, int kD>
+__global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(PagedAttentionParams p,
+                                                                            SplitOutputs splits) {
+  using S = Shape<kD>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  T* q_s = reinterpret_cast<T*>(smem);           // [16][kLd]
+  T* k_s = q_s + S::kK;                          // [2][kKeys][kLd]
+  T* v_s = q_s + S::kV;                          // [2][kKeys][kLd]
+  int* ok_s = reinterpret_cast<int*>(q_s + S::kEnd);  // [2][kKeys]
+
+  const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
+  const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const DecodeWork w = decode_work<T, kD, S::kKeys>(p, token, kv_head, split, splits.num_splits);
+
+  // Row r is query head kv_head * group + r; rows past the group are zeros.
+  constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
+  for (int i = threadIdx.x; i < 16 * kPacksPerRow; i += S::kThreads) {
+    const int r = i / kPacksPerRow, d = (i % kPacksPerRow) * kPack;
+    const T* src = static_cast<const T*>(p.query) + token * p.query_stride +
+                   (static_cast<int64_t>(kv_head) * group + (r < group ? r : 0)) * kD + d;
+    copy_async_16(q_s + r * S::kLd + d, src, r >= group);
+  }
+  if (w.k_begin < w.kv.k_end)
+    copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, w.k_begin, k_s, v_s, ok_s, threadIdx.x, S::kThreads);
+  copy_async_commit();  // the query rows and the first tile
+
+  mma_attention::Outputs<1, kD> o = {};
+  mma_attention::RowStats<1> rows;
+  int buf = 0;
+  for (int64_t k0 = w.k_begin; k0 < w.kv.k_end; k0 += S::kKeys, buf ^= 1) {
+    if (k0 + S::kKeys < w.kv.k_end) {  // the next tile's copy runs while this one is used
+      const int next = buf ^ 1;
+      copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, k0 + S::kKeys, k_s + next * S::kTile, v_s + next * S::kTile,
+                                            ok_s + next * S::kKeys, threadIdx.x, S::kThreads);
+      copy_async_commit();
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();  // every thread's copies into `buf` are done
+    const int first = warp * 16;  // the warp's keys in the tile
+    const int* ok = ok_s + buf * S::kKeys + first;
+    mma_attention::Scores<1, 16> s;
+    mma_attention::score_tile<T, 1, kD, 16, S::kLd>(q_s, k_s + buf * S::kTile + first * S::kLd, lane, s);
+    // Every key of a decode split is in the query's range; only keys past its end or in a block
+    // outside the cache are hidden.
+    mma_attention::softmax_tile<1, kD, 16>(p, [ok](int, int, int j) { return ok[j] != 0; }, lane, s, rows, o);
+    mma_attention::accumulate_tile<T, 1, kD, 16, S::kLd>(s, v_s + buf * S::kTile + first * S::kLd, lane, o);
+    __syncthreads();  // `buf` is refilled by the next iteration's copy (and, after the last, folded into)
+  }
+  copy_async_wait<0>();  // with no key at all, the query's copies are still pending
+  __syncthreads();
+  fold_and_write<T, kD>(p, splits, token, kv_head, split, group, rows, o, reinterpret_cast<float*>(k_s));
+}
+
+}  // namespace grouped_decode_detail
+
+template <typename T, int kD>
+void launch_grouped_decode(const PagedAttentionParams& p, const SplitOutputs& splits) {
+  using S = grouped_decode_detail::Shape<kD>;
+  auto kernel = grouped_decode_detail::grouped_decode_kernel<T, kD>;
+  static std::atomic<bool> opted_in[kMaxDevices] = {};
+  allow_shared_memory(kernel, S::kBytes, opted_in, "paged_attention (grouped decode)");
+  const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_kv_heads),
+                  static_cast<unsigned>(splits.num_splits));
+  kernel<<<grid, S::kThreads, S::kBytes, current_stream()>>>(p, splits);
+  check_launch("paged_attention (grouped decode)");
+}
+
+#define OCTAVO_INSTANTIATE_GROUPED_DECODE(D)                                                         \
+  template void launch_grouped_decode<bf16, D>(const PagedAttentionParams&, const SplitOutputs&); \
+  template void launch_grouped_decode<f16, D>(const PagedAttentionParams&, const SplitOutputs&);
+
+}  // namespace octavo::cuda

@@ -1,0 +1,86 @@
+// Tiles of one sequence's keys and values, read from the paged cache into shared memory with
+// cp.async: what the split-KV decode kernel and the tensor-core prefill kernel both stream.
+#pragma once
+
+#include "common.cuh"
+#include "params.h"
+
+namespace octavo::cuda {
+
+// A sequence's rows of one KV head in the cache, and the keys [0, k_end) a kernel may read.
+struct PagedKv {
+  const int32_t* table;     // the sequence's block table
+  const void* key_cache;    // the KV head's rows (block 0, key 0)
+  const void* value_cache;
+  int64_t block_stride;     // elements between cache blocks
+  int64_t k_end;
+  int block_size;
+  int block_shift;          // log2(block_size) when a power of two (the usual case: a shift, not a division), else -1
+  int num_blocks;           // block ids outside [0, num_blocks) mask their keys
+};
+
+template <typename T, int kD>
+__device__ PagedKv paged_kv(const PagedAttentionParams& p, int seq, int kv_head, int64_t k_end) {
+  const int64_t head_stride = p.block_size * kD;  // between KV heads of one block
+  PagedKv kv;
+  kv.table = p.block_tables + seq * p.block_table_stride;
+  kv.key_cache = static_cast<const T*>(p.key_cache) + kv_head * head_stride;
+  kv.value_cache = static_cast<const T*>(p.value_cache) + kv_head * head_stride;
+  kv.block_stride = p.num_kv_heads * head_stride;
+  kv.k_end = k_end;
+  kv.block_size = static_cast<int>(p.block_size);
+  kv.block_shift = (kv.block_size & (kv.block_size - 1)) == 0 ? __ffs(kv.block_size) - 1 : -1;
+  kv.num_blocks = static_cast<int>(p.num_blocks);
+  return kv;
+}
+
+// What a decode kernel's block works on: its KV head's rows of the query token's sequence, and
+// the keys [k_begin, kv.k_end) of its split of the token's visible keys. Splits take whole tiles
+// of kTileKeys, so that only the last tile of the range is partial.
+struct DecodeWork {
+  PagedKv kv;
+  int64_t k_begin;
+};
+
+template <typename T, int kD, int kTileKeys>
+__device__ DecodeWork decode_work(const PagedAttentionParams& p, int token, int kv_head, int split, int num_splits) {
+  const int seq = last_at_most(p.query_start_loc, static_cast<int>(p.num_seqs), token);
+  const int64_t n_query = p.query_start_loc[seq + 1] - p.query_start_loc[seq];
+  const int64_t pos = p.seq_lens[seq] - n_query + (token - p.query_start_loc[seq]);  // this query's position
+  const int64_t lo = p.sliding_window > 0 ? max64(0, pos - p.sliding_window + 1) : 0;
+  const int64_t hi = min64(pos + 1, p.max_blocks_per_seq * p.block_size);  // keys [lo, hi)
+  const int64_t span = hi > lo ? hi - lo : 0;
+  const int64_t per_split = ceil_div(ceil_div(span, num_splits), kTileKeys) * kTileKeys;
+  const int64_t k_begin = lo + split * per_split;
+  return {paged_kv<T, kD>(p, seq, kv_head, min64(hi, k_begin + per_split)), k_begin};
+}
+
+// Starts copying keys [start, start + kKeys) into rows kLd elements apart at k_dst / v_dst (the
+// caller commits the copy group): K and V rows, zeros for keys past k_end or in a block outside
+// the cache, and ok_dst[j] saying whether key start + j is real. Each thread looks up the block
+// of every row it copies a pack of (the entries of one tile sit in a cache line or two). Returns
+// whether any key this thread flagged is not real.
+template <typename T, int kD, int kKeys, int kLd>
+__device__ bool copy_kv_tile(const PagedKv& kv, int64_t start, T* k_dst, T* v_dst, int* ok_dst, int tid, int threads) {
+  constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
+  bool any_masked = false;
+  for (int c = tid; c < kKeys * kPacksPerRow; c += threads) {
+    const int j = c / kPacksPerRow, d = (c % kPacksPerRow) * kPack;
+    const int64_t key = start + j;
+    const int k = static_cast<int>(key);  // contexts fit 32 bits: cheaper index arithmetic
+    const int entry = kv.block_shift >= 0 ? k >> kv.block_shift : k / kv.block_size;
+    const int offset = k - entry * kv.block_size;
+    const int block = key < kv.k_end ? kv.table[entry] : -1;
+    const bool ok = block >= 0 && block < kv.num_blocks;
+    const int64_t at = ok ? block * kv.block_stride + offset * kD + d : 0;
+    copy_async_16(k_dst + j * kLd + d, static_cast<const T*>(kv.key_cache) + at, !ok);
+    copy_async_16(v_dst + j * kLd + d, static_cast<const T*>(kv.value_cache) + at, !ok);
+    if (d == 0) {
+      ok_dst[j] = ok;
+      any_masked |= !ok;
+    }
+  }
+  return any_masked;
+}
+
+}  // namespace octavo::cuda
