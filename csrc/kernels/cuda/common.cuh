@@ -142,18 +142,23 @@ __device__ __forceinline__ void copy_async_wait() {
 #endif
 }
 
-// Sum of `v` over the block; every thread gets the result. blockDim.x a multiple of 32, at most
-// 1024; `scratch` holds 32 floats of shared memory.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+// op(...) of `v` over the block, for an associative and commutative op; every thread gets the
+// result. blockDim.x a multiple of 32, at most 1024; `scratch` holds 32 Ts of shared memory;
+// `identity` (op(x, identity) = x) stands in for the warps a smaller block lacks.
+template <typename T, typename Op>
+__device__ __forceinline__ T block_reduce(T v, Op op, T identity, T* scratch) {
+  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) scratch[warp] = v;
   __syncthreads();
-  const int warps = blockDim.x / 32;
-  v = lane < warps ? scratch[lane] : 0.0f;
-  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  v = lane < static_cast<int>(blockDim.x / 32) ? scratch[lane] : identity;
+  for (int offset = 16; offset > 0; offset /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, offset));
   __syncthreads();  // scratch may be reused right after
   return v;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  return block_reduce(v, [](float a, float b) { return a + b; }, 0.0f, scratch);
 }
 
 // Calls fn(T{}) with T the CUDA type of a float dtype (float, bf16 or f16).

@@ -25,18 +25,7 @@ constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kSplits = 16;                  // ways per threshold-search pass
 
-// ---- block reductions (blockDim.x == kThreads) ------------------------------------------------
-
-template <typename T, typename Op>
-__device__ T block_reduce(T v, Op op, T* scratch) {
-  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
-  __syncthreads();
-  v = scratch[threadIdx.x % 32];  // kWarps == 32: every lane reads one warp's value
-  for (int o = 16; o > 0; o /= 2) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
-  __syncthreads();
-  return v;
-}
+// ---- block reductions (blockDim.x == kThreads; block_reduce is common.cuh's) -----------------
 
 struct Scratch {
   float f[kWarps];
@@ -70,13 +59,13 @@ __device__ int argmax_below(const float* row, int64_t n, unsigned long long belo
     const unsigned long long key = likelihood_key(row[i], static_cast<int>(i));
     if (key < below && key > best) best = key;
   }
-  return key_token(block_reduce(best, max_u, s.u));
+  return key_token(block_reduce(best, max_u, 0ull, s.u));
 }
 
 __device__ float row_max(const float* row, int64_t n, Scratch& s) {
   float m = -INFINITY;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) m = fmaxf(m, row[i]);
-  return block_reduce(m, fmax_op, s.f);
+  return block_reduce(m, fmax_op, -INFINITY, s.f);
 }
 
 // ---- penalties --------------------------------------------------------------------------------
@@ -159,8 +148,8 @@ __device__ float search_threshold(const float* w, int64_t n, float lo_value, Eno
     }
     unsigned next = lo;
     for (int j = 1; j < kSplits; ++j) {
-      const int c = block_reduce(count[j], add_i, s.i);
-      const double m = block_reduce(static_cast<double>(mass[j]), add_d, s.d);
+      const int c = block_reduce(count[j], add_i, 0, s.i);
+      const double m = block_reduce(static_cast<double>(mass[j]), add_d, 0.0, s.d);
       if (enough(c, m)) next = __float_as_uint(s.thresholds[j]);
     }
     hi = next == lo ? min(lo + step, hi) : min(next + step, hi);
@@ -193,7 +182,7 @@ __device__ Band band(const float* w, int64_t n, float t, Scratch& s) {
     ties += w[i] == t && t > 0;
     if (w[i] > t) mass += w[i];
   }
-  return {block_reduce(above, add_i, s.i), block_reduce(mass, add_d, s.d), block_reduce(ties, add_i, s.i)};
+  return {block_reduce(above, add_i, 0, s.i), block_reduce(mass, add_d, 0.0, s.d), block_reduce(ties, add_i, 0, s.i)};
 }
 
 // top_k's cut: t is the largest threshold keeping k tokens, so fewer than k lie above it and the
@@ -278,7 +267,7 @@ __device__ int draw(const float* w, int64_t n, Cut cut, double u, Scratch& s) {
   if (threadIdx.x == 0) s.result = -1;
   block_scan(run, s.d, run_start, run_end, total);
   const double target = u * total;
-  const int last_kept = block_reduce(last, [](int a, int b) { return a > b ? a : b; }, s.i);
+  const int last_kept = block_reduce(last, [](int a, int b) { return a > b ? a : b; }, INT_MIN, s.i);
   if (run > 0 && run_start <= target && target < run_end) {
     double acc = run_start;
     int pick = last;
@@ -323,10 +312,10 @@ __device__ void write_logprobs(const SampleParams& p, int64_t r, const float* ra
   const float xmax = row_max(raw, n, s);
   double sum = 0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) sum += expf(raw[i] - xmax);
-  const float lse = static_cast<float>(xmax + log(block_reduce(sum, add_d, s.d)));
+  const float lse = static_cast<float>(xmax + log(block_reduce(sum, add_d, 0.0, s.d)));
   int at_least = 0;
   for (int64_t i = threadIdx.x; i < n; i += kThreads) at_least += raw[i] >= raw[token];
-  at_least = block_reduce(at_least, add_i, s.i);
+  at_least = block_reduce(at_least, add_i, 0, s.i);
   if (threadIdx.x == 0) {
     if (p.sampled_logprobs) p.sampled_logprobs[r] = raw[token] - lse;
     if (p.sampled_ranks) p.sampled_ranks[r] = at_least;
