@@ -82,7 +82,7 @@ void dispatch_head_size(int64_t head_size, Fn&& fn) {
 }
 
 // The tensor-core prefill kernel takes batches with at least one multi-token query (a sequence
-// of decodes alone is the split-KV kernel's case) in bfloat16 / float16, when query and output
+// of decodes alone is the decode kernels' case) in bfloat16 / float16, when query and output
 // rows can be read in 16-byte packs.
 template <typename T>
 bool run_prefill(const PagedAttentionParams& p) {
@@ -107,12 +107,11 @@ bool run_prefill(const PagedAttentionParams& p) {
   }
 }
 
-// Decodes of large GQA groups in bfloat16 / float16 go to the tensor-core kernel, which reads
-// the query rows in 16-byte packs.
+// Decodes of large GQA groups (bfloat16 / float16) go to the tensor-core kernel, which reads the
+// query rows in 16-byte packs.
 template <typename T>
 bool use_grouped_decode(const PagedAttentionParams& p) {
-  return !std::is_same_v<T, float> && p.num_heads / p.num_kv_heads >= kMinMmaGroup &&
-         packs_fit<T>(p.query, p.head_size, p.query_stride);
+  return p.num_heads / p.num_kv_heads >= kMinMmaGroup && packs_fit<T>(p.query, p.head_size, p.query_stride);
 }
 
 template <typename T>
@@ -126,15 +125,11 @@ void run(const PagedAttentionParams& p) {
     splits.acc = workspace;
     splits.max_sum = workspace + rows * p.head_size;
   }
-  const bool grouped = use_grouped_decode<T>(p);
   dispatch_head_size(p.head_size, [&](auto d) {
-    if constexpr (std::is_same_v<T, float>) {
-      launch_paged_attention<T, d()>(p, splits);
-    } else if (grouped) {
-      launch_grouped_decode<T, d()>(p, splits);
-    } else {
-      launch_paged_attention<T, d()>(p, splits);
+    if constexpr (!std::is_same_v<T, float>) {  // the tensor-core kernels take 16-bit types only
+      if (use_grouped_decode<T>(p)) return launch_grouped_decode<T, d()>(p, splits);
     }
+    launch_paged_attention<T, d()>(p, splits);
   });
   if (splits.num_splits > 1) {
     const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));

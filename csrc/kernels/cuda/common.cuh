@@ -1,5 +1,5 @@
-// Shared by the .cu files: the current stream, launch checks, float conversions for the three
-// activation dtypes, 16-byte packs and block reductions.
+// Shared by the .cu files: the current stream, launch checks, the shared-memory opt-in, float
+// conversions for the three activation dtypes, 16-byte packs and block reductions.
 #pragma once
 
 #include <cuda_bf16.h>
