@@ -10,12 +10,7 @@ namespace {
 
 constexpr int kMaxThreads = 1024;
 
-template <typename T>
-__device__ __forceinline__ float weight_at(const RmsNormParams& p, int64_t i) {
-  return to_float(static_cast<const T*>(p.weight)[i]) + (p.weight_offset ? 1.0f : 0.0f);
-}
-
-// kPacked: every row pointer and the hidden size allow 16-byte packs.
+// kPacked: every row pointer, the weight and the hidden size allow 16-byte packs.
 template <typename T, bool kPacked>
 __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(RmsNormParams p) {
   __shared__ float scratch[32];
@@ -39,10 +34,13 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(RmsNormParams p) 
   ss = block_sum(ss, scratch);
   const float scale = 1.0f / sqrtf(ss / static_cast<float>(p.hidden) + p.eps);
   const T* src = res ? res : x;  // the normalized row is the updated residual
+  const T* weight = static_cast<const T*>(p.weight);
+  const float offset = p.weight_offset ? 1.0f : 0.0f;  // Gemma stores weight - 1
   for (int64_t i = threadIdx.x * kStep; i < p.hidden; i += blockDim.x * kStep) {
     Elements<T, kStep> v = load_elements<kStep>(src + i);
+    const Elements<T, kStep> w = load_elements<kStep>(weight + i);
 #pragma unroll
-    for (int j = 0; j < kStep; ++j) v.v[j] = from_float<T>(to_float(v.v[j]) * scale * weight_at<T>(p, i + j));
+    for (int j = 0; j < kStep; ++j) v.v[j] = from_float<T>(to_float(v.v[j]) * scale * (to_float(w.v[j]) + offset));
     store_elements(out + i, v);
   }
 }
