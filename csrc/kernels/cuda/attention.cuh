@@ -4,8 +4,10 @@
 // them. Tiles of keys are copied into shared memory with cp.async, the next tile in flight while
 // the current one is used. Each thread keeps a slice of one head's query and output in
 // registers and folds keys into them with an online softmax. With more than one split, each
-// split leaves an unnormalized partial result and merge_splits_kernel combines them. The head
-// size is a template parameter, instantiated in attention_d64.cu, attention_d128.cu and
+// split leaves an unnormalized partial result and merge_splits_kernel combines them. GQA groups
+// of kMinMmaGroup or more in bfloat16 / float16 take the grouped decode kernel instead
+// (grouped_decode_kernel.cuh): the same grid, splits and partial results, on tensor cores. The
+// head size is a template parameter, instantiated in attention_d64.cu, attention_d128.cu and
 // attention_d256.cu.
 //
 // Nothing here reads the batch metadata on the host: a block id outside the cache or a position

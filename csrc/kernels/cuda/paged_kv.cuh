@@ -1,5 +1,5 @@
 // Tiles of one sequence's keys and values, read from the paged cache into shared memory with
-// cp.async: what the split-KV decode kernel and the tensor-core prefill kernel both stream.
+// cp.async: what all three attention kernels (split-KV decode, grouped decode, prefill) stream.
 #pragma once
 
 #include "common.cuh"
