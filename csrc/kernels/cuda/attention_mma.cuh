@@ -20,6 +20,23 @@
 
 namespace octavo::cuda::mma_attention {
 
+// Starts copying kRows query rows into q_s (kLd elements apart) with `threads` threads: row r is
+// token first_token + r / group, query head kv_head * group + r % group; rows past `tokens`
+// tokens are zeros. The prefill kernel's tile of (token, head) rows, or with tokens = 1 a decode
+// token's group padded to an m-tile.
+template <typename T, int kD, int kRows, int kLd>
+__device__ void copy_query_rows(const PagedAttentionParams& p, int64_t first_token, int64_t tokens, int kv_head,
+                                int group, T* q_s, int threads) {
+  constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
+  for (int i = threadIdx.x; i < kRows * kPacksPerRow; i += threads) {
+    const int r = i / kPacksPerRow, d = (i % kPacksPerRow) * kPack;
+    const bool real = r / group < tokens;
+    const int64_t token = first_token + (real ? r / group : 0);
+    const T* src = static_cast<const T*>(p.query) + token * p.query_stride + (kv_head * group + r % group) * kD + d;
+    copy_async_16(q_s + r * kLd + d, src, !real);
+  }
+}
+
 // A warp's scores for kM x 16 query rows and kKeys keys, and its outputs for the same rows:
 // C fragments, m-tile i holding rows 16i..16i+15.
 template <int kM, int kKeys>

@@ -102,13 +102,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
   const DecodeWork w = decode_work<T, kD, S::kKeys>(p, token, kv_head, split, splits.num_splits);
 
   // Row r is query head kv_head * group + r; rows past the group are zeros.
-  constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
-  for (int i = threadIdx.x; i < 16 * kPacksPerRow; i += S::kThreads) {
-    const int r = i / kPacksPerRow, d = (i % kPacksPerRow) * kPack;
-    const T* src = static_cast<const T*>(p.query) + token * p.query_stride +
-                   (static_cast<int64_t>(kv_head) * group + (r < group ? r : 0)) * kD + d;
-    copy_async_16(q_s + r * S::kLd + d, src, r >= group);
-  }
+  mma_attention::copy_query_rows<T, kD, 16, S::kLd>(p, token, 1, kv_head, group, q_s, S::kThreads);
   if (w.k_begin < w.kv.k_end)
     copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, w.k_begin, k_s, v_s, ok_s, threadIdx.x, S::kThreads);
   copy_async_commit();  // the query rows and the first tile

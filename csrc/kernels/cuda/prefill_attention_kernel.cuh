@@ -53,21 +53,6 @@ __device__ inline PrefillTile prefill_tile(const PagedAttentionParams& p, const 
   return t;
 }
 
-// Starts copying the block's query rows into q_s: row r is token first_token + r / group, query
-// head kv_head * group + r % group; rows past the tile's tokens are zeros.
-template <typename T, int kD>
-__device__ void copy_query(const PagedAttentionParams& p, const PrefillTile& t, int kv_head, int group, T* q_s) {
-  using S = Shape<kD>;
-  constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
-  for (int i = threadIdx.x; i < kPrefillRows * kPacksPerRow; i += S::kThreads) {
-    const int r = i / kPacksPerRow, d = (i % kPacksPerRow) * kPack;
-    const bool real = r / group < t.q_count;
-    const int64_t token = t.first_token + (real ? r / group : 0);
-    const T* src = static_cast<const T*>(p.query) + token * p.query_stride + (kv_head * group + r % group) * kD + d;
-    copy_async_16(q_s + r * S::kLd + d, src, !real);
-  }
-}
-
 // out = o / sum for the thread's real rows, two adjacent elements per store; a row that saw no
 // key gets zeros.
 template <typename T, int kD>
@@ -123,7 +108,8 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAtten
   const int window = static_cast<int>(p.sliding_window);
   const PagedKv kv = paged_kv<T, kD>(p, t.seq, kv_head, k_end);
 
-  copy_query<T, kD>(p, t, kv_head, group, q_s);
+  mma_attention::copy_query_rows<T, kD, kPrefillRows, S::kLd>(p, t.first_token, t.q_count, kv_head, group, q_s,
+                                                            S::kThreads);
   bool next_masked = k_begin < k_end &&
                      copy_kv_tile<T, kD, S::kKeys, S::kLd>(kv, k_begin, k_s, v_s, ok_s, threadIdx.x, S::kThreads);
   copy_async_commit();  // the query rows and the first tile
