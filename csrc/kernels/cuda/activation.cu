@@ -48,8 +48,8 @@ void launch(const GatedActivationParams& p, Act act, const char* name) {
   const bool packed = packs_fit<T>(p.input, p.d, p.in_stride) && packs_fit<T>(p.out, p.d, p.out_stride);
   const int64_t per_thread = packed ? Pack<T>::kSize : 1;
   const dim3 grid(static_cast<unsigned>(p.rows), static_cast<unsigned>(ceil_div(ceil_div(p.d, per_thread), kThreads)));
-  if (packed) gated_kernel<T, true><<<grid, kThreads, 0, current_stream()>>>(p, act);
-  else gated_kernel<T, false><<<grid, kThreads, 0, current_stream()>>>(p, act);
+  if (packed) launch_kernel(gated_kernel<T, true, Act>, grid, kThreads, 0, p, act);
+  else launch_kernel(gated_kernel<T, false, Act>, grid, kThreads, 0, p, act);
   check_launch(name);
 }
 

@@ -98,7 +98,7 @@ bool run_prefill(const PagedAttentionParams& p) {
     if (offsets == nullptr) {  // no host plan: lay the tiles out here, still without a host sync
       auto* laid_out = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kAttentionTiles,
                                                               (p.num_seqs + 1) * sizeof(int32_t), "paged_attention"));
-      tile_offsets_kernel<<<1, 32, 0, current_stream()>>>(p.query_start_loc, p.num_seqs, group, laid_out);
+      launch_kernel(tile_offsets_kernel, 1, 32, 0, p.query_start_loc, p.num_seqs, group, laid_out);
       check_launch("paged_attention (prefill tiles)");
       offsets = laid_out;
     }
@@ -133,7 +133,7 @@ void run(const PagedAttentionParams& p) {
   });
   if (splits.num_splits > 1) {
     const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
-    merge_splits_kernel<T><<<grid, static_cast<unsigned>(min64(p.head_size, 256)), 0, current_stream()>>>(p, splits);
+    launch_kernel(merge_splits_kernel<T>, grid, static_cast<unsigned>(min64(p.head_size, 256)), 0, p, splits);
     check_launch("paged_attention (merge)");
   }
 }

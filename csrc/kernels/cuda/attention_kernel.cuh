@@ -155,7 +155,7 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(kMaxDecodeThreads) paged_attention_kernel(PagedAttentionParams p,
                                                                              SplitOutputs splits) {
   using S = DecodeShape<T, kD>;
-  extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* const smem = dynamic_shared_memory();
   T* k_s = reinterpret_cast<T*>(smem);                                 // [2][kTileKeys][kD]
   T* v_s = k_s + 2 * S::kTileElements;                                 // [2][kTileKeys][kD]
   int* ok_s = reinterpret_cast<int*>(v_s + 2 * S::kTileElements);      // [2][kTileKeys]
@@ -224,7 +224,7 @@ void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& s
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(splits.num_splits));
   const dim3 block(S::kLanes, static_cast<unsigned>(heads), static_cast<unsigned>(slices));
-  attention_detail::paged_attention_kernel<T, kD><<<grid, block, S::kSharedBytes, current_stream()>>>(p, splits);
+  launch_kernel(attention_detail::paged_attention_kernel<T, kD>, grid, block, S::kSharedBytes, p, splits);
   check_launch("paged_attention");
 }
 

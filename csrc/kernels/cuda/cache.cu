@@ -42,8 +42,8 @@ void launch(const CacheWriteParams& p) {
   const int64_t per_thread = packed ? Pack<T>::kSize : 1;
   const int64_t packs = p.num_kv_heads * p.head_size / per_thread;
   const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(packs, 32) * 32));
-  if (packed) cache_write_kernel<T, true><<<p.num_tokens, threads, 0, current_stream()>>>(p);
-  else cache_write_kernel<T, false><<<p.num_tokens, threads, 0, current_stream()>>>(p);
+  if (packed) launch_kernel(cache_write_kernel<T, true>, p.num_tokens, threads, 0, p);
+  else launch_kernel(cache_write_kernel<T, false>, p.num_tokens, threads, 0, p);
   check_launch("reshape_and_cache");
 }
 

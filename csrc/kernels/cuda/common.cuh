@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <utility>
 
 #include "cuda_kernels.h"  // kMaxDevices, current_device
 #include "octavo/status.h"
@@ -39,6 +40,27 @@ void allow_shared_memory(Kernel kernel, size_t bytes, std::atomic<bool> (&opted_
                                          static_cast<int>(bytes)) == cudaSuccess,
                     what << ": the kernel's " << bytes << " bytes of shared memory are not available");
   opted_in[device].store(true);
+}
+
+// kernel<<<grid, block, shared_bytes, current_stream()>>>(args...): the one place that spells a
+// launch, so that tests/cuda_sim can run the same kernels on the CPU (OCTAVO_CUDA_SIM).
+template <typename... Params, typename... Args>
+void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size_t shared_bytes, Args&&... args) {
+#ifdef OCTAVO_CUDA_SIM
+  cuda_sim::launch(kernel, grid, block, shared_bytes, std::forward<Args>(args)...);
+#else
+  kernel<<<grid, block, shared_bytes, current_stream()>>>(std::forward<Args>(args)...);
+#endif
+}
+
+// The block's dynamic shared memory (the launch's shared_bytes), 128-byte aligned.
+__device__ __forceinline__ unsigned char* dynamic_shared_memory() {
+#ifdef OCTAVO_CUDA_SIM
+  return cuda_sim::dynamic_shared_memory();
+#else
+  extern __shared__ __align__(128) unsigned char octavo_dynamic_shared[];
+  return octavo_dynamic_shared;
+#endif
 }
 
 using bf16 = __nv_bfloat16;
@@ -126,6 +148,8 @@ __device__ __forceinline__ void copy_async_16(void* shared, const void* global, 
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(shared));
   const int src_bytes = zero ? 0 : 16;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(global), "r"(src_bytes));
+#elif defined(OCTAVO_CUDA_SIM)
+  cuda_sim::copy_async_16(shared, global, zero);
 #else
   *static_cast<uint4*>(shared) = zero ? make_uint4(0, 0, 0, 0) : *static_cast<const uint4*>(global);
 #endif
@@ -133,12 +157,16 @@ __device__ __forceinline__ void copy_async_16(void* shared, const void* global, 
 __device__ __forceinline__ void copy_async_commit() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n" ::);
+#elif defined(OCTAVO_CUDA_SIM)
+  cuda_sim::copy_async_commit();
 #endif
 }
 template <int N>
 __device__ __forceinline__ void copy_async_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+#elif defined(OCTAVO_CUDA_SIM)
+  cuda_sim::copy_async_wait(N);
 #endif
 }
 

@@ -90,7 +90,7 @@ template <typename T, int kD>
 __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(PagedAttentionParams p,
                                                                             SplitOutputs splits) {
   using S = Shape<kD>;
-  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* const smem = dynamic_shared_memory();
   T* q_s = reinterpret_cast<T*>(smem);           // [16][kLd]
   T* k_s = q_s + S::kK;                          // [2][kKeys][kLd]
   T* v_s = q_s + S::kV;                          // [2][kKeys][kLd]
@@ -146,7 +146,7 @@ void launch_grouped_decode(const PagedAttentionParams& p, const SplitOutputs& sp
   allow_shared_memory(kernel, S::kBytes, opted_in, "paged_attention (grouped decode)");
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(splits.num_splits));
-  kernel<<<grid, S::kThreads, S::kBytes, current_stream()>>>(p, splits);
+  launch_kernel(kernel, grid, S::kThreads, S::kBytes, p, splits);
   check_launch("paged_attention (grouped decode)");
 }
 

@@ -31,6 +31,8 @@ __device__ __forceinline__ void load_matrix_x4(uint32_t (&r)[4], const void* row
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(at));
   }
+#elif defined(OCTAVO_CUDA_SIM)
+  cuda_sim::load_matrix_x4(r, row, Trans);
 #else
   __trap();  // the kernels using tensor cores are built for sm_80 and up only
 #endif
@@ -53,6 +55,8 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+#elif defined(OCTAVO_CUDA_SIM)
+  cuda_sim::mma_16x8x16(d, a, b0, b1, std::is_same_v<T, bf16>);
 #else
   __trap();
 #endif

@@ -52,8 +52,8 @@ void launch(const RmsNormParams& p) {
                       (!p.residual || packs_fit<T>(p.residual, p.hidden, p.residual_stride));
   const int64_t per_thread = packed ? Pack<T>::kSize : 1;
   const int threads = static_cast<int>(std::min<int64_t>(kMaxThreads, ceil_div(p.hidden / per_thread, 32) * 32));
-  if (packed) rms_norm_kernel<T, true><<<p.rows, threads, 0, current_stream()>>>(p);
-  else rms_norm_kernel<T, false><<<p.rows, threads, 0, current_stream()>>>(p);
+  if (packed) launch_kernel(rms_norm_kernel<T, true>, p.rows, threads, 0, p);
+  else launch_kernel(rms_norm_kernel<T, false>, p.rows, threads, 0, p);
   check_launch("rms_norm");
 }
 

@@ -81,7 +81,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAtten
                                                                      const int32_t* tile_offsets) {
   using S = Shape<kD>;
   constexpr int kM = S::kM;
-  extern __shared__ __align__(128) unsigned char smem[];
+  unsigned char* const smem = dynamic_shared_memory();
   T* q_s = reinterpret_cast<T*>(smem);                 // [kPrefillRows][kLd]
   T* k_s = q_s + S::kK;                                // [2][kKeys][kLd]
   T* v_s = q_s + S::kV;                                // [2][kKeys][kLd]
@@ -159,7 +159,7 @@ void launch_prefill_attention(const PagedAttentionParams& p, const int32_t* tile
   static std::atomic<bool> opted_in[kMaxDevices] = {};
   allow_shared_memory(kernel, S::kBytes, opted_in, "paged_attention (prefill)");
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(p.num_kv_heads));
-  kernel<<<grid, S::kThreads, S::kBytes, current_stream()>>>(p, tile_offsets);
+  launch_kernel(kernel, grid, S::kThreads, S::kBytes, p, tile_offsets);
   check_launch("paged_attention (prefill)");
 }
 

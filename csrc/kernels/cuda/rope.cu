@@ -37,7 +37,7 @@ void rotary_embedding(const RotaryParams& p) {
   const int64_t pairs = (p.num_heads + (p.key ? p.num_kv_heads : 0)) * (p.rot_dim / 2);
   const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(pairs, 32) * 32));
   dispatch_float(p.dtype, "rotary_embedding", [&](auto t) {
-    rotary_kernel<decltype(t)><<<p.num_tokens, threads, 0, current_stream()>>>(p);
+    launch_kernel(rotary_kernel<decltype(t)>, p.num_tokens, threads, 0, p);
   });
   check_launch("rotary_embedding");
 }

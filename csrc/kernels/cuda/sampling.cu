@@ -217,7 +217,7 @@ __device__ void block_scan(T v, T* warp_sums, T& start, T& end, T& total) {
   T incl = v;
   for (int o = 1; o < 32; o *= 2) {
     const T up = __shfl_up_sync(0xffffffffu, incl, o);
-    if (threadIdx.x % 32 >= o) incl += up;
+    if (static_cast<int>(threadIdx.x % 32) >= o) incl += up;
   }
   const T incl_before = __shfl_up_sync(0xffffffffu, incl, 1);
   if (threadIdx.x % 32 == 31) warp_sums[threadIdx.x / 32] = incl;
@@ -353,7 +353,7 @@ void sample(const SampleParams& p) {
   int* counts = nullptr;  // only when frequency / presence penalties are passed
   if (p.output_offsets && (p.frequency_penalty || p.presence_penalty))
     counts = static_cast<int*>(device_workspace(WorkspaceSlot::kSampleCounts, row_elems * sizeof(int), "sample"));
-  sample_kernel<<<p.num_reqs, kThreads, 0, current_stream()>>>(p, weights, counts);
+  launch_kernel(sample_kernel, p.num_reqs, kThreads, 0, p, weights, counts);
   check_launch("sample");
 }
 

@@ -1,0 +1,3 @@
+// Stands in for the CUDA toolkit's cuda_runtime.h in the cuda_sim build (see cuda_sim.h).
+#pragma once
+#include "cuda_sim.h"

@@ -1,0 +1,130 @@
+// Host tensors for the cuda_sim tests. The simulated device's memory is host memory, so one
+// buffer can be viewed as a CPU tensor (for the CPU kernel, the reference) or as a CUDA tensor
+// (for the CUDA kernel run by the simulator): both ops then see the same public entry point.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "octavo/ops.h"
+#include "octavo/tensor_view.h"
+
+namespace sim_test {
+
+using octavo::DeviceType;
+using octavo::DType;
+using octavo::TensorView;
+
+inline const DType kFloatDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  Tensor(std::vector<int64_t> shape, DType dtype) : dtype_(dtype), shape_(std::move(shape)) {
+    bytes_.assign(static_cast<size_t>(numel()) * octavo::dtype_size(dtype) / sizeof(uint64_t) + 1, 0);
+  }
+  int64_t numel() const {
+    int64_t n = 1;
+    for (int64_t s : shape_) n *= s;
+    return n;
+  }
+  DType dtype() const { return dtype_; }
+  const std::vector<int64_t>& shape() const { return shape_; }
+  void* data() { return bytes_.data(); }
+  const void* data() const { return bytes_.data(); }
+  template <typename T>
+  T* as() { return reinterpret_cast<T*>(bytes_.data()); }
+
+  // Element i (row-major) as a float / set from a float, rounded to nearest even.
+  float get(int64_t i) const {
+    switch (dtype_) {
+      case DType::kFloat32: return reinterpret_cast<const float*>(data())[i];
+      case DType::kBFloat16: return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(data())[i]);
+      case DType::kFloat16: return __half2float(reinterpret_cast<const __half*>(data())[i]);
+      case DType::kInt32: return static_cast<float>(reinterpret_cast<const int32_t*>(data())[i]);
+      case DType::kInt64: return static_cast<float>(reinterpret_cast<const int64_t*>(data())[i]);
+      default: ADD_FAILURE() << "get: unsupported dtype"; return 0;
+    }
+  }
+  void set(int64_t i, double v) {
+    switch (dtype_) {
+      case DType::kFloat32: as<float>()[i] = static_cast<float>(v); break;
+      case DType::kBFloat16: as<__nv_bfloat16>()[i] = __float2bfloat16_rn(static_cast<float>(v)); break;
+      case DType::kFloat16: as<__half>()[i] = __float2half_rn(static_cast<float>(v)); break;
+      case DType::kInt32: as<int32_t>()[i] = static_cast<int32_t>(v); break;
+      case DType::kInt64: as<int64_t>()[i] = static_cast<int64_t>(v); break;
+      default: ADD_FAILURE() << "set: unsupported dtype";
+    }
+  }
+  std::vector<float> floats() const {
+    std::vector<float> out(static_cast<size_t>(numel()));
+    for (int64_t i = 0; i < numel(); ++i) out[static_cast<size_t>(i)] = get(i);
+    return out;
+  }
+  bool same_bytes(const Tensor& other) const {
+    return dtype_ == other.dtype_ && shape_ == other.shape_ &&
+           std::memcmp(data(), other.data(), static_cast<size_t>(numel()) * octavo::dtype_size(dtype_)) == 0;
+  }
+
+  // A contiguous view on `device` (the simulator's device memory is this host buffer).
+  TensorView view(DeviceType device) const {
+    TensorView t;
+    t.data = const_cast<void*>(data());
+    t.dtype = dtype_;
+    t.device.type = device;
+    t.ndim = static_cast<int>(shape_.size());
+    int64_t stride = 1;
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      t.shape[d] = shape_[static_cast<size_t>(d)];
+      t.strides[d] = stride;
+      stride *= shape_[static_cast<size_t>(d)];
+    }
+    return t;
+  }
+  TensorView cpu() const { return view(DeviceType::kCPU); }
+  TensorView cuda() const { return view(DeviceType::kCUDA); }
+
+ private:
+  DType dtype_ = DType::kFloat32;
+  std::vector<int64_t> shape_;
+  std::vector<uint64_t> bytes_;  // 8-byte aligned at least; operator new gives 16 (16-byte packs)
+};
+
+// Normal values times `scale`, rounded to the dtype.
+inline Tensor randn(std::vector<int64_t> shape, DType dtype, std::mt19937& gen, double scale = 1.0) {
+  Tensor t(std::move(shape), dtype);
+  std::normal_distribution<double> normal;
+  for (int64_t i = 0; i < t.numel(); ++i) t.set(i, normal(gen) * scale);
+  return t;
+}
+
+// One rounding of the dtype, relative to each value and to the largest (test_cuda_ops.py's
+// assert_matches_cpu): the kernels sum in different orders.
+inline double ulp(DType dtype) {
+  return dtype == DType::kFloat32 ? std::ldexp(1.0, -16) : dtype == DType::kBFloat16 ? std::ldexp(1.0, -7)
+                                                                                       : std::ldexp(1.0, -10);
+}
+inline void expect_matches_cpu(const Tensor& gpu, const Tensor& cpu) {
+  ASSERT_EQ(gpu.numel(), cpu.numel());
+  const std::vector<float> g = gpu.floats(), c = cpu.floats();
+  float largest = 0;
+  for (float v : c) largest = std::max(largest, std::fabs(v));
+  const double u = ulp(cpu.dtype());
+  int failures = 0;
+  for (size_t i = 0; i < c.size() && failures < 10; ++i) {
+    const double tolerance = u * std::fabs(c[i]) + u * largest;
+    if (!(std::fabs(static_cast<double>(g[i]) - c[i]) <= tolerance)) {
+      ADD_FAILURE() << "element " << i << ": cuda " << g[i] << ", cpu " << c[i] << " (tolerance " << tolerance << ")";
+      ++failures;
+    }
+  }
+}
+
+}  // namespace sim_test

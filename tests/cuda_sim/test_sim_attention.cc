@@ -1,0 +1,213 @@
+// paged_attention's CUDA kernels (split-KV decode, tensor-core grouped decode, tensor-core
+// prefill, the merge and the on-device tile layout) run by the simulator, against a float64
+// reference: test_cuda_ops.py's case list, which a GPU runs on the real device.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "octavo/status.h"
+#include "sim_test_util.h"
+
+namespace {
+
+using sim_test::DType;
+using sim_test::Tensor;
+
+// (context tokens already cached, new query tokens) per sequence.
+using Seqs = std::vector<std::pair<int, int>>;
+const Seqs kMixed = {{37, 1}, {0, 23}, {64, 1}, {15, 17}, {0, 1}, {100, 5}};
+const Seqs kDecodes = {{37, 1}, {0, 1}, {64, 1}, {300, 1}, {1, 1}, {129, 1}};
+
+double tolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
+
+// A paged KV cache holding a random context per sequence and the queries of one step, as
+// test_attention.py's Batch: blocks handed out in a shuffled order, spare blocks NaN.
+struct Batch {
+  Seqs seqs;
+  int heads, kv_heads, head_size, block_size;
+  DType dtype;
+  Tensor key_cache, value_cache, keys, values, query, query_start_loc, seq_lens, block_tables;
+
+  Batch(Seqs s, int h, int kvh, int d, int bs, DType dt, std::mt19937& gen)
+      : seqs(std::move(s)), heads(h), kv_heads(kvh), head_size(d), block_size(bs), dtype(dt) {
+    const int num_seqs = static_cast<int>(seqs.size());
+    std::vector<int> blocks(seqs.size());
+    int total = 0, total_blocks = 0, width = 0, tokens = 0;
+    seq_lens = Tensor({num_seqs}, DType::kInt32);
+    query_start_loc = Tensor({num_seqs + 1}, DType::kInt32);
+    for (int b = 0; b < num_seqs; ++b) {
+      const int len = seqs[b].first + seqs[b].second;
+      seq_lens.as<int32_t>()[b] = len;
+      blocks[b] = (len + block_size - 1) / block_size;
+      total += len;
+      total_blocks += blocks[b];
+      width = std::max(width, blocks[b] + 1);
+      tokens += seqs[b].second;
+      query_start_loc.as<int32_t>()[b + 1] = tokens;
+    }
+    const int num_blocks = total_blocks + 3;  // spare blocks stay NaN: a stray read would show
+    std::vector<int> order(num_blocks - 1);
+    std::iota(order.begin(), order.end(), 1);
+    std::shuffle(order.begin(), order.end(), gen);
+    block_tables = Tensor({num_seqs, width}, DType::kInt32);
+    Tensor slots({total}, DType::kInt64);
+    for (int b = 0, used = 0, t = 0; b < num_seqs; ++b) {
+      for (int i = 0; i < blocks[b]; ++i) block_tables.as<int32_t>()[b * width + i] = order[used + i];
+      used += blocks[b];
+      for (int pos = 0; pos < seq_lens.as<int32_t>()[b]; ++pos, ++t)
+        slots.as<int64_t>()[t] = int64_t{block_tables.as<int32_t>()[b * width + pos / block_size]} * block_size +
+                                 pos % block_size;
+    }
+    key_cache = Tensor({num_blocks, kv_heads, block_size, head_size}, dtype);
+    value_cache = Tensor(key_cache.shape(), dtype);
+    for (int64_t i = 0; i < key_cache.numel(); ++i) key_cache.set(i, NAN), value_cache.set(i, NAN);
+    keys = sim_test::randn({total, kv_heads, head_size}, dtype, gen);
+    values = sim_test::randn({total, kv_heads, head_size}, dtype, gen);
+    octavo::reshape_and_cache(keys.cpu(), values.cpu(), key_cache.cpu(), value_cache.cpu(), slots.cpu());
+    query = sim_test::randn({tokens, heads, head_size}, dtype, gen);
+  }
+
+  // Softmax(q·k * scale, capped, masked) · v per query row, in float64 from the rounded inputs.
+  std::vector<double> reference(double scale, int window, double softcap) const {
+    std::vector<double> out(static_cast<size_t>(query.numel()));
+    const int group = heads / kv_heads;
+    for (int b = 0, start = 0; b < static_cast<int>(seqs.size()); ++b) {
+      const int len = seq_lens.get(b), n = seqs[b].second, q0 = query_start_loc.get(b);
+      for (int i = 0; i < n; ++i)
+        for (int h = 0; h < heads; ++h) {
+          const int qpos = len - n + i, kvh = h / group;
+          std::vector<double> s(len, -INFINITY);
+          double top = -INFINITY;
+          for (int k = 0; k <= qpos; ++k) {
+            if (window > 0 && k <= qpos - window) continue;
+            double dot = 0;
+            for (int d = 0; d < head_size; ++d)
+              dot += double{query.get(((q0 + i) * heads + h) * head_size + d)} *
+                     keys.get(((start + k) * kv_heads + kvh) * head_size + d);
+            s[k] = dot * scale;
+            if (softcap > 0) s[k] = softcap * std::tanh(s[k] / softcap);
+            top = std::max(top, s[k]);
+          }
+          double sum = 0;
+          for (double& x : s) sum += (x = std::exp(x - top));
+          for (int d = 0; d < head_size; ++d) {
+            double acc = 0;
+            for (int k = 0; k < len; ++k) acc += s[k] * values.get(((start + k) * kv_heads + kvh) * head_size + d);
+            out[((q0 + i) * heads + h) * head_size + d] = acc / sum;
+          }
+        }
+      start += len;
+    }
+    return out;
+  }
+
+  Tensor run(double scale, int window, double softcap, const Tensor* plan) const {
+    Tensor out(query.shape(), dtype);
+    const sim_test::TensorView plan_view = plan ? plan->cuda() : sim_test::TensorView{};
+    octavo::paged_attention(out.cuda(), query.cuda(), key_cache.cuda(), value_cache.cuda(), query_start_loc.cuda(),
+                            seq_lens.cuda(), block_tables.cuda(), scale, window, softcap, plan ? &plan_view : nullptr);
+    return out;
+  }
+};
+
+// The batch on the simulated device, with the host's plan and with the tile layout made on the
+// device, against float64: within test_attention.py's tolerance, and the two runs equal.
+void check(const Batch& batch, int window = 0, double softcap = 0) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(batch.head_size));
+  Tensor plan({static_cast<int64_t>(batch.seqs.size()) + 1}, DType::kInt32);
+  octavo::plan_paged_attention(plan.cpu(), batch.query_start_loc.cpu(), batch.heads, batch.kv_heads);
+  const Tensor out = batch.run(scale, window, softcap, nullptr);
+  const Tensor planned = batch.run(scale, window, softcap, &plan);
+  const std::vector<double> ref = batch.reference(scale, window, softcap);
+  double err = 0, norm = 0;
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    ASSERT_TRUE(std::isfinite(out.get(i))) << "element " << i;
+    err += (out.get(i) - ref[i]) * (out.get(i) - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  EXPECT_LT(std::sqrt(err / norm), tolerance(batch.dtype));
+  EXPECT_TRUE(planned.same_bytes(out)) << "the host's plan and the device's layout give different results";
+}
+
+std::string name(DType dtype) { return octavo::dtype_name(dtype); }
+
+TEST(SimAttention, MixedBatch) {
+  for (DType dtype : sim_test::kFloatDTypes)
+    for (int head_size : {64, 128, 256})
+      for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {32, 8}, {16, 1}}) {
+        SCOPED_TRACE(name(dtype) + " head_size " + std::to_string(head_size) + " heads " + std::to_string(heads) +
+                     "/" + std::to_string(kv_heads));
+        std::mt19937 gen(head_size * 100 + heads);
+        check(Batch(kMixed, heads, kv_heads, head_size, 16, dtype, gen));
+      }
+}
+
+// Decodes alone: groups of 4 and more in bfloat16 / float16 take the tensor-core decode kernel
+// (padded to 16 rows), smaller groups and float32 the split-KV kernel; block sizes 32 and 24 (a
+// division instead of a shift), a window and a cap.
+TEST(SimAttention, Decodes) {
+  for (DType dtype : sim_test::kFloatDTypes)
+    for (int head_size : {64, 128, 256})
+      for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{6, 3}, {8, 2}, {12, 2}, {8, 1}, {16, 1}}) {
+        SCOPED_TRACE(name(dtype) + " head_size " + std::to_string(head_size) + " group " +
+                     std::to_string(heads / kv_heads));
+        std::mt19937 gen(head_size * 10 + heads * 3 + kv_heads);
+        check(Batch(kDecodes, heads, kv_heads, head_size, 32, dtype, gen));
+        Batch batch(kDecodes, heads, kv_heads, head_size, 24, dtype, gen);
+        check(batch, 50);
+        for (int64_t i = 0; i < batch.query.numel(); ++i) batch.query.set(i, batch.query.get(i) * 8);
+        check(batch, 0, 5.0);  // large scores, so that the cap matters
+      }
+}
+
+// Contexts of 2-5k tokens, GQA 4:1: decodes split their keys across blocks and merge, on an
+// H100's 132 SMs and on 8, where they take fewer splits. With a multi-token chunk the whole batch
+// takes the tensor-core prefill kernel (bfloat16 here; MixedBatch covers float16).
+TEST(SimAttention, LongContexts) {
+  for (int sms : {132, 8}) {
+    cuda_sim::set_multiprocessor_count(sms);
+    for (DType dtype : sim_test::kFloatDTypes) {
+      SCOPED_TRACE(name(dtype) + " decodes on " + std::to_string(sms) + " SMs");
+      std::mt19937 gen(3);
+      const Batch batch({{5000, 1}, {2047, 1}, {10, 1}}, 32, 8, 128, 16, dtype, gen);
+      check(batch);
+      check(batch, 700);
+    }
+  }
+  cuda_sim::set_multiprocessor_count(132);
+  std::mt19937 gen(4);
+  const Batch batch({{5000, 1}, {2047, 1}, {3000, 2}, {10, 1}}, 32, 8, 128, 16, DType::kBFloat16, gen);
+  check(batch);
+  check(batch, 700);
+}
+
+TEST(SimAttention, SlidingWindowAndSoftcap) {
+  for (DType dtype : sim_test::kFloatDTypes) {
+    SCOPED_TRACE(name(dtype));
+    std::mt19937 gen(5);
+    const Batch batch({{90, 1}, {40, 30}, {0, 50}, {7, 1}, {200, 130}}, 8, 2, 64, 16, dtype, gen);
+    check(batch, 24);
+    check(batch, 1);
+    Batch capped(kMixed, 4, 2, 64, 16, dtype, gen);
+    for (int64_t i = 0; i < capped.query.numel(); ++i) capped.query.set(i, capped.query.get(i) * 8);
+    check(capped, 0, 5.0);  // large scores, so that the cap matters
+  }
+}
+
+TEST(SimAttention, RefusesWhatItHasNoKernelFor) {
+  std::mt19937 gen(9);
+  const Batch batch({{3, 2}}, 4, 2, 80, 16, DType::kBFloat16, gen);
+  try {
+    batch.run(0.1, 0, 0, nullptr);
+    FAIL() << "head_size 80 ran";
+  } catch (const octavo::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("head_size 80 has no CUDA kernel"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
