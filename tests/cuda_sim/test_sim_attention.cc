@@ -106,10 +106,19 @@ struct Batch {
     return out;
   }
 
-  Tensor run(double scale, int window, double softcap, const Tensor* plan) const {
+  // Query rows `pad` elements further apart than their heads: with an odd pad no row is
+  // 16-byte aligned, so no tensor-core kernel can read them in packs.
+  Tensor run(double scale, int window, double softcap, const Tensor* plan, int pad = 0) const {
     Tensor out(query.shape(), dtype);
     const sim_test::TensorView plan_view = plan ? plan->cuda() : sim_test::TensorView{};
-    octavo::paged_attention(out.cuda(), query.cuda(), key_cache.cuda(), value_cache.cuda(), query_start_loc.cuda(),
+    const int64_t tokens = query.shape()[0], row = int64_t{heads} * head_size;
+    Tensor padded({tokens, row + pad}, dtype);
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t i = 0; i < row; ++i) padded.set(t * (row + pad) + i, query.get(t * row + i));
+    sim_test::TensorView q = query.cuda();
+    q.data = padded.data();
+    q.strides[0] = row + pad;
+    octavo::paged_attention(out.cuda(), q, key_cache.cuda(), value_cache.cuda(), query_start_loc.cuda(),
                             seq_lens.cuda(), block_tables.cuda(), scale, window, softcap, plan ? &plan_view : nullptr);
     return out;
   }
@@ -117,12 +126,12 @@ struct Batch {
 
 // The batch on the simulated device, with the host's plan and with the tile layout made on the
 // device, against float64: within test_attention.py's tolerance, and the two runs equal.
-void check(const Batch& batch, int window = 0, double softcap = 0) {
+void check(const Batch& batch, int window = 0, double softcap = 0, int pad = 0) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(batch.head_size));
   Tensor plan({static_cast<int64_t>(batch.seqs.size()) + 1}, DType::kInt32);
   octavo::plan_paged_attention(plan.cpu(), batch.query_start_loc.cpu(), batch.heads, batch.kv_heads);
-  const Tensor out = batch.run(scale, window, softcap, nullptr);
-  const Tensor planned = batch.run(scale, window, softcap, &plan);
+  const Tensor out = batch.run(scale, window, softcap, nullptr, pad);
+  const Tensor planned = batch.run(scale, window, softcap, &plan, pad);
   const std::vector<double> ref = batch.reference(scale, window, softcap);
   double err = 0, norm = 0;
   for (int64_t i = 0; i < out.numel(); ++i) {
@@ -184,6 +193,30 @@ TEST(SimAttention, LongContexts) {
   const Batch batch({{5000, 1}, {2047, 1}, {3000, 2}, {10, 1}}, 32, 8, 128, 16, DType::kBFloat16, gen);
   check(batch);
   check(batch, 700);
+}
+
+// The split workspace outlives a call. A decode whose context ends before its trailing splits
+// must mark them empty, or the merge would read what an earlier call with a longer context left
+// there: the second batch has the first one's splits (same tokens, heads and table width).
+TEST(SimAttention, EmptySplitsIgnoreWhatAnEarlierCallLeft) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {  // the split-KV and the grouped decode kernel
+    SCOPED_TRACE(name(dtype));
+    std::mt19937 gen(8);
+    check(Batch({{3000, 1}, {3000, 1}}, 32, 8, 64, 16, dtype, gen));
+    check(Batch({{3000, 1}, {10, 1}}, 32, 8, 64, 16, dtype, gen));
+  }
+}
+
+// Query rows that are not 16-byte aligned: mixed batches and GQA 4:1 decodes in bfloat16 /
+// float16 fall back to the split-KV kernel, which takes multi-token queries too.
+TEST(SimAttention, UnalignedQueryRowsTakeTheSplitKvKernel) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16})
+    for (const Seqs* seqs : {&kMixed, &kDecodes}) {
+      SCOPED_TRACE(name(dtype) + (seqs == &kMixed ? " mixed" : " decodes"));
+      std::mt19937 gen(21);
+      check(Batch(*seqs, 8, 2, 128, 16, dtype, gen), 0, 0, 1);
+      check(Batch(*seqs, 8, 2, 128, 16, dtype, gen), 40, 0, 3);
+    }
 }
 
 TEST(SimAttention, SlidingWindowAndSoftcap) {

@@ -31,6 +31,22 @@ struct SplitOutputs {
   int num_splits;
 };
 
+// Whether split `split` of the token's keys [k_begin, k_end) is empty: decode graphs size their
+// splits by the block table's width, not the context, so short contexts leave trailing splits
+// with no key. Such a block marks its rows' partial results empty (sum 0: the merge skips them,
+// whatever an earlier call left in the workspace) and can exit at once.
+__device__ inline bool skip_empty_split(const PagedAttentionParams& p, const SplitOutputs& splits, int64_t k_begin,
+                                        int64_t k_end, int token, int kv_head, int split, int tid, int threads) {
+  if (splits.num_splits == 1 || k_begin < k_end) return false;
+  const int64_t group = p.num_heads / p.num_kv_heads;
+  for (int64_t r = tid; r < group; r += threads) {
+    const int64_t row = (token * p.num_heads + kv_head * group + r) * splits.num_splits + split;
+    splits.max_sum[2 * row] = -INFINITY;
+    splits.max_sum[2 * row + 1] = 0.0f;
+  }
+  return true;
+}
+
 template <typename T, int kD>
 void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& splits);
 

@@ -166,6 +166,7 @@ __global__ void __launch_bounds__(kMaxDecodeThreads) paged_attention_kernel(Page
   const int tid = lane + S::kLanes * (head + heads * slice), threads = S::kLanes * heads * slices;
   const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const DecodeWork w = decode_work<T, kD, S::kTileKeys>(p, token, kv_head, split, splits.num_splits);
+  if (skip_empty_split(p, splits, w.k_begin, w.kv.k_end, token, kv_head, split, tid, threads)) return;
   const int64_t q_head = static_cast<int64_t>(kv_head) * group + head;
 
   float q[S::kVec] = {};  // this thread's slice of its head's query, scaled; zero for padding

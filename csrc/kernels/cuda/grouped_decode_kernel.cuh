@@ -100,6 +100,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const DecodeWork w = decode_work<T, kD, S::kKeys>(p, token, kv_head, split, splits.num_splits);
+  if (skip_empty_split(p, splits, w.k_begin, w.kv.k_end, token, kv_head, split, threadIdx.x, S::kThreads)) return;
 
   // Row r is query head kv_head * group + r; rows past the group are zeros.
   mma_attention::copy_query_rows<T, kD, 16, S::kLd>(p, token, 1, kv_head, group, q_s, S::kThreads);
