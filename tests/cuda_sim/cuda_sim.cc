@@ -157,7 +157,12 @@ Launch* g_launch = nullptr;
 std::vector<Fiber> g_fibers;  // reused, with their stacks, by every launch
 int g_multiprocessors = 132;
 std::map<const void*, size_t> g_shared_limits;
-std::set<void*> g_allocations;
+// Device memory stays allocated until cudaFree, like a GPU's: the table is never destroyed, so
+// buffers the host keeps for good (workspaces) remain reachable for LeakSanitizer after exit.
+std::set<void*>& allocations() {
+  static auto* table = new std::set<void*>;
+  return *table;
+}
 cudaError_t g_last_error = cudaSuccess;
 std::string g_last_message;
 
@@ -585,13 +590,13 @@ cudaError_t cudaMalloc(void** ptr, size_t bytes) {
   std::lock_guard<std::mutex> lock(g_mutex);
   *ptr = ::operator new(bytes ? bytes : 1, std::align_val_t(256), std::nothrow);
   if (*ptr == nullptr) return cudaErrorMemoryAllocation;
-  cuda_sim::g_allocations.insert(*ptr);
+  cuda_sim::allocations().insert(*ptr);
   return cudaSuccess;
 }
 cudaError_t cudaFree(void* ptr) {
   std::lock_guard<std::mutex> lock(g_mutex);
   if (ptr == nullptr) return cudaSuccess;
-  if (cuda_sim::g_allocations.erase(ptr) == 0) return cudaErrorInvalidDevicePointer;
+  if (cuda_sim::allocations().erase(ptr) == 0) return cudaErrorInvalidDevicePointer;
   ::operator delete(ptr, std::align_val_t(256));
   return cudaSuccess;
 }
