@@ -141,7 +141,6 @@ struct Launch {
   uint3 block_idx{0, 0, 0};
   size_t shared_bytes = 0;
   unsigned char* shared = nullptr;
-  std::vector<Fiber>* fibers = nullptr;
   unsigned threads = 0;  // per block
   Fiber* current = nullptr;  // the running fiber; null while the scheduler runs
   Context scheduler;
@@ -206,7 +205,7 @@ void transfer(Launch& l, Context& from, bool from_exits, Fiber* to) {
 
 Fiber* next_runnable(Launch& l, unsigned from) {
   for (unsigned i = from; i < l.threads; ++i)
-    if ((*l.fibers)[i].state == State::kRunnable) return &(*l.fibers)[i];
+    if (g_fibers[i].state == State::kRunnable) return &g_fibers[i];
   return nullptr;
 }
 
@@ -259,7 +258,7 @@ void start_fibers(Launch& l, unsigned threads) {
 // Releases the collectives of warp w whose lanes have all arrived; false with l.error set when a
 // lane of a mask can never arrive as the collective requires.
 bool release_warp(Launch& l, int w, unsigned threads, bool& released) {
-  std::vector<Fiber>& fibers = *l.fibers;
+  std::vector<Fiber>& fibers = g_fibers;
   const int first = w * kWarp;
   const int lanes = std::min<int>(kWarp, static_cast<int>(threads) - first);
   for (int lane = 0; lane < lanes; ++lane) {
@@ -304,8 +303,8 @@ bool release_warp(Launch& l, int w, unsigned threads, bool& released) {
 }
 
 // Releases __syncthreads once every thread that has not exited waits there.
-bool release_barrier(Launch& l, unsigned threads) {
-  std::vector<Fiber>& fibers = *l.fibers;
+bool release_barrier(unsigned threads) {
+  std::vector<Fiber>& fibers = g_fibers;
   int any = 0, waiting = 0;
   for (unsigned i = 0; i < threads; ++i) {
     if (fibers[i].state == State::kExited) continue;
@@ -325,7 +324,7 @@ bool release_barrier(Launch& l, unsigned threads) {
 std::string deadlock(const Launch& l, unsigned threads) {
   std::ostringstream s;
   s << "block (" << l.block_idx.x << ',' << l.block_idx.y << ',' << l.block_idx.z << ") deadlocks:";
-  const std::vector<Fiber>& fibers = *l.fibers;
+  const std::vector<Fiber>& fibers = g_fibers;
   for (unsigned i = 0; i < threads;) {  // runs of threads in the same state
     unsigned j = i;
     auto label = [&](const Fiber& f) {
@@ -357,7 +356,7 @@ bool run_block(Launch& l, unsigned threads) {
     bool released = false;
     for (unsigned w = 0; ok && w * kWarp < threads; ++w) ok = release_warp(l, static_cast<int>(w), threads, released);
     if (!ok) break;
-    released |= release_barrier(l, threads);
+    released |= release_barrier(threads);
     if (!released && !progressed) {
       record_failure(l, deadlock(l, threads));
       ok = false;
@@ -496,7 +495,6 @@ void run_grid(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes, En
   l.grid = grid;
   l.block = block;
   l.shared_bytes = shared_bytes;
-  l.fibers = &g_fibers;
   g_launch = &l;
   const unsigned threads = block.x * block.y * block.z;
   l.threads = threads;
