@@ -6,11 +6,13 @@
 #include <sys/mman.h>
 #include <ucontext.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 #include <new>
+#include <random>
 #include <set>
 #include <sstream>
 #include <stdexcept>
@@ -112,6 +114,7 @@ struct Fiber {
   void* stack = nullptr;
   uint3 idx{0, 0, 0};
   int linear = 0;
+  unsigned turn = 0;  // its place in the block's pass order
   State state = State::kRunnable;
   // While kInCollective: the collective and this lane's operand and result.
   const char* kind = nullptr;
@@ -142,6 +145,7 @@ struct Launch {
   size_t shared_bytes = 0;
   unsigned char* shared = nullptr;
   unsigned threads = 0;  // per block
+  std::vector<unsigned> order;  // the fibers in the order each pass runs them
   Fiber* current = nullptr;  // the running fiber; null while the scheduler runs
   Context scheduler;
   std::string error;  // the first failure; stops the launch
@@ -203,15 +207,16 @@ void transfer(Launch& l, Context& from, bool from_exits, Fiber* to) {
 #endif
 }
 
-Fiber* next_runnable(Launch& l, unsigned from) {
-  for (unsigned i = from; i < l.threads; ++i)
-    if (g_fibers[i].state == State::kRunnable) return &g_fibers[i];
+// The first runnable fiber from place `turn` of the pass order on.
+Fiber* next_runnable(Launch& l, unsigned turn) {
+  for (unsigned i = turn; i < l.threads; ++i)
+    if (g_fibers[l.order[i]].state == State::kRunnable) return &g_fibers[l.order[i]];
   return nullptr;
 }
 
 // On a fiber that has just blocked or exited: on with the pass, until a release resumes it.
 void yield(Launch& l, Fiber& f) {
-  Fiber* next = l.error.empty() ? next_runnable(l, static_cast<unsigned>(f.linear) + 1) : nullptr;
+  Fiber* next = l.error.empty() ? next_runnable(l, f.turn + 1) : nullptr;
   transfer(l, f.context, f.state == State::kExited, next);
 }
 
@@ -237,8 +242,25 @@ void* map_stack() {
   return p;
 }
 
+// Thread order, or with CUDA_SIM_SCHEDULE=shuffle a permutation drawn per block (seeded by the
+// block, so a failure repeats): a kernel that is missing a barrier gives a result that depends
+// on which thread runs first, and the two orders tell such a kernel apart.
+void choose_order(Launch& l, unsigned threads) {
+  static const bool shuffle = [] {
+    const char* schedule = std::getenv("CUDA_SIM_SCHEDULE");
+    return schedule != nullptr && std::string(schedule) == "shuffle";
+  }();
+  l.order.resize(threads);
+  for (unsigned i = 0; i < threads; ++i) l.order[i] = i;
+  if (!shuffle) return;
+  std::mt19937 gen(l.block_idx.x + 7919u * (l.block_idx.y + 7919u * l.block_idx.z));
+  std::shuffle(l.order.begin(), l.order.end(), gen);
+}
+
 void start_fibers(Launch& l, unsigned threads) {
   if (g_fibers.size() < threads) g_fibers.resize(threads);
+  choose_order(l, threads);
+  for (unsigned i = 0; i < threads; ++i) g_fibers[l.order[i]].turn = i;
   for (unsigned i = 0; i < threads; ++i) {
     Fiber& f = g_fibers[i];
     if (f.stack == nullptr) f.stack = map_stack();

@@ -119,7 +119,7 @@ __global__ void barrier_against_shuffle_kernel(int* out) {
   else out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, 1, 1);
 }
 __global__ void trap_kernel() {
-  if (blockIdx.x == 2) __trap();
+  if (blockIdx.x == 2 && threadIdx.x == 5) __trap();
 }
 __global__ void ldmatrix_from_global_kernel(const uint16_t* p) {
   uint32_t r[4];
@@ -133,7 +133,7 @@ TEST(CudaSim, ReportsWhatAGpuWouldHangOnOrLeaveUndefined) {
   cuda_sim::launch(barrier_against_shuffle_kernel, 1, 32, 0, out.data());
   expect_failure(cudaErrorLaunchFailure, "deadlocks: threads 0-15: __syncthreads; threads 16-31: __shfl_xor_sync;");
   cuda_sim::launch(trap_kernel, 4, 32, 0);
-  expect_failure(cudaErrorLaunchFailure, "block (2,0,0) thread (0,0,0): __trap() called");
+  expect_failure(cudaErrorLaunchFailure, "block (2,0,0) thread (5,0,0): __trap() called");
   std::vector<uint16_t> global(32 * 8);
   cuda_sim::launch(ldmatrix_from_global_kernel, 1, 32, 0, global.data());
   expect_failure(cudaErrorLaunchFailure, "ldmatrix reads a row outside dynamic shared memory");

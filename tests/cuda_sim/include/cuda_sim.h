@@ -8,7 +8,8 @@
 // (its own stack) on the calling thread. A fiber runs until it reaches a barrier or a warp
 // collective, and the scheduler releases the barrier once every thread that must arrive has.
 // So the threads of a block interleave only at synchronization points, which is all that a
-// race-free kernel may rely on. It checks what hardware would leave undefined or hang on: a
+// race-free kernel may rely on. Each pass runs the threads in thread order, or, with
+// CUDA_SIM_SCHEDULE=shuffle, in a shuffled order per block (a missing barrier then shows). It checks what hardware would leave undefined or hang on: a
 // collective some lane of its mask never reaches, lanes of one warp waiting in different
 // collectives, a block barrier that can never fill, a launch beyond the device's limits
 // (threads, grid, shared memory without the opt-in). Each is a failed launch with a message.
