@@ -246,6 +246,27 @@ def test_top_k_ties_keep_lower_ids():
     assert set(draws(row, 2000, top_p=0.11).tolist()) == {0, 1, 2, 3, 4}
 
 
+def test_nan_logits_weigh_nothing():
+    """A NaN logit is never drawn, with or without filters, and never counted in a rank; greedy
+    over a row of only -inf and NaN takes the first of them (NaN ranks as -inf). NaNs sit in
+    whole vectors and in the tail of every ISA's loops."""
+    nan = [3, 40, 69]
+    row = torch.randn(70, generator=torch.Generator().manual_seed(4))
+    row[nan] = float("nan")
+    logits = row.expand(300, 70).contiguous()
+    for params in ({}, {"top_k": 20}, {"top_p": 0.9}, {"min_p": 0.05}):
+        sampled = sample(logits, 1.0, counters=torch.arange(300), **params)
+        assert not torch.isin(sampled, torch.tensor(nan)).any(), params
+        assert len(sampled.unique()) > 10, params
+    out = sample(logits[:40], 1.0, counters=torch.arange(40), logprobs=True)
+    finite = row[~row.isnan()]
+    expected = torch.stack([(finite >= row[t]).sum() for t in out["sampled"]]).to(I32)
+    assert torch.equal(out["sampled_ranks"], expected)
+    inf = float("inf")
+    greedy = sample(torch.tensor([[float("nan"), -inf, -inf], [-inf, float("nan"), -inf]]), 0.0)
+    assert greedy.tolist() == [0, 0]
+
+
 def test_temperature_zero_ignores_filters():
     row = torch.tensor([[0.0, 3.0, 1.0]])
     assert sample(row, 0.0, top_k=1, top_p=0.1, min_p=0.9).item() == 1

@@ -63,17 +63,19 @@ int64_t argmax(const float* x, int64_t n) {
       start = b;
     }
   }
+  // NaN ranks as -inf, as on CUDA: in a row of only -inf and NaN the first of them wins.
   for (int64_t i = start; i < std::min(start + kBlock, n); ++i) {
-    if (x[i] == best) return i;
+    if (x[i] == best || (best == -kInf && x[i] != x[i])) return i;
   }
-  return start;  // the row holds nothing but NaN
+  return start;
 }
 
-// Number of i with x[i] >= v. Lane counts stay exact in float up to 2^24 per lane.
+// Number of i with x[i] >= v (NaN never counts). Lane counts stay exact in float up to 2^24 per
+// lane.
 int64_t count_at_least(const float* x, int64_t n, float v) {
   VecF acc = VecF::zero();
   int64_t i = 0;
-  for (; i + kW <= n; i += kW) acc = acc + select_below(VecF::load(x + i), v, VecF::set1(1.0f), 0.0f);
+  for (; i + kW <= n; i += kW) acc = acc + select_at_least(VecF::load(x + i), v, VecF::set1(1.0f), 0.0f);
   int64_t count = static_cast<int64_t>(reduce_add(acc));
   for (; i < n; ++i) count += x[i] >= v;
   return count;
@@ -111,7 +113,7 @@ float scaled_exp_block(const float* x, float* e, int64_t n, float xmax, float in
   int64_t i = 0;
   for (; i + kW <= n; i += kW) {
     const VecF y = exp((VecF::load(x + i) - shift) * scale);
-    const VecF kept = select_below(y, floor, y, 0.0f);
+    const VecF kept = select_at_least(y, floor, y, 0.0f);  // a NaN logit weighs 0
     kept.store(e + i);
     acc = acc + kept;
   }
@@ -119,7 +121,7 @@ float scaled_exp_block(const float* x, float* e, int64_t n, float xmax, float in
   if (i < n) {
     const int r = static_cast<int>(n - i);
     const VecF y = exp((load_partial(x + i, r) - shift) * scale);
-    store_partial(select_below(y, floor, y, 0.0f), e + i, r);
+    store_partial(select_at_least(y, floor, y, 0.0f), e + i, r);
     for (int j = 0; j < r; ++j) s += e[i + j];
   }
   return s;
@@ -127,7 +129,8 @@ float scaled_exp_block(const float* x, float* e, int64_t n, float xmax, float in
 
 // e[i] = exp((x[i] - xmax) * inv_t): probabilities up to the common factor 1 / sum, with the
 // most likely token at exactly 1. Entries below `floor` become 0 (min_p relative to the max
-// probability is then simply floor = min_p). x and e may be the same buffer. Returns sum(e).
+// probability is then simply floor = min_p), and so do NaN logits, which the CUDA kernel ranks
+// as -inf. x and e may be the same buffer. Returns sum(e).
 double scaled_exp(const float* x, float* e, int64_t n, float xmax, float inv_t, float floor) {
   double s = 0;
   for (int64_t b = 0; b < n; b += kSumBlock) {
