@@ -54,6 +54,16 @@ struct alignas(16) uint4 {
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 
 // ---- bfloat16 and float16 --------------------------------------------------------------------
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  std::memcpy(&u, &f, sizeof(u));
+  return u;
+}
+inline float __uint_as_float(unsigned u) {
+  float f;
+  std::memcpy(&f, &u, sizeof(f));
+  return f;
+}
 struct __nv_bfloat16 {
   uint16_t bits;
 };
@@ -67,16 +77,10 @@ struct __half2 {
   __half x, y;
 };
 
-inline float __bfloat162float(__nv_bfloat16 h) {
-  const uint32_t u = static_cast<uint32_t>(h.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
+inline float __bfloat162float(__nv_bfloat16 h) { return __uint_as_float(static_cast<uint32_t>(h.bits) << 16); }
 // Nearest even; NaN stays a (quiet) NaN.
 inline __nv_bfloat16 __float2bfloat16_rn(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof(u));
+  uint32_t u = __float_as_uint(f);
   if (std::isnan(f)) return __nv_bfloat16{static_cast<uint16_t>((u >> 16) | 0x40)};
   u += 0x7fffu + ((u >> 16) & 1u);
   return __nv_bfloat16{static_cast<uint16_t>(u >> 16)};
@@ -90,10 +94,7 @@ inline float __half2float(__half h) {
     const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
     return sign ? -magnitude : magnitude;
   }
-  const uint32_t bits = sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13;
-  float f;
-  std::memcpy(&f, &bits, sizeof(f));
-  return f;
+  return __uint_as_float(sign | (exponent == 0x1f ? 0x7f800000u : (exponent + 112) << 23) | mantissa << 13);
 }
 // Through the compiler's _Float16 (IEEE binary16): rounds to nearest even, overflows to inf.
 inline __half __float2half_rn(float f) {
@@ -230,16 +231,6 @@ T atomicExch(T* address, T value) {
 }
 
 inline float __expf(float x) { return std::exp(x); }
-inline unsigned __float_as_uint(float f) {
-  unsigned u;
-  std::memcpy(&u, &f, sizeof(u));
-  return u;
-}
-inline float __uint_as_float(unsigned u) {
-  float f;
-  std::memcpy(&f, &u, sizeof(f));
-  return f;
-}
 inline int __ffs(int x) { return __builtin_ffs(x); }
 using std::isfinite;
 // CUDA's integer min / max overloads, for any mix of arithmetic types.
