@@ -33,7 +33,6 @@ namespace {
 constexpr size_t kStackBytes = size_t{1} << 20;
 constexpr unsigned kMaxThreadsPerBlock = 1024;
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
-constexpr size_t kOptInSharedBytes = 232448;  // an H100's 227 KiB
 constexpr int kWarp = 32;
 
 enum class State { kRunnable, kAtBarrier, kInCollective, kExited };
@@ -158,8 +157,9 @@ struct Launch {
 std::mutex g_mutex;  // one launch (and one runtime call) at a time
 Launch* g_launch = nullptr;
 std::vector<Fiber> g_fibers;  // reused, with their stacks, by every launch
-int g_multiprocessors = 132;
-std::map<const void*, size_t> g_shared_limits;
+std::vector<DeviceProperties> g_devices(1);  // device 0: an H100
+thread_local int t_device = 0;  // the host thread's current device, as in CUDA
+std::map<std::pair<int, const void*>, size_t> g_shared_limits;  // per (device, kernel), as cudaFuncSetAttribute sets them
 // Device memory stays allocated until cudaFree, like a GPU's: the table is never destroyed, so
 // buffers the host keeps for good (workspaces) remain reachable for LeakSanitizer after exit.
 std::set<void*>& allocations() {
@@ -405,7 +405,7 @@ std::string check_config(const void* kernel, dim3 grid, dim3 block, size_t share
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || grid.x > 0x7fffffffu || grid.y > 65535 || grid.z > 65535)
     return "a grid of " + std::to_string(grid.x) + "x" + std::to_string(grid.y) + "x" + std::to_string(grid.z) +
            " blocks";
-  const auto limit = g_shared_limits.find(kernel);
+  const auto limit = g_shared_limits.find({t_device, kernel});
   const size_t allowed = limit == g_shared_limits.end() ? kDefaultSharedBytes : limit->second;
   if (shared_bytes > allowed)
     return std::to_string(shared_bytes) + " bytes of dynamic shared memory, past the kernel's " +
@@ -577,9 +577,10 @@ void copy_async_wait(int n) {
   f.copies.resize(kept);
 }
 
-void set_multiprocessor_count(int count) {
+int add_device(DeviceProperties properties) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  g_multiprocessors = count;
+  g_devices.push_back(properties);
+  return static_cast<int>(g_devices.size()) - 1;
 }
 
 }  // namespace cuda_sim
@@ -588,20 +589,28 @@ void set_multiprocessor_count(int count) {
 using cuda_sim::g_mutex;
 
 cudaError_t cudaGetDeviceCount(int* count) {
-  *count = 1;
+  std::lock_guard<std::mutex> lock(g_mutex);
+  *count = static_cast<int>(cuda_sim::g_devices.size());
   return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int* device) {
-  *device = 0;
+  *device = cuda_sim::t_device;
+  return cudaSuccess;
+}
+cudaError_t cudaSetDevice(int device) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  if (device < 0 || device >= static_cast<int>(cuda_sim::g_devices.size())) return cudaErrorInvalidDevice;
+  cuda_sim::t_device = device;
   return cudaSuccess;
 }
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (device != 0) return cudaErrorInvalidValue;
+  if (device < 0 || device >= static_cast<int>(cuda_sim::g_devices.size())) return cudaErrorInvalidDevice;
+  const cuda_sim::DeviceProperties& properties = cuda_sim::g_devices[device];
   switch (attr) {
     case cudaDevAttrMaxThreadsPerBlock: *value = static_cast<int>(cuda_sim::kMaxThreadsPerBlock); break;
-    case cudaDevAttrMultiProcessorCount: *value = cuda_sim::g_multiprocessors; break;
-    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = static_cast<int>(cuda_sim::kOptInSharedBytes); break;
+    case cudaDevAttrMultiProcessorCount: *value = properties.multiprocessors; break;
+    case cudaDevAttrMaxSharedMemoryPerBlockOptin: *value = properties.shared_optin; break;
     default: return cudaErrorInvalidValue;
   }
   return cudaSuccess;
@@ -647,6 +656,7 @@ const char* cudaGetErrorName(cudaError_t error) {
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidConfiguration: return "cudaErrorInvalidConfiguration";
     case cudaErrorInvalidDevicePointer: return "cudaErrorInvalidDevicePointer";
+    case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
   }
   return "cudaErrorUnknown";
@@ -659,7 +669,7 @@ const char* cudaGetErrorString(cudaError_t error) {
 }
 cudaError_t cuda_sim_set_shared_limit(const void* kernel, int bytes) {
   std::lock_guard<std::mutex> lock(g_mutex);
-  if (bytes < 0 || static_cast<size_t>(bytes) > cuda_sim::kOptInSharedBytes) return cudaErrorInvalidValue;
-  cuda_sim::g_shared_limits[kernel] = static_cast<size_t>(bytes);
+  if (bytes < 0 || bytes > cuda_sim::g_devices[cuda_sim::t_device].shared_optin) return cudaErrorInvalidValue;
+  cuda_sim::g_shared_limits[{cuda_sim::t_device, kernel}] = static_cast<size_t>(bytes);
   return cudaSuccess;
 }

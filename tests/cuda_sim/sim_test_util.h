@@ -89,7 +89,12 @@ class Tensor {
     return t;
   }
   TensorView cpu() const { return view(DeviceType::kCPU); }
-  TensorView cuda() const { return view(DeviceType::kCUDA); }
+  // On the current simulated device (all of them share the host's memory).
+  TensorView cuda() const {
+    TensorView t = view(DeviceType::kCUDA);
+    cudaGetDevice(&t.device.index);
+    return t;
+  }
 
  private:
   DType dtype_ = DType::kFloat32;

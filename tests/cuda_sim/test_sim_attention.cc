@@ -145,6 +145,18 @@ void check(const Batch& batch, int window = 0, double softcap = 0, int pad = 0) 
 
 std::string name(DType dtype) { return octavo::dtype_name(dtype); }
 
+// Launches on a simulated device of other properties while in scope. A new device each time:
+// the kernels' host code reads a device's properties once.
+class OnDevice {
+ public:
+  explicit OnDevice(cuda_sim::DeviceProperties properties) {
+    EXPECT_EQ(cudaSetDevice(cuda_sim::add_device(properties)), cudaSuccess);
+  }
+  ~OnDevice() { cudaSetDevice(0); }
+  OnDevice(const OnDevice&) = delete;
+  OnDevice& operator=(const OnDevice&) = delete;
+};
+
 TEST(SimAttention, MixedBatch) {
   for (DType dtype : sim_test::kFloatDTypes)
     for (int head_size : {64, 128, 256})
@@ -174,12 +186,12 @@ TEST(SimAttention, Decodes) {
       }
 }
 
-// Contexts of 2-5k tokens, GQA 4:1: decodes split their keys across blocks and merge, on an
-// H100's 132 SMs and on 8, where they take fewer splits. With a multi-token chunk the whole batch
-// takes the tensor-core prefill kernel (bfloat16 here; MixedBatch covers float16).
+// Contexts of 2-5k tokens, GQA 4:1: decodes split their keys across blocks (11 splits on an
+// H100's 132 SMs) and merge, or on 8 SMs take one split each. With a multi-token chunk the whole
+// batch takes the tensor-core prefill kernel (bfloat16 here; MixedBatch covers float16).
 TEST(SimAttention, LongContexts) {
   for (int sms : {132, 8}) {
-    cuda_sim::set_multiprocessor_count(sms);
+    OnDevice device({sms});
     for (DType dtype : sim_test::kFloatDTypes) {
       SCOPED_TRACE(name(dtype) + " decodes on " + std::to_string(sms) + " SMs");
       std::mt19937 gen(3);
@@ -188,7 +200,6 @@ TEST(SimAttention, LongContexts) {
       check(batch, 700);
     }
   }
-  cuda_sim::set_multiprocessor_count(132);
   std::mt19937 gen(4);
   const Batch batch({{5000, 1}, {2047, 1}, {3000, 2}, {10, 1}}, 32, 8, 128, 16, DType::kBFloat16, gen);
   check(batch);
@@ -229,6 +240,34 @@ TEST(SimAttention, SlidingWindowAndSoftcap) {
     Batch capped(kMixed, 4, 2, 64, 16, dtype, gen);
     for (int64_t i = 0; i < capped.query.numel(); ++i) capped.query.set(i, capped.query.get(i) * 8);
     check(capped, 0, 5.0);  // large scores, so that the cap matters
+  }
+}
+
+// Head size 256 on a device with an RTX 30xx / 40xx's 99 KiB of opt-in shared memory per block:
+// the prefill kernel takes 16-key tiles there, since its 32-key shape needs 132 KiB (which the
+// simulator, like the GPU, refuses past the device's limit). Below 99 KiB it refuses clearly.
+TEST(SimAttention, HeadSize256PrefillFitsA99KiBDevice) {
+  {
+    OnDevice rtx({82, 99 * 1024});
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16})
+      for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {16, 1}}) {
+        SCOPED_TRACE(name(dtype) + " heads " + std::to_string(heads) + "/" + std::to_string(kv_heads));
+        std::mt19937 gen(heads + kv_heads);
+        const Batch batch({{37, 1}, {0, 23}, {15, 17}, {300, 40}}, heads, kv_heads, 256, 16, dtype, gen);
+        check(batch);
+        check(batch, 20);
+      }
+  }
+  OnDevice small({82, 64 * 1024});
+  std::mt19937 gen(10);
+  const Batch batch(kMixed, 8, 2, 256, 16, DType::kBFloat16, gen);
+  try {
+    batch.run(0.1, 0, 0, nullptr);
+    FAIL() << "prefill ran past the device's shared memory";
+  } catch (const octavo::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("the kernel's 101376 bytes of shared memory are not available"),
+              std::string::npos)
+        << e.what();
   }
 }
 

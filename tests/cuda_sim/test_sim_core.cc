@@ -154,4 +154,38 @@ TEST(CudaSim, SharedMemoryPast48KiBNeedsTheOptIn) {
   EXPECT_EQ(cudaFuncSetAttribute(large_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 300000),
             cudaErrorInvalidValue);  // past the device's 227 KiB
 }
+
+// Devices of other shapes: their own attributes, and opt-ins that hold on the device that made
+// them, as on a GPU.
+TEST(CudaSim, AddedDevicesHaveTheirOwnPropertiesAndOptIns) {
+  const int rtx = cuda_sim::add_device({82, 101376});  // an RTX 3090's SMs and opt-in limit
+  const int h100 = cuda_sim::add_device({});
+  int value = 0, count = 0;
+  ASSERT_EQ(cudaGetDeviceCount(&count), cudaSuccess);
+  EXPECT_EQ(count, h100 + 1);
+  ASSERT_EQ(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, rtx), cudaSuccess);
+  EXPECT_EQ(value, 82);
+  ASSERT_EQ(cudaDeviceGetAttribute(&value, cudaDevAttrMaxSharedMemoryPerBlockOptin, rtx), cudaSuccess);
+  EXPECT_EQ(value, 101376);
+  ASSERT_EQ(cudaDeviceGetAttribute(&value, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  EXPECT_EQ(value, 132);
+  EXPECT_EQ(cudaSetDevice(count), cudaErrorInvalidDevice);
+
+  ASSERT_EQ(cudaSetDevice(rtx), cudaSuccess);
+  int device = -1;
+  ASSERT_EQ(cudaGetDevice(&device), cudaSuccess);
+  EXPECT_EQ(device, rtx);
+  EXPECT_EQ(cudaFuncSetAttribute(large_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 101377),
+            cudaErrorInvalidValue);  // past this device's 99 KiB
+  ASSERT_EQ(cudaFuncSetAttribute(large_shared_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, 100001), cudaSuccess);
+  int out = 0;
+  cuda_sim::launch(large_shared_kernel, 1, 32, 100001, &out);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  EXPECT_EQ(out, 0xff);
+
+  ASSERT_EQ(cudaSetDevice(h100), cudaSuccess);  // the opt-in above was the RTX's alone
+  cuda_sim::launch(large_shared_kernel, 1, 32, 100001, &out);
+  expect_failure(cudaErrorInvalidConfiguration, "past the kernel's 49152");
+  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
+}
 }  // namespace

@@ -14,18 +14,6 @@ namespace {
 
 constexpr int kMaxSplits = 128;  // a batch-1 MQA step has one (token, KV head): up to ~2 blocks per SM from splits alone
 constexpr int64_t kMinKeysPerSplit = 256;  // below this a split's fixed costs dominate
-int multiprocessor_count() {
-  static std::atomic<int> counts[kMaxDevices] = {};  // threads may ask for two devices at once
-  const int device = current_device();
-  if (counts[device].load() == 0) {
-    int count = 0;
-    OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
-                      cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device) == cudaSuccess,
-                      "paged_attention: cannot read CUDA device " << device << "'s multiprocessor count");
-    counts[device].store(count);
-  }
-  return counts[device].load();
-}
 
 // Enough blocks to fill the GPU twice over, without splits shorter than kMinKeysPerSplit. The
 // host cannot read seq_lens, so the table's width bounds the context; splits past a sequence's

@@ -16,6 +16,10 @@ namespace octavo::cuda {
 
 constexpr int kMaxDevices = 64;  // per-device tables (workspaces, SM counts) have this many rows
 int current_device();            // the CUDA device this host thread launches on, below kMaxDevices
+// The current device's SM count and the dynamic shared memory a kernel may opt in to, read from
+// the driver once per device.
+int multiprocessor_count();
+int shared_memory_optin();
 
 void rms_norm(const RmsNormParams& p);
 void rotary_embedding(const RotaryParams& p);

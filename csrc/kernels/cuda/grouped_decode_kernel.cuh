@@ -21,7 +21,8 @@ namespace octavo::cuda {
 namespace grouped_decode_detail {
 
 // Shared memory: the group's 16 query rows, then K and V twice (the next tile is copied while
-// this one is used), then the keys' flags for both buffers. The fold at the end reuses the tiles.
+// this one is used); the keys' flags ride in the K rows' padding. The fold at the end reuses the
+// tiles.
 template <int kD>
 struct Shape {
   static constexpr int kKeys = kD == 256 ? 32 : 64;  // per tile, 16 per warp: shared memory under 80 KiB
@@ -30,7 +31,7 @@ struct Shape {
   static constexpr int kLd = kD + 8;
   static constexpr int kTile = kKeys * kLd;
   static constexpr int kK = 16 * kLd, kV = kK + 2 * kTile, kEnd = kV + 2 * kTile;
-  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd + sizeof(int) * 2 * kKeys;
+  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd;
   static constexpr size_t kFoldBytes = sizeof(float) * kWarps * 16 * (kD + 2);
   static_assert(kFoldBytes <= sizeof(uint16_t) * 4 * kTile, "the warps' fold fits in the tiles' memory");
 };
@@ -94,7 +95,6 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
   T* q_s = reinterpret_cast<T*>(smem);           // [16][kLd]
   T* k_s = q_s + S::kK;                          // [2][kKeys][kLd]
   T* v_s = q_s + S::kV;                          // [2][kKeys][kLd]
-  int* ok_s = reinterpret_cast<int*>(q_s + S::kEnd);  // [2][kKeys]
 
   const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
@@ -105,7 +105,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
   // Row r is query head kv_head * group + r; rows past the group are zeros.
   mma_attention::copy_query_rows<T, kD, 16, S::kLd>(p, token, 1, kv_head, group, q_s, S::kThreads);
   if (w.k_begin < w.kv.k_end)
-    copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, w.k_begin, k_s, v_s, ok_s, threadIdx.x, S::kThreads);
+    copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, w.k_begin, k_s, v_s, nullptr, threadIdx.x, S::kThreads);
   copy_async_commit();  // the query rows and the first tile
 
   mma_attention::Outputs<1, kD> o = {};
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
     if (k0 + S::kKeys < w.kv.k_end) {  // the next tile's copy runs while this one is used
       const int next = buf ^ 1;
       copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, k0 + S::kKeys, k_s + next * S::kTile, v_s + next * S::kTile,
-                                            ok_s + next * S::kKeys, threadIdx.x, S::kThreads);
+                                            nullptr, threadIdx.x, S::kThreads);
       copy_async_commit();
       copy_async_wait<1>();
     } else {
@@ -123,12 +123,13 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
     }
     __syncthreads();  // every thread's copies into `buf` are done
     const int first = warp * 16;  // the warp's keys in the tile
-    const int* ok = ok_s + buf * S::kKeys + first;
+    const T* k_tile = k_s + buf * S::kTile + first * S::kLd;
     mma_attention::Scores<1, 16> s;
-    mma_attention::score_tile<T, 1, kD, 16, S::kLd>(q_s, k_s + buf * S::kTile + first * S::kLd, lane, s);
+    mma_attention::score_tile<T, 1, kD, 16, S::kLd>(q_s, k_tile, lane, s);
     // Every key of a decode split is in the query's range; only keys past its end or in a block
     // outside the cache are hidden.
-    mma_attention::softmax_tile<1, kD, 16>(p, [ok](int, int, int j) { return ok[j] != 0; }, lane, s, rows, o);
+    const auto visible = [k_tile](int, int, int j) { return *row_flag<kD, S::kLd>(k_tile, j) != 0; };
+    mma_attention::softmax_tile<1, kD, 16>(p, visible, lane, s, rows, o);
     mma_attention::accumulate_tile<T, 1, kD, 16, S::kLd>(s, v_s + buf * S::kTile + first * S::kLd, lane, o);
     __syncthreads();  // `buf` is refilled by the next iteration's copy (and, after the last, folded into)
   }

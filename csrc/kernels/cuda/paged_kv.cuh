@@ -2,6 +2,8 @@
 // cp.async: what all three attention kernels (split-KV decode, grouped decode, prefill) stream.
 #pragma once
 
+#include <type_traits>
+
 #include "common.cuh"
 #include "params.h"
 
@@ -55,11 +57,23 @@ __device__ DecodeWork decode_work(const PagedAttentionParams& p, int token, int 
   return {paged_kv<T, kD>(p, seq, kv_head, min64(hi, k_begin + per_split)), k_begin};
 }
 
+// Where a tile keeps key j's flag (1: a real key). Rows kLd > kD elements apart (the tensor-core
+// kernels pad them against bank conflicts) carry it in their padding, which costs no shared
+// memory: that is what lets head-size-256 prefill fit a 99 KiB device. Tiles of unpadded rows
+// keep their flags in an array of their own.
+template <int kD, int kLd, typename T>
+__device__ __forceinline__ auto row_flag(T* k_tile, int j) {
+  static_assert((kLd - kD) * sizeof(T) >= sizeof(int), "the row's padding holds its flag");
+  using Flag = std::conditional_t<std::is_const_v<T>, const int, int>;
+  return reinterpret_cast<Flag*>(k_tile + j * kLd + kD);
+}
+
 // Starts copying keys [start, start + kKeys) into rows kLd elements apart at k_dst / v_dst (the
 // caller commits the copy group): K and V rows, zeros for keys past k_end or in a block outside
-// the cache, and ok_dst[j] saying whether key start + j is real. Each thread looks up the block
-// of every row it copies a pack of (the entries of one tile sit in a cache line or two). Returns
-// whether any key this thread flagged is not real.
+// the cache, and each key's flag saying whether it is real (in the row's padding, else at
+// ok_dst[j]; see row_flag). Each thread looks up the block of every row it copies a pack of (the
+// entries of one tile sit in a cache line or two). Returns whether any key this thread flagged
+// is not real.
 template <typename T, int kD, int kKeys, int kLd>
 __device__ bool copy_kv_tile(const PagedKv& kv, int64_t start, T* k_dst, T* v_dst, int* ok_dst, int tid, int threads) {
   constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
@@ -76,7 +90,8 @@ __device__ bool copy_kv_tile(const PagedKv& kv, int64_t start, T* k_dst, T* v_ds
     copy_async_16(k_dst + j * kLd + d, static_cast<const T*>(kv.key_cache) + at, !ok);
     copy_async_16(v_dst + j * kLd + d, static_cast<const T*>(kv.value_cache) + at, !ok);
     if (d == 0) {
-      ok_dst[j] = ok;
+      if constexpr (kLd > kD) *row_flag<kD, kLd>(k_dst, j) = ok;
+      else ok_dst[j] = ok;
       any_masked |= !ok;
     }
   }

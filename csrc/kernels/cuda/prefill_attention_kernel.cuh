@@ -17,19 +17,25 @@ namespace prefill_detail {
 // serves 32 rows); one for head size 256, whose outputs alone take 128 registers per m-tile.
 // Keys per tile: 32 where 64 would not fit in registers (head size 128 spills with 64) or, for
 // head size 256, in an A100's 163 KiB of shared memory. Shared memory: Q, then K and V twice
-// (the next tile is copied while this one is used), then the keys' flags for both buffers.
-template <int kD>
+// (the next tile is copied while this one is used); the keys' flags ride in the K rows' padding.
+template <int kD, int kKeysPerTile = kD == 64 ? 64 : 32>
 struct Shape {
   static constexpr int kM = kD == 256 ? 1 : 2;
   static constexpr int kWarps = kPrefillRows / (16 * kM);
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kKeys = kD == 64 ? 64 : 32;
+  static constexpr int kKeys = kKeysPerTile;
   static constexpr int kLd = kD + 8;
   static constexpr int kTile = kKeys * kLd;  // elements of one K or V tile
   static constexpr int kK = kPrefillRows * kLd, kV = kK + 2 * kTile, kEnd = kV + 2 * kTile;
-  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd + sizeof(int) * 2 * kKeys;
+  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd;
   static_assert(kD % 16 == 0 && kKeys % 16 == 0 && kPrefillRows % (16 * kM) == 0, "whole fragments");
 };
+// Head size 256 takes 132 KiB of shared memory with 32-key tiles: an A100's or H100's opt-in
+// allows it, but RTX 30xx / 40xx cards (sm_86 / sm_89) allow 99 KiB per block. There a shape
+// that needs more takes 16-key tiles, which fit exactly.
+constexpr size_t kSmallDeviceBytes = 99 * 1024;
+constexpr int kNarrowKeys = 16;
+static_assert(Shape<256, kNarrowKeys>::kBytes <= kSmallDeviceBytes, "head size 256 fits a 99 KiB device");
 
 // Where the block's rows come from: sequence, token range and positions.
 struct PrefillTile {
@@ -76,16 +82,15 @@ __device__ void write_rows(const PagedAttentionParams& p, const PrefillTile& t, 
   }
 }
 
-template <typename T, int kD>
-__global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAttentionParams p,
-                                                                     const int32_t* tile_offsets) {
-  using S = Shape<kD>;
+template <typename T, int kD, int kKeys>
+__global__ void __launch_bounds__(Shape<kD, kKeys>::kThreads) prefill_kernel(PagedAttentionParams p,
+                                                                            const int32_t* tile_offsets) {
+  using S = Shape<kD, kKeys>;
   constexpr int kM = S::kM;
   unsigned char* const smem = dynamic_shared_memory();
-  T* q_s = reinterpret_cast<T*>(smem);                 // [kPrefillRows][kLd]
-  T* k_s = q_s + S::kK;                                // [2][kKeys][kLd]
-  T* v_s = q_s + S::kV;                                // [2][kKeys][kLd]
-  int* ok_s = reinterpret_cast<int*>(q_s + S::kEnd);  // [2][kKeys]
+  T* q_s = reinterpret_cast<T*>(smem);  // [kPrefillRows][kLd]
+  T* k_s = q_s + S::kK;                 // [2][kKeys][kLd]
+  T* v_s = q_s + S::kV;                 // [2][kKeys][kLd]
 
   // Blocks run roughly in index order; the last tiles of a sequence see the most keys, so they
   // go first, and the short ones fill in at the end.
@@ -111,7 +116,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAtten
   mma_attention::copy_query_rows<T, kD, kPrefillRows, S::kLd>(p, t.first_token, t.q_count, kv_head, group, q_s,
                                                             S::kThreads);
   bool next_masked = k_begin < k_end &&
-                     copy_kv_tile<T, kD, S::kKeys, S::kLd>(kv, k_begin, k_s, v_s, ok_s, threadIdx.x, S::kThreads);
+                     copy_kv_tile<T, kD, S::kKeys, S::kLd>(kv, k_begin, k_s, v_s, nullptr, threadIdx.x, S::kThreads);
   copy_async_commit();  // the query rows and the first tile
 
   mma_attention::Outputs<kM, kD> o = {};
@@ -122,8 +127,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAtten
     if (k0 + S::kKeys < k_end) {  // the next tile's copy runs while this one is used
       const int next = buf ^ 1;
       next_masked = copy_kv_tile<T, kD, S::kKeys, S::kLd>(kv, k0 + S::kKeys, k_s + next * S::kTile,
-                                                         v_s + next * S::kTile, ok_s + next * S::kKeys, threadIdx.x,
-                                                         S::kThreads);
+                                                         v_s + next * S::kTile, nullptr, threadIdx.x, S::kThreads);
       copy_async_commit();
       copy_async_wait<1>();
     } else {
@@ -133,15 +137,15 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAtten
     // where some row does not see the whole tile (the diagonal, the window's edge).
     masked = __syncthreads_or(masked) || k0 + S::kKeys - 1 > t.pos0 ||
              (window > 0 && k0 <= last_pos - window);
-    const int* ok = ok_s + buf * S::kKeys;
+    const T* k_tile = k_s + buf * S::kTile;
     const int first = static_cast<int>(k0);
     const auto visible = [&](int i, int h, int j) {
       const int key = first + j;
-      return !masked || (ok[j] && key <= pos[i][h] && (window == 0 || key > pos[i][h] - window));
+      return !masked ||
+             (*row_flag<kD, S::kLd>(k_tile, j) && key <= pos[i][h] && (window == 0 || key > pos[i][h] - window));
     };
     mma_attention::Scores<kM, S::kKeys> s;
-    mma_attention::score_tile<T, kM, kD, S::kKeys, S::kLd>(q_s + warp * 16 * kM * S::kLd, k_s + buf * S::kTile,
-                                                           lane, s);
+    mma_attention::score_tile<T, kM, kD, S::kKeys, S::kLd>(q_s + warp * 16 * kM * S::kLd, k_tile, lane, s);
     mma_attention::softmax_tile<kM, kD, S::kKeys>(p, visible, lane, s, rows, o);
     mma_attention::accumulate_tile<T, kM, kD, S::kKeys, S::kLd>(s, v_s + buf * S::kTile, lane, o);
     __syncthreads();  // `buf` is refilled by the next iteration's copy
@@ -150,17 +154,26 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) prefill_kernel(PagedAtten
   write_rows<T, kD>(p, t, kv_head, group, row0, lane, rows, o);
 }
 
-}  // namespace prefill_detail
-
-template <typename T, int kD>
-void launch_prefill_attention(const PagedAttentionParams& p, const int32_t* tile_offsets, int64_t max_tiles) {
-  using S = prefill_detail::Shape<kD>;
-  auto kernel = prefill_detail::prefill_kernel<T, kD>;
+template <typename T, int kD, int kKeys>
+void launch(const PagedAttentionParams& p, const int32_t* tile_offsets, int64_t max_tiles) {
+  using S = Shape<kD, kKeys>;
+  auto kernel = prefill_kernel<T, kD, kKeys>;
   static std::atomic<bool> opted_in[kMaxDevices] = {};
   allow_shared_memory(kernel, S::kBytes, opted_in, "paged_attention (prefill)");
   const dim3 grid(static_cast<unsigned>(max_tiles), static_cast<unsigned>(p.num_kv_heads));
   launch_kernel(kernel, grid, S::kThreads, S::kBytes, p, tile_offsets);
   check_launch("paged_attention (prefill)");
+}
+}  // namespace prefill_detail
+
+template <typename T, int kD>
+void launch_prefill_attention(const PagedAttentionParams& p, const int32_t* tile_offsets, int64_t max_tiles) {
+  using prefill_detail::Shape;
+  if constexpr (Shape<kD>::kBytes > prefill_detail::kSmallDeviceBytes) {
+    if (Shape<kD>::kBytes > static_cast<size_t>(shared_memory_optin()))
+      return prefill_detail::launch<T, kD, prefill_detail::kNarrowKeys>(p, tile_offsets, max_tiles);
+  }
+  prefill_detail::launch<T, kD, Shape<kD>::kKeys>(p, tile_offsets, max_tiles);
 }
 
 #define OCTAVO_INSTANTIATE_PREFILL_ATTENTION(D)                                                         \

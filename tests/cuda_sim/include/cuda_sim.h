@@ -18,8 +18,9 @@
 // read of a tile before its wait and barrier sees stale bytes. What it does not model: timing,
 // registers, caches, memory ordering between blocks (blocks run in turn) and uninitialised
 // static shared memory. Dynamic shared memory starts as 0xFF bytes
-// (NaN in every float type) so reads of unwritten rows show up. The device it reports is an
-// H100 (132 SMs, 227 KiB of opt-in shared memory per block); tests can change the SM count.
+// (NaN in every float type) so reads of unwritten rows show up. Device 0 is an H100 (132 SMs,
+// 227 KiB of opt-in shared memory per block); tests can add devices of other shapes
+// (add_device) and select them with cudaSetDevice.
 #pragma once
 
 #include <cfloat>
@@ -159,8 +160,15 @@ void copy_async_16(void* shared, const void* global, bool zero);
 void copy_async_commit();
 void copy_async_wait(int n);
 
-// The device's SM count as cudaDeviceGetAttribute reports it (132, an H100 SXM, by default).
-void set_multiprocessor_count(int count);
+// A simulated device as cudaDeviceGetAttribute reports it. All devices share the host's memory.
+struct DeviceProperties {
+  int multiprocessors = 132;    // an H100 SXM
+  int shared_optin = 232448;    // its 227 KiB of opt-in shared memory per block
+};
+// Adds a device and returns its number, for cudaSetDevice. Octavo's host code caches a device's
+// properties on first use, as they cannot change on a GPU; a test wanting other properties
+// therefore takes a device of its own.
+int add_device(DeviceProperties properties);
 
 }  // namespace cuda_sim
 
@@ -252,6 +260,7 @@ enum cudaError_t {
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidConfiguration = 9,
   cudaErrorInvalidDevicePointer = 17,
+  cudaErrorInvalidDevice = 101,
   cudaErrorLaunchFailure = 719,
 };
 using cudaStream_t = struct CUstream_st*;
@@ -276,6 +285,7 @@ enum cudaDeviceAttr {
 
 cudaError_t cudaGetDeviceCount(int* count);
 cudaError_t cudaGetDevice(int* device);
+cudaError_t cudaSetDevice(int device);
 cudaError_t cudaDeviceGetAttribute(int* value, cudaDeviceAttr attr, int device);
 cudaError_t cudaMalloc(void** ptr, size_t bytes);
 cudaError_t cudaFree(void* ptr);
