@@ -92,3 +92,15 @@ def test_config_from_the_metadata_equals_transformers_reading():
 def test_quantized_weight_checks_its_blocks():
     with pytest.raises(ValueError, match="uint8"):
         QuantizedWeight(torch.zeros(4, 41, dtype=torch.uint8), "q4_1", 64)  # 2 blocks are 40 bytes
+
+
+def test_kept_blocks_are_placed_without_a_float_copy(monkeypatch):
+    """The projections' blocks go into the model before any float is loaded: nothing but the
+    embedding (a float table for lookups, its blocks also the tied LM head) is dequantized, so
+    loading never holds the projections' float32 size (4-7x the file's) in memory."""
+    dequantized = []
+    original = QuantizedWeight.dequantize
+    monkeypatch.setattr(QuantizedWeight, "dequantize", lambda self: dequantized.append(self.shape) or original(self))
+    model = load_model(default_gguf_path())
+    assert dequantized == [(model.config.vocab_size, model.config.hidden_size)]
+    assert isinstance(model.lm_head, QuantizedWeight) and model.embed_tokens.dtype == torch.float32

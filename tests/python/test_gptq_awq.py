@@ -126,3 +126,45 @@ def test_a_quantized_checkpoint_is_not_quantized_again_and_missing_parts_are_nam
     with pytest.raises(ValueError, match="has model.layers.0.mlp.down_proj.qweight but lacks "
                                          "model.layers.0.mlp.down_proj.qzeros"):
         load_model(quant_dir)
+
+
+def test_agreeing_parts_are_placed_without_a_float_copy(tmp_path, monkeypatch):
+    """Every projection goes into the model as int4 before the floats are loaded: none is
+    dequantized, so loading never holds the float model in memory."""
+    quant_dir, _ = write_checkpoints(tmp_path, "gptq", 32, act_order=True)
+    monkeypatch.setattr(QuantizedWeight, "dequantize", lambda self: pytest.fail("a weight was dequantized"))
+    model = load_model(quant_dir, "float32")
+    for layer in model.layers:
+        for weight in (layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight,
+                       layer.mlp.down_weight):
+            assert isinstance(weight, QuantizedWeight)
+
+
+def test_fused_parts_with_different_act_orders_load_as_floats(tmp_path):
+    """q_proj gets an act-order of its own, so layer 0's fused QKV weight cannot be one int4
+    weight: it is dequantized into floats, exactly the float checkpoint's, and the rest stays int4."""
+    quant_dir, float_dir = write_checkpoints(tmp_path, "gptq", 32, act_order=True)
+    quantized, floats = load_file(str(quant_dir / "model.safetensors")), load_file(str(float_dir / "model.safetensors"))
+    prefix = "model.layers.0.self_attn.q_proj"
+    n, k = floats[f"{prefix}.weight"].shape
+    gen = torch.Generator().manual_seed(7)
+    packed, floats[f"{prefix}.weight"] = quantize_layer(n, k, 32, "gptq", torch.randperm(k, generator=gen) // 32,
+                                                        True, gen)
+    quantized.update({f"{prefix}.{part}": t for part, t in packed.items()})
+    save_file(quantized, str(quant_dir / "model.safetensors"))
+    save_file(floats, str(float_dir / "model.safetensors"))
+    model, reference = load_model(quant_dir, "float32"), load_model(float_dir, "float32")
+    qkv = model.layers[0].self_attn.qkv_weight
+    assert isinstance(qkv, torch.nn.Parameter) and torch.equal(qkv.data, reference.layers[0].self_attn.qkv_weight.data)
+    assert isinstance(model.layers[0].mlp.gate_up_weight, QuantizedWeight)
+    assert all(isinstance(layer.self_attn.qkv_weight, QuantizedWeight) for layer in model.layers[1:])
+
+
+def test_quantized_parts_are_checked_against_the_config(tmp_path):
+    quant_dir, _ = write_checkpoints(tmp_path, "awq", 32)
+    config = json.loads((quant_dir / "config.json").read_text())
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    (quant_dir / "config.json").write_text(json.dumps({**config, "intermediate_size": inter + 32}))
+    with pytest.raises(ValueError, match=rf"'model.layers.0.mlp.gate_proj.weight' has shape \({inter}, {hidden}\), "
+                                         rf"expected \({inter + 32}, {hidden}\) from config.json"):
+        load_model(quant_dir)

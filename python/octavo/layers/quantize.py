@@ -13,6 +13,8 @@ LM head of a small model is a fifth of its weights.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .linear import QuantizedWeight
@@ -67,6 +69,35 @@ def replace_weight(module: torch.nn.Module, name: str, weight: QuantizedWeight) 
     """Puts ``weight`` where the parameter ``name`` of ``module`` was."""
     module._parameters.pop(name, None)
     setattr(module, name, weight)
+
+
+def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
+                    make: Callable[[list[str]], QuantizedWeight | None]) -> set[str]:
+    """Puts a quantized checkpoint's weights in place before any float is loaded, so that the
+    float parameters they replace are never filled: a quantized model never takes its float size
+    in memory, even for a moment.
+
+    ``shapes``: the [N, K] of each quantized checkpoint tensor, checked against the rows it stands
+    for as ``load_weights`` checks floats. For every matmul weight whose stacked tensors
+    (``model.matmul_weights()``) are all quantized, ``make(names)`` builds the one weight, or
+    gives None where the parts cannot share one (those are then loaded as floats). Returns the
+    names whose data now lives only in quantized weights (a tied embedding stays a float table)."""
+    targets = model.weight_targets()
+    placed = set()
+    for module, attr, names in model.matmul_weights():
+        if not all(name in shapes for name in names):
+            continue
+        for name in names:
+            param, _, rows = targets[name]
+            if tuple(shapes[name]) != (rows, param.shape[1]):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shapes[name])}, "
+                                 f"expected {(rows, param.shape[1])} from config.json")
+        weight = make(names)
+        if weight is not None:
+            replace_weight(module, attr, weight)
+            placed.update(names)
+    floats = {name for name, (param, _, _) in model.weight_targets().items() if not isinstance(param, QuantizedWeight)}
+    return placed - floats
 
 
 def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:

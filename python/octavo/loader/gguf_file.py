@@ -17,7 +17,7 @@ import torch
 from .. import _C
 from ..config import ModelConfig
 from ..layers.linear import QuantizedWeight
-from ..layers.quantize import replace_weight
+from ..layers.quantize import place_quantized
 from ..models import model_class
 
 KEPT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> weight format
@@ -113,22 +113,30 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
     return tensors
 
 
+def _in_features(weight_format: str, data: np.ndarray) -> int:
+    return data.shape[1] // _C.ops.weight_block_bytes(weight_format) * 32
+
+
 def _as_float(weight_format: str | None, data: np.ndarray) -> torch.Tensor:
     if weight_format is None:
         return torch.from_numpy(np.array(data)).float()
-    return QuantizedWeight(torch.from_numpy(np.array(data)), weight_format,
-                           data.shape[1] // _C.ops.weight_block_bytes(weight_format) * 32).dequantize()
+    return QuantizedWeight(torch.from_numpy(np.array(data)), weight_format, _in_features(weight_format, data)).dequantize()
 
 
-def _keep_quantized(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> None:
-    """Replaces each matmul weight whose parts share one kept format by its blocks (a tied LM
-    head by the embedding's)."""
-    for module, attr, names in model.matmul_weights():
-        formats = {tensors[name][0] for name in names}
-        if len(formats) == 1 and None not in formats:
-            blocks = np.concatenate([tensors[name][1] for name in names])
-            in_features = module._parameters[attr].shape[1]
-            replace_weight(module, attr, QuantizedWeight(torch.from_numpy(blocks), formats.pop(), in_features))
+def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> set[str]:
+    """Each matmul weight whose parts share one kept format becomes their blocks, stacked (a tied
+    LM head takes the embedding's); see place_quantized. Returns the tensors so placed."""
+    kept = {name: (fmt, data) for name, (fmt, data) in tensors.items() if fmt is not None}
+
+    def blocks(names: list[str]) -> QuantizedWeight | None:
+        formats = {kept[name][0] for name in names}
+        if len(formats) != 1:
+            return None
+        fmt, data = formats.pop(), np.concatenate([kept[name][1] for name in names])
+        return QuantizedWeight(torch.from_numpy(data), fmt, _in_features(fmt, data))
+
+    shapes = {name: (data.shape[0], _in_features(fmt, data)) for name, (fmt, data) in kept.items()}
+    return place_quantized(model, shapes, blocks)
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto"):
@@ -143,6 +151,6 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto"):
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = model_class(config.architecture)(config, dtype)
     tensors = _read_tensors(reader, config)
-    model.load_weights((name, _as_float(fmt, data)) for name, (fmt, data) in tensors.items())
-    _keep_quantized(model, tensors)
+    quantized = _place_blocks(model, tensors)
+    model.load_weights((name, _as_float(fmt, data)) for name, (fmt, data) in tensors.items() if name not in quantized)
     return model.eval()

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.linear import QuantizedWeight
-from ..layers.quantize import pack_nibbles, replace_weight
+from ..layers.quantize import pack_nibbles, place_quantized
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 METHODS = ("gptq", "awq")
@@ -77,8 +77,8 @@ def quantized_weight(parts: list[tuple]) -> QuantizedWeight | None:
 
 
 def load_gptq_awq(model, tensors: dict[str, torch.Tensor], quant: dict) -> None:
-    """Float tensors as they are; each GPTQ / AWQ Linear unpacked, dequantized for the shape
-    checks of load_weights, then kept in int4 wherever all parts of a fused weight agree."""
+    """Float tensors as they are; each GPTQ / AWQ Linear unpacked and kept in int4 wherever all
+    parts of a fused weight agree (see place_quantized), else dequantized into the float weight."""
     check_config(quant)
     method = quant["quant_method"]
     zero_offset = 1 if method == "gptq" and quant.get("checkpoint_format", "gptq") == "gptq" else 0
@@ -89,15 +89,12 @@ def load_gptq_awq(model, tensors: dict[str, torch.Tensor], quant: dict) -> None:
             missing = [f"{prefix}.{p}" for p in ("qzeros", "scales") if f"{prefix}.{p}" not in tensors]
             if missing:
                 raise ValueError(f"the checkpoint has {name} but lacks {' and '.join(missing)}")
-            parts = unpack(method, tensor, tensors[f"{prefix}.qzeros"], tensors[f"{prefix}.scales"],
-                           tensors.get(f"{prefix}.g_idx"), zero_offset)
-            unpacked[f"{prefix}.weight"] = parts
-            floats.append((f"{prefix}.weight", quantized_weight([parts]).dequantize()))
+            unpacked[f"{prefix}.weight"] = unpack(method, tensor, tensors[f"{prefix}.qzeros"],
+                                                  tensors[f"{prefix}.scales"], tensors.get(f"{prefix}.g_idx"),
+                                                  zero_offset)
         elif not name.endswith((".qzeros", ".scales", ".g_idx")):
             floats.append((name, tensor))
+    shapes = {name: tuple(parts[0].shape) for name, parts in unpacked.items()}
+    placed = place_quantized(model, shapes, lambda names: quantized_weight([unpacked[name] for name in names]))
+    floats += [(name, quantized_weight([parts]).dequantize()) for name, parts in unpacked.items() if name not in placed]
     model.load_weights(floats)
-    for module, attr, names in model.matmul_weights():
-        if all(name in unpacked for name in names):
-            weight = quantized_weight([unpacked[name] for name in names])
-            if weight is not None:
-                replace_weight(module, attr, weight)

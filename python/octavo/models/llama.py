@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .. import _C
 from ..config import ModelConfig
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.linear import linear
+from ..layers.linear import QuantizedWeight, linear
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin_cache, rope_is_neox
 
@@ -115,8 +115,9 @@ class LlamaForCausalLM(torch.nn.Module):
 
     # ---- weights ------------------------------------------------------------------------------
 
-    def _targets(self) -> dict[str, tuple[torch.Tensor, int, int]]:
-        """HF tensor name -> (destination parameter, first row, rows) for every expected tensor."""
+    def weight_targets(self) -> dict[str, tuple[torch.Tensor | QuantizedWeight, int, int]]:
+        """HF tensor name -> (destination parameter, first row, rows) for every expected tensor;
+        a quantized loader may have put a ``QuantizedWeight`` in a parameter's place."""
         c = self.config
         targets = {"model.embed_tokens.weight": (self.embed_tokens, 0, c.vocab_size),
                    "model.norm.weight": (self.norm.weight, 0, c.hidden_size)}
@@ -146,7 +147,7 @@ class LlamaForCausalLM(torch.nn.Module):
         embedding's tensor when the two are tied. Quantized loaders replace these attributes;
         the embedding itself stays a float table for lookups."""
         parts: dict[int, list[tuple[int, str]]] = {}
-        for name, (param, start, _) in self._targets().items():
+        for name, (param, start, _) in self.weight_targets().items():
             parts.setdefault(id(param), []).append((start, name))
         return [(module, attr, [name for _, name in sorted(parts[id(p)])])
                 for module in self.modules() for attr, p in module._parameters.items()
@@ -154,13 +155,17 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (HF names) into the fused parameters, casting to the model
-        dtype. Unknown, mis-shaped or missing tensors raise ValueError naming them."""
-        targets, seen = self._targets(), set()
+        dtype. Unknown, mis-shaped or missing tensors raise ValueError naming them. Weights a
+        quantized loader has placed already (``place_quantized``) are neither filled nor missing."""
+        targets, seen = self.weight_targets(), set()
+        quantized = {name for name, (param, _, _) in targets.items() if isinstance(param, QuantizedWeight)}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # derived from the config / the same tensor as the embedding
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} is not used by {self.config.architecture}")
+            if name in quantized:
+                raise ValueError(f"checkpoint tensor {name!r} is part of a quantized weight placed already")
             param, start, rows = targets[name]
             dest = param.data[start:start + rows]
             if tuple(tensor.shape) != tuple(dest.shape):
@@ -168,7 +173,7 @@ class LlamaForCausalLM(torch.nn.Module):
                                  f"expected {tuple(dest.shape)} from config.json")
             dest.copy_(tensor)
             seen.add(name)
-        missing = sorted(set(targets) - seen)
+        missing = sorted(set(targets) - quantized - seen)
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks tensors {', '.join(missing[:5])}{more}")
