@@ -16,12 +16,13 @@ PPL_TEXT = ("The history of the printing press begins in the fifteenth century, 
             "movable metal type, oil-based ink and a wooden press adapted from those used for wine. Within decades "
             "printing shops spread across Europe, books became cheaper, and literacy grew. Scholars could compare "
             "identical copies of a text, which changed how knowledge was checked and shared.")
-# Bounds: perplexity at most this factor of float32's; greedy outputs identical over 32 tokens
-# for at least this fraction of the prompts; the first generated token the same for at least this
-# fraction. Measured: int8 1.02x, 9/23 identical, first token 87%; int4 (RTN, groups of 96 on the
-# 576-wide rows) 1.39x, 1/23 identical, first token 57%. The default model's float weights are themselves Q4_1 values on another
-# grid, which 4-bit round-to-nearest cannot reproduce.
-BOUNDS = {"int8": (1.05, 0.3, 0.8), "int4": (1.5, 0.0, 0.4)}
+# Bounds: perplexity at most this factor of float32's; greedy outputs (32 tokens) agreeing with
+# float32's for at least this many tokens before their first difference, on average over the
+# prompts; the first generated token the same for at least this fraction of them. Measured: int8
+# 1.02x, 15.4 tokens (9/23 prompts agree throughout), first token 87%; int4 (RTN, groups of 96 on
+# the 576-wide rows) 1.39x, 3.1 tokens, first token 57%. The default model's float weights are
+# themselves Q4_1 values on another grid, which 4-bit round-to-nearest cannot reproduce.
+BOUNDS = {"int8": (1.05, 10.0, 0.8), "int4": (1.5, 2.0, 0.4)}
 
 
 def perplexity(model: LLM, tokenizer) -> float:
@@ -39,9 +40,9 @@ def test_quantized_model_stays_close_to_float(method, llm, path, prompts, tokeni
     assert model.layers[0].mlp.down_weight.weight_format == method
     ratio = perplexity(quantized, tokenizer) / perplexity(llm, tokenizer)
     ours, base = token_ids(quantized, prompts), token_ids(llm, prompts)
-    identical = sum(a == b for a, b in zip(ours, base)) / len(base)
+    agreed = sum(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(b)) for a, b in zip(ours, base)) / len(base)
     first = sum(a[0] == b[0] for a, b in zip(ours, base)) / len(base)
     with capsys.disabled():
-        print(f"\n{method}: perplexity {ratio:.3f}x float32, {identical:.0%} identical, first token {first:.0%}")
-    max_ratio, min_identical, min_first = BOUNDS[method]
-    assert 1 / max_ratio < ratio <= max_ratio and identical >= min_identical and first >= min_first
+        print(f"\n{method}: perplexity {ratio:.3f}x float32, {agreed:.1f} tokens agree, first token {first:.0%}")
+    max_ratio, min_agreed, min_first = BOUNDS[method]
+    assert 1 / max_ratio < ratio <= max_ratio and agreed >= min_agreed and first >= min_first
