@@ -100,6 +100,9 @@ __global__ void __launch_bounds__(Shape<kD, kKeys>::kThreads) prefill_kernel(Pag
   const PrefillTile t = prefill_tile(p, tile_offsets, tile, group);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = warp * 16 * kM + lane / 4;  // the thread's rows: row0 + 16i + 8h
+  // A warp whose rows are all padding skips the math (it still copies and meets the barriers):
+  // a decode in a mixed batch fills `group` of the tile's rows, so most warps have none.
+  const bool warp_has_rows = warp * 16 * kM < static_cast<int>(t.q_count) * group;
   int pos[kM][2];  // their positions (contexts fit 32 bits)
 #pragma unroll
   for (int i = 0; i < kM; ++i)
@@ -144,10 +147,12 @@ __global__ void __launch_bounds__(Shape<kD, kKeys>::kThreads) prefill_kernel(Pag
       return !masked ||
              (*row_flag<kD, S::kLd>(k_tile, j) && key <= pos[i][h] && (window == 0 || key > pos[i][h] - window));
     };
-    mma_attention::Scores<kM, S::kKeys> s;
-    mma_attention::score_tile<T, kM, kD, S::kKeys, S::kLd>(q_s + warp * 16 * kM * S::kLd, k_tile, lane, s);
-    mma_attention::softmax_tile<kM, kD, S::kKeys>(p, visible, lane, s, rows, o);
-    mma_attention::accumulate_tile<T, kM, kD, S::kKeys, S::kLd>(s, v_s + buf * S::kTile, lane, o);
+    if (warp_has_rows) {
+      mma_attention::Scores<kM, S::kKeys> s;
+      mma_attention::score_tile<T, kM, kD, S::kKeys, S::kLd>(q_s + warp * 16 * kM * S::kLd, k_tile, lane, s);
+      mma_attention::softmax_tile<kM, kD, S::kKeys>(p, visible, lane, s, rows, o);
+      mma_attention::accumulate_tile<T, kM, kD, S::kKeys, S::kLd>(s, v_s + buf * S::kTile, lane, o);
+    }
     __syncthreads();  // `buf` is refilled by the next iteration's copy
   }
   copy_async_wait<0>();  // with no key at all, the query's copies are still pending
