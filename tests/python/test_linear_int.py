@@ -101,6 +101,47 @@ def test_quantize_model_replaces_the_projections():
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("dtype,tied", [("float32", True), ("bfloat16", False)])
+def test_quantizing_while_loading_equals_quantizing_the_loaded_model(tmp_path, monkeypatch, method, dtype, tied):
+    """load_model(quantization=) quantizes each projection as its parts arrive: the very weights
+    quantize_model makes from the loaded model, while no projection's floats reach the model."""
+    from octavo.loader import load_model
+    from octavo.models.llama import LlamaForCausalLM
+    from test_models import tiny_checkpoint
+
+    tiny_checkpoint("llama", tmp_path, tie_word_embeddings=tied)
+    whole = quantize_model(load_model(tmp_path, dtype), method)
+    filled = []
+    load_weights = LlamaForCausalLM.load_weights
+    monkeypatch.setattr(LlamaForCausalLM, "load_weights",
+                        lambda self, weights: load_weights(self, (filled.append(n) or (n, t) for n, t in weights)))
+    streamed = load_model(tmp_path, dtype, quantization=method)
+    assert not [n for n in filled if n.endswith("_proj.weight") or n == "lm_head.weight"]
+    assert ("model.embed_tokens.weight" in filled) and torch.equal(streamed.embed_tokens, whole.embed_tokens)
+    ours, theirs = dict(streamed.named_buffers()), dict(whole.named_buffers())
+    assert ours.keys() == theirs.keys() and any(k.endswith("qweight") for k in ours)
+    for name, buffer in theirs.items():
+        assert torch.equal(ours[name], buffer), name
+    assert streamed.lm_head.weight_format == "int8"
+
+
+def test_quantizing_while_loading_names_a_missing_part(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from octavo.loader import load_model
+    from test_models import tiny_checkpoint
+
+    tiny_checkpoint("llama", tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.v_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint lacks tensors model\.layers\.1\.self_attn\.v_proj\.weight$"):
+        load_model(tmp_path, quantization="int4")
+    with pytest.raises(ValueError, match="unsupported quantization method 'int3'"):
+        load_model(tmp_path, quantization="int3")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
 def test_octavo_quantize_writes_a_checkpoint_that_loads_as_it_is(tmp_path, method):
     from octavo import LLM, SamplingParams
     from octavo.entrypoints.cli import main

@@ -16,7 +16,6 @@ import torch
 
 from .. import FINISH_REASONS, Scheduler, SchedulerConfig
 from ..device import cpu_only_reason, resolve_device
-from ..layers.quantize import quantize_model
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.model_runner import ModelRunner, kv_cache_block_bytes, profile_activation_bytes
@@ -89,9 +88,8 @@ class LLMEngine:
             self.device = torch.device("cpu")
         elif reason:
             raise ValueError(f"device={str(device)!r}: {reason}; use device='cpu'")
-        self.model = load_model(model, dtype, load_format, self.device)
-        if quantization is not None:  # "int8" / "int4": round-to-nearest at load time (layers/quantize.py)
-            quantize_model(self.model, quantization)
+        # quantization "int8" / "int4": round to nearest as the weights are read (layers/quantize.py)
+        self.model = load_model(model, dtype, load_format, self.device, quantization)
         self.tokenizer = tokenizer
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings

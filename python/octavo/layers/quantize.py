@@ -13,7 +13,7 @@ LM head of a small model is a fifth of its weights.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -71,6 +71,16 @@ def replace_weight(module: torch.nn.Module, name: str, weight: QuantizedWeight) 
     setattr(module, name, weight)
 
 
+def check_shapes(targets: dict, shapes: dict[str, tuple[int, ...]]) -> None:
+    """The checkpoint tensors' shapes against the rows of ``model.weight_targets()`` they fill,
+    with load_weights' message."""
+    for name, shape in shapes.items():
+        param, _, rows = targets[name]
+        if tuple(shape) != (rows, param.shape[1]):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shape)}, "
+                             f"expected {(rows, param.shape[1])} from config.json")
+
+
 def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
                     make: Callable[[list[str]], QuantizedWeight | None]) -> set[str]:
     """Puts a quantized checkpoint's weights in place before any float is loaded, so that the
@@ -87,11 +97,7 @@ def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
     for module, attr, names in model.matmul_weights():
         if not all(name in shapes for name in names):
             continue
-        for name in names:
-            param, _, rows = targets[name]
-            if tuple(shapes[name]) != (rows, param.shape[1]):
-                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(shapes[name])}, "
-                                 f"expected {(rows, param.shape[1])} from config.json")
+        check_shapes(targets, {name: shapes[name] for name in names})
         weight = make(names)
         if weight is not None:
             replace_weight(module, attr, weight)
@@ -100,17 +106,56 @@ def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
     return placed - floats
 
 
-def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
-    """Quantizes ``model``'s float matmul weights in place (see the module docstring)."""
+def _check_method(model: torch.nn.Module, method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
     if any(isinstance(m, QuantizedWeight) for m in model.modules()):
         raise ValueError(f"quantization={method!r} needs float weights, but this model's are quantized already "
                          f"(a GGUF file or a GPTQ / AWQ / octavo checkpoint)")
+
+
+def _quantize_weight(attr: str, weight: torch.Tensor, method: str) -> QuantizedWeight:
+    return quantize_int8(weight) if attr == "lm_head" else quantize(weight, method)
+
+
+def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
+    """Quantizes ``model``'s float matmul weights in place (see the module docstring)."""
+    _check_method(model, method)
     for module, attr, _ in model.matmul_weights():
-        weight = module._parameters[attr].data
-        replace_weight(module, attr, quantize_int8(weight) if attr == "lm_head" else quantize(weight, method))
+        replace_weight(module, attr, _quantize_weight(attr, module._parameters[attr].data, method))
     return model
+
+
+def load_quantizing(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]], method: str) -> None:
+    """``model.load_weights(weights)`` and ``quantize_model(model, method)`` in one pass: each
+    matmul weight is quantized as soon as the checkpoint has given all its parts, and its float
+    parameter is never filled, so loading holds one projection in floats at a time instead of the
+    whole float model. The weights are those quantize_model makes: the parts are cast to the
+    model's dtype first, as the parameters would hold them."""
+    _check_method(model, method)
+    targets = model.weight_targets()
+    group_of = {name: (module, attr, names) for module, attr, names in model.matmul_weights() for name in names}
+    # A tied LM head's part is the embedding, which also stays a float table for lookups.
+    embedding = getattr(model, "embed_tokens", None)
+    also_float = {name for name, (param, _, _) in targets.items() if param is embedding}
+    pending: dict[str, torch.Tensor] = {}
+
+    def floats() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in weights:
+            if name not in group_of or name in also_float:
+                yield name, tensor
+            if name not in group_of:
+                continue
+            module, attr, names = group_of[name]
+            pending[name] = tensor
+            if all(part in pending for part in names):
+                check_shapes(targets, {part: tuple(pending[part].shape) for part in names})
+                parts = [pending.pop(part).to(model.dtype) for part in names]
+                replace_weight(module, attr, _quantize_weight(attr, torch.cat(parts) if len(parts) > 1 else parts[0],
+                                                              method))
+        yield from list(pending.items())  # parts of a weight the checkpoint lacks some of: load_weights names those
+
+    model.load_weights(floats())
 
 
 # ---- Octavo's quantized checkpoints (octavo quantize) ----------------------------------------

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from ..layers.quantize import QUANT_METHOD, quantize_model, quantized_state
+from ..layers.quantize import QUANT_METHOD, quantized_state
 from .safetensors_files import load_model
 
 # What is copied from the source besides the weights and config.json.
@@ -24,7 +24,7 @@ def write_quantized_checkpoint(src: str | Path, dst: str | Path, method: str) ->
     if not (src / "config.json").is_file():
         raise ValueError(f"{src} is not a Hugging Face checkpoint directory (no config.json); "
                          f"octavo quantize takes float safetensors checkpoints")
-    model = quantize_model(load_model(src, "auto"), method)
+    model = load_model(src, "auto", quantization=method)
     tensors, layouts = quantized_state(model)
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = {"quant_method": QUANT_METHOD, "format": method, "layouts": layouts}

@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
-from ..layers.quantize import QUANT_METHOD, load_quantized_state
+from ..layers.quantize import QUANT_METHOD, load_quantized_state, load_quantizing, quantize_model
 from ..models import model_class
 from .gptq_awq import METHODS as GPTQ_AWQ
 from .gptq_awq import load_gptq_awq
@@ -54,13 +54,15 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors",
-               device: torch.device | str = "cpu"):
+               device: torch.device | str = "cpu", quantization: str | None = None):
     """Builds the model for ``path``'s config.json and fills its weights (or, for a ``.gguf``
     file, the model it holds, see gguf_file.py).
 
     dtype "auto" takes the checkpoint's ``torch_dtype``. load_format "dummy" skips the files and
     fills every weight with small random values (benchmarks of large shapes). The parameters
     are created on ``device``; checkpoint tensors are copied into them as they are read.
+    ``quantization`` "int8" / "int4" quantizes the projections of a float checkpoint as they
+    are read (layers/quantize.py), so the float model is never whole in memory.
     """
     from .gguf_file import is_gguf, load_gguf_model
 
@@ -72,7 +74,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):
-        return load_gguf_model(path, dtype)
+        return _quantized_after(load_gguf_model(path, dtype), quantization)  # refused: GGUF weights are quantized
     config = ModelConfig.from_pretrained(path)
     if dtype == "auto":
         dtype = config.torch_dtype
@@ -91,7 +93,16 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         load_gptq_awq(model, dict(iter_safetensors(path)), config.hf["quantization_config"])
     elif load_format == "safetensors":
         reject_foreign_quantization(config)
+        if quantization is not None:
+            load_quantizing(model, iter_safetensors(path), quantization)
+            return model.eval()
         model.load_weights(iter_safetensors(path))
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
-    return model.eval()
+    return _quantized_after(model.eval(), quantization)
+
+
+def _quantized_after(model, quantization: str | None):
+    """quantization of a model loaded whole: dummy weights, or the clear error for a checkpoint
+    that is quantized already."""
+    return model if quantization is None else quantize_model(model, quantization)

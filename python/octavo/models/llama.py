@@ -173,7 +173,8 @@ class LlamaForCausalLM(torch.nn.Module):
                                  f"expected {tuple(dest.shape)} from config.json")
             dest.copy_(tensor)
             seen.add(name)
-        missing = sorted(set(targets) - quantized - seen)
+        placed = {name for name, (param, _, _) in self.weight_targets().items() if isinstance(param, QuantizedWeight)}
+        missing = sorted(set(targets) - placed - seen)  # `weights` may place quantized weights as it goes
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks tensors {', '.join(missing[:5])}{more}")
