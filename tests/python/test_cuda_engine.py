@@ -99,6 +99,25 @@ def test_kv_cache_is_sized_from_gpu_memory(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_packed_outputs_come_back_apart_in_one_copy(device):
+    from octavo.runner.staging import PackedOutputs
+
+    outputs = PackedOutputs(torch.device(device), ids=((5,), torch.int32), logprobs=((5,), torch.float32),
+                            top=((5, 3), torch.int64), empty=((0, 2), torch.float32), flags=((7,), torch.uint8))
+    values = {"ids": torch.arange(5, dtype=torch.int32) - 2, "logprobs": torch.linspace(-3, 0, 5),
+              "top": torch.arange(15, dtype=torch.int64).view(5, 3) << 33, "empty": torch.empty(0, 2),
+              "flags": torch.arange(7, dtype=torch.uint8) * 30}
+    for name, t in outputs.tensors.items():
+        assert t.device.type == device and t.is_contiguous() and (t.data_ptr() % 16 == 0 or t.numel() == 0)
+        t.copy_(values[name])
+    host = outputs.to_host()
+    assert host.keys() == values.keys()
+    for name, expected in values.items():
+        assert host[name].shape == tuple(expected.shape) and host[name].dtype == expected.numpy().dtype
+        assert (host[name] == expected.numpy()).all(), name
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_staging_moves_mixed_arrays_in_one_buffer_and_keeps_them_apart(device):
     import numpy as np
     from octavo.runner.staging import Staging

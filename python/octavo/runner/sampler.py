@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from .staging import Staging
+from .staging import PackedOutputs, Staging
 
 
 @dataclass
@@ -65,15 +65,15 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
     kwargs = dict(zip(inputs, (staging or Staging(device)).to_device(*inputs.values())))
     temperature, seeds, counters = kwargs.pop("temperature"), kwargs.pop("seeds"), kwargs.pop("counters")
     num_top = max((s.params.logprobs or 0) for s in states)
-    wants_logprobs = any(s.params.logprobs is not None for s in states)
-    outputs = {"token_ids": torch.empty(n, dtype=torch.int32, device=device)}
-    if wants_logprobs:
-        outputs.update(logprobs=torch.empty(n, dtype=torch.float32, device=device),
-                       ranks=torch.empty(n, dtype=torch.int32, device=device))
-        kwargs.update(sampled_logprobs=outputs["logprobs"], sampled_ranks=outputs["ranks"])
+    specs = {"token_ids": ((n,), torch.int32)}
+    if any(s.params.logprobs is not None for s in states):
+        specs.update(logprobs=((n,), torch.float32), ranks=((n,), torch.int32))
         if num_top:
-            outputs.update(top_token_ids=torch.empty(n, num_top, dtype=torch.int32, device=device),
-                           top_logprobs=torch.empty(n, num_top, dtype=torch.float32, device=device))
-            kwargs.update(top_token_ids=outputs["top_token_ids"], top_logprobs=outputs["top_logprobs"])
-    _C.ops.sample(logits, temperature, seeds, counters, outputs["token_ids"], **kwargs)
-    return SamplerOutput(**{name: t.cpu().numpy() for name, t in outputs.items()})
+            specs.update(top_token_ids=((n, num_top), torch.int32), top_logprobs=((n, num_top), torch.float32))
+    outputs = PackedOutputs(device, **specs)  # one copy back, however many outputs
+    out = outputs.tensors
+    kwargs.update({arg: out[name] for arg, name in (("sampled_logprobs", "logprobs"), ("sampled_ranks", "ranks"),
+                                                    ("top_token_ids", "top_token_ids"),
+                                                    ("top_logprobs", "top_logprobs")) if name in out})
+    _C.ops.sample(logits, temperature, seeds, counters, out["token_ids"], **kwargs)
+    return SamplerOutput(**outputs.to_host())

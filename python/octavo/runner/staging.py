@@ -1,10 +1,11 @@
-"""A step's small host arrays moved to the device in one copy.
+"""A step's small host arrays moved to the device in one copy, and its small results back in one.
 
 Each step hands the GPU a handful of small arrays (token ids, positions, slots, block tables,
 sampling parameters). Copied one by one from pageable memory, each is a separate synchronous
 driver call; here they are packed into one pinned buffer and sent with one asynchronous copy,
 and the tensors handed back are views of one device buffer. On the CPU the arrays are copied
-into tensors of their own.
+into tensors of their own. The sampler's outputs (token ids, and logprobs when asked) likewise
+live in one device buffer (``PackedOutputs``) that comes back in one copy.
 """
 
 from __future__ import annotations
@@ -28,10 +29,7 @@ class Staging:
     def to_device(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         if self.device.type != "cuda":
             return [torch.from_numpy(np.array(a)) for a in arrays]
-        offsets, total = [], 0
-        for a in arrays:
-            offsets.append(total)
-            total += -(-a.nbytes // _ALIGN) * _ALIGN
+        offsets, total = _layout([a.nbytes for a in arrays])
         self._reserve(total)
         host = self._host.numpy()
         for a, at in zip(arrays, offsets):
@@ -53,6 +51,37 @@ class Staging:
         # caching allocator in stream order, so dropping it here is safe.
         self._target = torch.empty(size, dtype=torch.uint8, device=self.device)
         self._copied = torch.cuda.Event()
+
+
+class PackedOutputs:
+    """Empty tensors of the given shapes and dtypes on ``device``, views of one buffer, so that
+    what a kernel writes into them comes back in one copy (``to_host``)."""
+
+    def __init__(self, device: torch.device, **specs: tuple[tuple[int, ...], torch.dtype]):
+        sizes = [int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs.values()]
+        offsets, total = _layout(sizes)
+        self._buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        self.tensors = {name: self._buffer[at:at + size].view(dtype).view(shape)
+                        for (name, (shape, dtype)), at, size in zip(specs.items(), offsets, sizes)}
+        self._offsets = dict(zip(specs, offsets))
+
+    def to_host(self) -> dict[str, np.ndarray]:
+        host = self._buffer.cpu().numpy()  # one device-to-host copy (none on the CPU)
+        return {name: host[at:at + t.nbytes].view(_numpy_dtype(t.dtype)).reshape(t.shape)
+                for (name, t), at in zip(self.tensors.items(), self._offsets.values())}
+
+
+def _layout(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of consecutive parts, each _ALIGN-aligned, and the total."""
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // _ALIGN) * _ALIGN
+    return offsets, total
+
+
+def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
+    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
