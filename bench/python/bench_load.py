@@ -37,7 +37,8 @@ def sample():
 anon_before, before, start = anon_kib(), kib(), time.perf_counter()
 sampler = threading.Thread(target=sample)
 sampler.start()
-model = load_model(sys.argv[1], sys.argv[2], quantization=sys.argv[3] or None)
+# quantization= only when asked: the loaders before it existed run this too (for a "before" row)
+model = load_model(sys.argv[1], sys.argv[2], **({"quantization": sys.argv[3]} if sys.argv[3] else {}))
 seconds = time.perf_counter() - start
 done.set()
 sampler.join()

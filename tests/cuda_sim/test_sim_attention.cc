@@ -4,12 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <numeric>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "cuda/cuda_kernels.h"  // multiprocessor_count
 #include "octavo/status.h"
 #include "sim_test_util.h"
 
@@ -72,6 +74,13 @@ struct Batch {
     query = sim_test::randn({tokens, heads, head_size}, dtype, gen);
   }
 
+  // Whether key k of sequence b lies in a block of the cache: the CUDA kernels mask keys of a
+  // block id outside it (the host cannot check the table without reading it back).
+  bool in_cache(int b, int k) const {
+    const int64_t block = block_tables.get(b * block_tables.shape()[1] + k / block_size);
+    return block >= 0 && block < key_cache.shape()[0];
+  }
+
   // Softmax(q·k * scale, capped, masked) · v per query row, in float64 from the rounded inputs.
   std::vector<double> reference(double scale, int window, double softcap) const {
     std::vector<double> out(static_cast<size_t>(query.numel()));
@@ -84,7 +93,7 @@ struct Batch {
           std::vector<double> s(len, -INFINITY);
           double top = -INFINITY;
           for (int k = 0; k <= qpos; ++k) {
-            if (window > 0 && k <= qpos - window) continue;
+            if ((window > 0 && k <= qpos - window) || !in_cache(b, k)) continue;
             double dot = 0;
             for (int d = 0; d < head_size; ++d)
               dot += double{query.get(((q0 + i) * heads + h) * head_size + d)} *
@@ -145,12 +154,16 @@ void check(const Batch& batch, int window = 0, double softcap = 0, int pad = 0) 
 
 std::string name(DType dtype) { return octavo::dtype_name(dtype); }
 
-// Launches on a simulated device of other properties while in scope. A new device each time:
-// the kernels' host code reads a device's properties once.
+// Launches on a simulated device of other properties while in scope. One device per set of
+// properties (the kernels' host code reads a device's properties once, so device 0's cannot be
+// changed), made on first use.
 class OnDevice {
  public:
   explicit OnDevice(cuda_sim::DeviceProperties properties) {
-    EXPECT_EQ(cudaSetDevice(cuda_sim::add_device(properties)), cudaSuccess);
+    static std::map<std::pair<int, int>, int> devices;
+    const auto key = std::make_pair(properties.multiprocessors, properties.shared_optin);
+    if (devices.count(key) == 0) devices[key] = cuda_sim::add_device(properties);
+    EXPECT_EQ(cudaSetDevice(devices[key]), cudaSuccess);
   }
   ~OnDevice() { cudaSetDevice(0); }
   OnDevice(const OnDevice&) = delete;
@@ -192,6 +205,7 @@ TEST(SimAttention, Decodes) {
 TEST(SimAttention, LongContexts) {
   for (int sms : {132, 8}) {
     OnDevice device({sms});
+    ASSERT_EQ(octavo::cuda::multiprocessor_count(), sms);
     for (DType dtype : sim_test::kFloatDTypes) {
       SCOPED_TRACE(name(dtype) + " decodes on " + std::to_string(sms) + " SMs");
       std::mt19937 gen(3);
@@ -269,6 +283,22 @@ TEST(SimAttention, HeadSize256PrefillFitsA99KiBDevice) {
               std::string::npos)
         << e.what();
   }
+}
+
+// Block ids outside the cache (-1, or past its last block) in the middle of sequences: the keys
+// they hold are masked by every kernel (float32: split-KV; 16-bit: prefill in the mixed batch,
+// grouped decode for the decodes), as the reference leaves them out.
+TEST(SimAttention, BlockIdsOutsideTheCacheMaskTheirKeys) {
+  for (DType dtype : sim_test::kFloatDTypes)
+    for (const Seqs* seqs : {&kMixed, &kDecodes}) {
+      SCOPED_TRACE(name(dtype) + (seqs == &kMixed ? " mixed" : " decodes"));
+      std::mt19937 gen(33);
+      Batch batch(*seqs, 8, 2, 64, 16, dtype, gen);
+      const int64_t width = batch.block_tables.shape()[1];
+      batch.block_tables.set(3 * width + 1, -1);                                    // keys 16-31 of sequence 3
+      batch.block_tables.set(5 * width + 2, static_cast<double>(batch.key_cache.shape()[0]));  // keys 32-47 of 5
+      check(batch);
+    }
 }
 
 TEST(SimAttention, RefusesWhatItHasNoKernelFor) {

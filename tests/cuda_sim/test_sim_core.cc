@@ -158,6 +158,9 @@ TEST(CudaSim, SharedMemoryPast48KiBNeedsTheOptIn) {
 // Devices of other shapes: their own attributes, and opt-ins that hold on the device that made
 // them, as on a GPU.
 TEST(CudaSim, AddedDevicesHaveTheirOwnPropertiesAndOptIns) {
+  struct BackToDevice0 {
+    ~BackToDevice0() { cudaSetDevice(0); }  // even when an assertion ends the test early
+  } restore;
   const int rtx = cuda_sim::add_device({82, 101376});  // an RTX 3090's SMs and opt-in limit
   const int h100 = cuda_sim::add_device({});
   int value = 0, count = 0;
@@ -186,6 +189,5 @@ TEST(CudaSim, AddedDevicesHaveTheirOwnPropertiesAndOptIns) {
   ASSERT_EQ(cudaSetDevice(h100), cudaSuccess);  // the opt-in above was the RTX's alone
   cuda_sim::launch(large_shared_kernel, 1, 32, 100001, &out);
   expect_failure(cudaErrorInvalidConfiguration, "past the kernel's 49152");
-  ASSERT_EQ(cudaSetDevice(0), cudaSuccess);
 }
 }  // namespace

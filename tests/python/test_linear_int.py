@@ -125,7 +125,7 @@ def test_quantizing_while_loading_equals_quantizing_the_loaded_model(tmp_path, m
     assert streamed.lm_head.weight_format == "int8"
 
 
-def test_quantizing_while_loading_names_a_missing_part(tmp_path):
+def test_quantizing_while_loading_refuses_what_it_cannot_do(tmp_path):
     from safetensors.torch import load_file, save_file
 
     from octavo.loader import load_model
@@ -139,6 +139,8 @@ def test_quantizing_while_loading_names_a_missing_part(tmp_path):
         load_model(tmp_path, quantization="int4")
     with pytest.raises(ValueError, match="unsupported quantization method 'int3'"):
         load_model(tmp_path, quantization="int3")
+    with pytest.raises(ValueError, match="cannot be loaded on cuda: quantized weights run on the CPU only"):
+        load_model(tmp_path, device="cuda", quantization="int4")
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

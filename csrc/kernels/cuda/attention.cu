@@ -1,7 +1,6 @@
 // paged_attention's host side: which kernel takes a batch (prefill, grouped decode or split-KV
 // decode), how many splits, the split workspace, the head-size and dtype dispatch, and the merge
 // of split results.
-#include <atomic>
 #include <cmath>
 #include <type_traits>
 

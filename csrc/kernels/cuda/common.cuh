@@ -38,7 +38,8 @@ void allow_shared_memory(Kernel kernel, size_t bytes, std::atomic<bool> (&opted_
   OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
                     cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(bytes)) == cudaSuccess,
-                    what << ": the kernel's " << bytes << " bytes of shared memory are not available");
+                    what << ": the kernel's " << bytes << " bytes of shared memory are not available (CUDA device "
+                         << device << " allows " << shared_memory_optin() << " per block)");
   opted_in[device].store(true);
 }
 

@@ -70,11 +70,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     if device.type != "cpu":
         from ..device import cpu_only_reason
 
-        reason = cpu_only_reason(path)
+        reason = cpu_only_reason(path, quantization)
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):
-        return _quantized_after(load_gguf_model(path, dtype), quantization)  # refused: GGUF weights are quantized
+        return _quantized_after(load_gguf_model(path, dtype), quantization)
     config = ModelConfig.from_pretrained(path)
     if dtype == "auto":
         dtype = config.torch_dtype
@@ -103,6 +103,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
 
 
 def _quantized_after(model, quantization: str | None):
-    """quantization of a model loaded whole: dummy weights, or the clear error for a checkpoint
-    that is quantized already."""
+    """quantization of a model loaded whole: dummy weights, a GGUF file of float tensors only, or
+    the clear error for weights that are quantized already."""
     return model if quantization is None else quantize_model(model, quantization)
