@@ -18,6 +18,7 @@ def cuda_unusable_reason() -> str | None:
 
 
 CUDA_HEAD_SIZES = (64, 128, 256)  # the attention kernels compiled in csrc/kernels/cuda/attention_d*.cu
+CUDA_MAX_GROUP = 16  # query heads per KV head the CUDA attention kernels take (kMaxGroup)
 
 
 def cpu_only_reason(model, quantization: str | None = None) -> str | None:
@@ -33,6 +34,9 @@ def cpu_only_reason(model, quantization: str | None = None) -> str | None:
         return f"{quant_method(config)} checkpoints run on the CPU only so far"
     if config.head_dim not in CUDA_HEAD_SIZES:
         return f"head size {config.head_dim} has no CUDA attention kernel (compiled: {CUDA_HEAD_SIZES})"
+    group = config.num_attention_heads // config.num_key_value_heads
+    if group > CUDA_MAX_GROUP:
+        return f"{group} query heads per KV head; the CUDA attention kernels take at most {CUDA_MAX_GROUP}"
     return None
 
 
@@ -51,5 +55,8 @@ def resolve_device(requested: str | torch.device | None = "auto") -> torch.devic
         reason = cuda_unusable_reason()
         if reason:
             raise ValueError(f"device {str(device)!r} cannot be used: {reason}")
-        return torch.device("cuda", device.index or 0)
+        count = torch.cuda.device_count()
+        if device.index is not None and not 0 <= device.index < count:
+            raise ValueError(f"device {str(device)!r} does not exist: this machine has {count} CUDA device(s)")
+        return torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
     return device

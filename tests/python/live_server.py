@@ -36,8 +36,11 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
+        # The CPU unless args say otherwise: these tests check the CPU backend's exact, batch-invariant
+        # outputs (test_cuda_engine.py runs the engine on a GPU).
+        device = [] if "--device" in args else ["--device", "cpu"]
         command = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", "--port", str(self.port),
-                   "--uvicorn-log-level", "warning", *args]
+                   "--uvicorn-log-level", "warning", *device, *args]
         self._log_file = open(log, "w")
         self.process = subprocess.Popen(command, stdout=self._log_file, stderr=subprocess.STDOUT, env=os.environ.copy())
         self._wait_healthy()

@@ -3,6 +3,8 @@ tokens on the same GPU (float32), and the KV cache is sized from the GPU's memor
 where a GPU is present and this build carries CUDA kernels; the CPU-side checks of device
 selection run everywhere."""
 
+import gc
+
 import pytest
 import torch
 from octavo import _C, LLM, SamplingParams
@@ -29,6 +31,10 @@ def test_device_selection():
     if cuda_unusable_reason():
         with pytest.raises(ValueError, match="cannot be used: "):
             resolve_device("cuda")
+    else:  # plain "cuda" is torch's current device, as in torch; an index must exist
+        assert resolve_device("cuda") == torch.device("cuda", torch.cuda.current_device())
+        with pytest.raises(ValueError, match="does not exist: this machine has"):
+            resolve_device(f"cuda:{torch.cuda.device_count()}")
 
 
 def test_bad_engine_device_arguments_are_refused(tmp_path):
@@ -45,6 +51,10 @@ def test_what_cannot_run_on_a_gpu_is_named(tmp_path):
     assert cpu_only_reason(tmp_path / "ok") is None
     assert "head size 32 has no CUDA attention kernel" in cpu_only_reason(tmp_path / "head32")
     assert "quantized weights" in cpu_only_reason(tmp_path / "ok", quantization="int4")
+    tiny_checkpoint("llama", tmp_path / "group32", head_dim=64, num_attention_heads=32, num_key_value_heads=1,
+                    hidden_size=64)
+    assert "32 query heads per KV head; the CUDA attention kernels take at most 16" in \
+        cpu_only_reason(tmp_path / "group32")
 
 
 @pytest.mark.cuda
@@ -77,9 +87,12 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
     assert llm.llm_engine.model.embed_tokens.device.type == "cuda"
     assert (llm.llm_engine.runner.cuda_graphs is None) == enforce_eager
     prompts = [tokenizer.encode(t) for t in ("Hello world", "Straße und Meer", "x", "a longer prompt " * 6)]
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(prompts, outputs):
-        assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, 16)
+    # Requests end one after another, so decode steps run 4, 3 (padded to the graph of 4), 2 and 1 rows.
+    lengths = [16, 11, 6, 3]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, out, n in zip(prompts, outputs, lengths):
+        assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, n)
     assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
 
 
@@ -87,6 +100,8 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
 @needs_cuda_build
 def test_kv_cache_is_sized_from_gpu_memory(tmp_path, capsys):
     tiny_model_dir(tmp_path)
+    gc.collect()
+    torch.cuda.empty_cache()  # earlier tests' cached blocks would count as used here, not in the engine
     free, total = torch.cuda.mem_get_info()
     llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", gpu_memory_utilization=0.5)
     printed = capsys.readouterr().out

@@ -1,8 +1,8 @@
-"""The real default model (SmolLM2-135M-Instruct) end to end against transformers on the same
-weights: greedy outputs identical in float32 over a varied prompt set, bfloat16 agreeing on the
-first 32 tokens for at least 90% of it, and a prompt's greedy output the same alone, in a batch of
-32, with a prefix-cache hit, with chunked prefill and after preemption. Seeded sampling does not
-depend on the batch."""
+"""The real default model (SmolLM2-135M-Instruct) end to end on the CPU backend (test_cuda_engine.py
+has the GPU's) against transformers on the same weights: greedy outputs identical in float32 over
+a varied prompt set, bfloat16 agreeing on the first 32 tokens for at least 90% of it, and a
+prompt's greedy output the same alone, in a batch of 32, with a prefix-cache hit, with chunked
+prefill and after preemption. Seeded sampling does not depend on the batch."""
 import importlib.util
 
 import pytest
@@ -69,7 +69,7 @@ def prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def llm(path):
-    return LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    return LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_bytes=256 << 20, max_model_len=1024)
 
 
 def hf_greedy(path, dtype: torch.dtype, prompts: list[list[int]], top: int = 0):
@@ -108,7 +108,7 @@ def test_bfloat16_matches_transformers_up_to_near_ties(path, prompts):
     for 90% identical; on this model transformers' own bfloat16 run matches exact arithmetic on
     the same bfloat16 weights for only ~57% of these prompts, so no independently rounded bf16
     implementation can reach that; the figure is asserted at a floor and reported."""
-    llm = LLM(model=str(path), dtype="bfloat16", kv_cache_memory_bytes=128 << 20, max_model_len=1024)
+    llm = LLM(model=str(path), device="cpu", dtype="bfloat16", kv_cache_memory_bytes=128 << 20, max_model_len=1024)
     ours = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=5), use_tqdm=False)
     theirs, their_tops = hf_greedy(path, torch.bfloat16, prompts, top=5)
     agree = 0
@@ -136,12 +136,12 @@ def test_greedy_output_is_batch_invariant(llm, path, prompts):
     assert token_ids(llm, [target])[0] == alone
     assert llm.llm_engine.scheduler.prefix_cache_stats["hits"] >= stats["hits"] + len(target) - 16
 
-    chunked = LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024,
+    chunked = LLM(model=str(path), device="cpu", dtype="float32", kv_cache_memory_bytes=64 << 20, max_model_len=1024,
                   max_num_batched_tokens=32)
     assert token_ids(chunked, [target])[0] == alone
 
     # 40 blocks of 16 tokens cannot hold the batch's ~60 blocks at once: requests get preempted.
-    small = LLM(model=str(path), dtype="float32", max_model_len=1024,
+    small = LLM(model=str(path), device="cpu", dtype="float32", max_model_len=1024,
                 kv_cache_memory_bytes=40 * kv_cache_block_bytes(chunked.llm_engine.model, 16))
     assert token_ids(small, batch)[0] == alone
     assert small.llm_engine.scheduler.num_preemptions > 0

@@ -124,10 +124,12 @@ class LLMEngine:
                         block_size: int) -> int:
         """The KV cache's bytes when the user gives none. On a GPU, as vLLM sizes it: this engine
         may use ``gpu_memory_utilization`` of the device's memory; what is in use already (the
-        weights, other processes) and a step's measured activation peak come off it."""
+        weights, other processes), a step's measured activation peak and the sampler's workspaces
+        (allocated outside torch, float32 weights and counts per row of the vocabulary) come off it."""
         if self.device.type == "cpu":
             return DEFAULT_KV_CACHE_BYTES
         activations = profile_activation_bytes(self.model, step_tokens, max_num_seqs, block_size)
+        activations += 2 * max_num_seqs * self.model.config.vocab_size * 4
         free, total = torch.cuda.mem_get_info(self.device)
         budget = int(total * gpu_memory_utilization) - (total - free) - activations
         if budget <= 0:

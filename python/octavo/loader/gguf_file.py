@@ -120,7 +120,8 @@ def _in_features(weight_format: str, data: np.ndarray) -> int:
 def _as_float(weight_format: str | None, data: np.ndarray) -> torch.Tensor:
     if weight_format is None:
         return torch.from_numpy(np.array(data)).float()
-    return QuantizedWeight(torch.from_numpy(np.array(data)), weight_format, _in_features(weight_format, data)).dequantize()
+    weight = QuantizedWeight(torch.from_numpy(np.array(data)), weight_format, _in_features(weight_format, data))
+    return weight.dequantize()
 
 
 def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> set[str]:

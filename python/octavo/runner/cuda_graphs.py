@@ -49,15 +49,17 @@ class CudaGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         start = time.perf_counter()
         pool = None
-        for size in reversed(self.sizes):  # the largest first: later ones reuse its memory pool
-            self._forward(size)  # warm-up: kernels load, workspaces grow, outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            pool = graph.pool()
-            self.graphs[size] = (graph, logits)
-        torch.cuda.synchronize(device)
-        _C.set_cuda_stream(torch.cuda.current_stream().cuda_stream)  # not the capture's side stream
+        try:
+            for size in reversed(self.sizes):  # the largest first: later ones reuse its memory pool
+                self._forward(size)  # warm-up: kernels load, workspaces grow, outside the capture
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    logits = self._forward(size)
+                pool = graph.pool()
+                self.graphs[size] = (graph, logits)
+            torch.cuda.synchronize(device)
+        finally:  # even after a failed capture: Octavo's kernels go back to torch's stream
+            _C.set_cuda_stream(torch.cuda.current_stream().cuda_stream)  # not the capture's side stream
         self.capture_seconds = time.perf_counter() - start
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -81,8 +83,8 @@ class CudaGraphs:
 
     def _stage_inputs(self, out, size: int) -> None:
         """Writes a step's n requests, padded to ``size``, into the pinned buffer and copies what the
-        graph of that size reads. Padded rows get slot -1 and one key; table rows past n and
-        columns past the step's width keep older block ids, which are never read past a row's
+        graph of that size reads. Padded rows get slot -1 and one key, in the null block; other
+        table entries past the step's keep older block ids, which are never read past a row's
         seq_len."""
         self._copied.synchronize()  # the last copy has read the pinned buffer
         n, largest, width = out.num_reqs, self.sizes[-1], self.block_tables.shape[1]
@@ -93,6 +95,7 @@ class CudaGraphs:
         rows[2, n:size], rows[3, n:size] = -1, 1
         tables = host[4 * largest:].reshape(largest, width)
         tables[:n, :out.block_table.shape[1]] = out.block_table
+        tables[n:size, 0] = 0  # padded rows read their one key from the null block
         used = 4 * largest + size * width
         self._inputs[:used].copy_(self._host[:used], non_blocking=True)
         self._copied.record()
