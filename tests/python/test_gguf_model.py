@@ -51,6 +51,35 @@ def test_chat_uses_the_files_tokenizer_and_template(gguf_llm):
     assert out[0].outputs[0].text == "The capital of France is Paris."
 
 
+def test_the_files_tokenizer_is_converted_once_per_file(tmp_path, monkeypatch):
+    """The tokenizer transformers converts from the file's metadata is saved in Octavo's cache
+    and loaded from there next time: the same tokens, text, special tokens and chat template.
+    A file changed in place (another modification time) is converted again."""
+    import os
+    import shutil
+
+    from octavo.loader import load_tokenizer
+    from test_default_model_outputs import CHATS, TEXTS
+
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    shutil.copyfile(default_gguf_path(), gguf)
+    converted = load_tokenizer(gguf)
+    cached = load_tokenizer(gguf)
+    assert len(list((tmp_path / "cache" / "gguf-tokenizers").iterdir())) == 1
+    for text in TEXTS + CHATS + ["<|im_start|>user\nhé 😀<|im_end|>", " \t\n  x"]:
+        ids = converted.encode(text)
+        assert cached.encode(text) == ids and cached.decode(ids) == converted.decode(ids)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": CHATS[0]}]
+    assert cached.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) == \
+        converted.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert (cached.bos_token_id, cached.eos_token_id, cached.all_special_tokens, len(cached)) == \
+        (converted.bos_token_id, converted.eos_token_id, converted.all_special_tokens, len(converted))
+    os.utime(gguf, ns=(gguf.stat().st_atime_ns, gguf.stat().st_mtime_ns + 10**9))
+    load_tokenizer(gguf)
+    assert len(list((tmp_path / "cache" / "gguf-tokenizers").iterdir())) == 2
+
+
 def test_tensor_names_and_rotary_row_order():
     assert hf_name("blk.7.ffn_down.weight") == "model.layers.7.mlp.down_proj.weight"
     assert hf_name("output_norm.weight") == "model.norm.weight"
