@@ -158,15 +158,14 @@ class LlamaForCausalLM(torch.nn.Module):
         dtype. Unknown, mis-shaped or missing tensors raise ValueError naming them. Weights a
         quantized loader has placed already (``place_quantized``) are neither filled nor missing."""
         targets, seen = self.weight_targets(), set()
-        quantized = {name for name, (param, _, _) in targets.items() if isinstance(param, QuantizedWeight)}
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # derived from the config / the same tensor as the embedding
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} is not used by {self.config.architecture}")
-            if name in quantized:
-                raise ValueError(f"checkpoint tensor {name!r} is part of a quantized weight placed already")
             param, start, rows = targets[name]
+            if isinstance(param, QuantizedWeight):
+                raise ValueError(f"checkpoint tensor {name!r} is part of a quantized weight placed already")
             dest = param.data[start:start + rows]
             if tuple(tensor.shape) != tuple(dest.shape):
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -10,6 +10,8 @@ live in one device buffer (``PackedOutputs``) that comes back in one copy.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -58,17 +60,16 @@ class PackedOutputs:
     what a kernel writes into them comes back in one copy (``to_host``)."""
 
     def __init__(self, device: torch.device, **specs: tuple[tuple[int, ...], torch.dtype]):
-        sizes = [int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size() for shape, dtype in specs.values()]
-        offsets, total = _layout(sizes)
+        sizes = [math.prod(shape) * dtype.itemsize for shape, dtype in specs.values()]
+        self._offsets, total = _layout(sizes)
         self._buffer = torch.empty(total, dtype=torch.uint8, device=device)
         self.tensors = {name: self._buffer[at:at + size].view(dtype).view(shape)
-                        for (name, (shape, dtype)), at, size in zip(specs.items(), offsets, sizes)}
-        self._offsets = dict(zip(specs, offsets))
+                        for (name, (shape, dtype)), at, size in zip(specs.items(), self._offsets, sizes)}
 
     def to_host(self) -> dict[str, np.ndarray]:
-        host = self._buffer.cpu().numpy()  # one device-to-host copy (none on the CPU)
-        return {name: host[at:at + t.nbytes].view(_numpy_dtype(t.dtype)).reshape(t.shape)
-                for (name, t), at in zip(self.tensors.items(), self._offsets.values())}
+        host = self._buffer.cpu()  # one device-to-host copy (none on the CPU)
+        return {name: host[at:at + t.nbytes].view(t.dtype).view(t.shape).numpy()
+                for (name, t), at in zip(self.tensors.items(), self._offsets)}
 
 
 def _layout(sizes: list[int]) -> tuple[list[int], int]:
@@ -78,10 +79,6 @@ def _layout(sizes: list[int]) -> tuple[list[int], int]:
         offsets.append(total)
         total += -(-size // _ALIGN) * _ALIGN
     return offsets, total
-
-
-def _numpy_dtype(dtype: torch.dtype) -> np.dtype:
-    return torch.empty(0, dtype=dtype).numpy().dtype
 
 
 def _torch_dtype(dtype: np.dtype) -> torch.dtype:
