@@ -65,14 +65,14 @@ struct PagedAttentionParams {
 };
 
 struct LinearParams {
-  void* out;             // [rows, out_features], row stride out_stride (dequantize: float32, contiguous)
+  void* out;             // [rows, out_features], row stride out_stride (dequantize: [out_features, in_features])
   const void* input;     // [rows, in_features], row stride in_stride
   const void* weight;    // [out_features, in_features] contiguous, or rows in weight_format
   const void* bias;      // [out_features] or null
   const float* scales;   // kInt8: [out_features]; kInt4: [out_features, in_features / group_size]
   const uint8_t* zeros;  // kInt4: [out_features, in_features / group_size]
   int64_t rows, in_features, out_features, in_stride, out_stride, group_size;
-  DType dtype;           // of out, input and bias (and of a dense weight)
+  DType dtype;           // of out, input and bias (and of a dense weight); dequantize: of out
   WeightFormat weight_format;
 };
 

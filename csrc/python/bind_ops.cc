@@ -122,8 +122,8 @@ void bind_kernels(py::module_& ops) {
       },
       py::arg("out"), py::arg("weight"), py::arg("weight_format"), py::arg("scales") = py::none(),
       py::arg("zeros") = py::none(), py::arg("group_size") = 0,
-      "out [N, K] float32 = the weights a quantized weight stands for (arguments as linear's); GGUF formats "
-      "exactly as the gguf package dequantizes them.");
+      "out [N, K] float32, bfloat16 or float16 = the weights a quantized weight stands for (arguments as "
+      "linear's); GGUF formats exactly as the gguf package dequantizes them, rounded to out's dtype.");
   ops.def("weight_block_bytes", [](const std::string& f) { return weight_block_bytes(parse_weight_format(f.c_str())); },
           py::arg("weight_format"), "Bytes per block of 32 weights in weight_format (0 for 'dense').");
   ops.def(

@@ -95,12 +95,14 @@ struct WeightQuant {
 // exactly the floats `dequantize` gives, so the result equals the dense kernel's on those
 // floats, bit for bit. Each output row is computed the same way whatever M is (batch
 // invariant). Meant for small M (decode batches); for large M a BLAS GEMM may be faster (see
-// python/octavo/layers/linear.py for the measured crossover).
+// python/octavo/layers/linear.py for the measured crossover). On CUDA, dense weights need rows of
+// a multiple of 32 inputs, and the weight and the input rows the alignment a contiguous tensor has.
 void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
             WeightFormat format = WeightFormat::kDense, const WeightQuant& quant = {});
 
-// out [N, K] float32, contiguous = the weights a quantized `weight` stands for; for the GGUF
-// formats exactly as the gguf package dequantizes them.
+// out [N, K] contiguous = the weights a quantized `weight` stands for, as float32 (for the GGUF
+// formats exactly as the gguf package dequantizes them), or those floats rounded to bfloat16 /
+// float16 (the weights torch's GEMM multiplies where M is large).
 void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format, const WeightQuant& quant = {});
 
 // Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,

@@ -44,6 +44,16 @@ def test_dequantize_is_bit_exact_against_gguf(isa, fmt, n, k):
     assert np.array_equal(dequantized(q, fmt).numpy().view(np.uint32), expected.view(np.uint32))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("fmt", QTYPES)
+def test_dequantize_to_16_bits_rounds_the_float32_weights(isa, fmt, dtype):
+    """The weights torch's GEMM multiplies on a GPU, for batches too large for ``linear``."""
+    q = quantized(33, 1536, fmt, seed=5)
+    out = torch.empty(33, 1536, dtype=dtype)
+    _C.ops.dequantize(out, q, fmt)
+    assert torch.equal(out.view(torch.int16), dequantized(q, fmt).to(dtype).view(torch.int16))
+
+
 def test_dequantize_handles_every_quant_value(isa):
     """Every byte value in every quant position, with the scale and minimum set by hand."""
     for fmt in QTYPES:
@@ -114,5 +124,5 @@ def test_bad_arguments_are_named():
         _C.ops.linear(out, x, q, None, weight_format="q4_0")
     with pytest.raises(ValueError, match="dense"):
         _C.ops.dequantize(torch.empty(8, 64), q, "dense")
-    with pytest.raises(ValueError, match="float32"):
-        _C.ops.dequantize(torch.empty(8, 64, dtype=torch.bfloat16), q, "q8_0")
+    with pytest.raises(ValueError, match="float32, bfloat16 or float16"):
+        _C.ops.dequantize(torch.empty(8, 64, dtype=torch.int32), q, "q8_0")

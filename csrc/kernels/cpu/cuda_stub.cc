@@ -32,6 +32,8 @@ void gelu_and_mul(const GatedActivationParams&, GeluApproximation) { no_cuda("ge
 void reshape_and_cache(const CacheWriteParams&) { no_cuda("reshape_and_cache"); }
 void paged_attention(const PagedAttentionParams&) { no_cuda("paged_attention"); }
 void sample(const SampleParams&) { no_cuda("sample"); }
+void linear(const LinearParams&) { no_cuda("linear"); }
+void dequantize(const LinearParams&) { no_cuda("dequantize"); }
 
 }  // namespace cuda
 }  // namespace octavo

@@ -7,6 +7,7 @@
 // reduces each accumulator once at the end. Threads split the output features, so every thread
 // streams its own contiguous slab of the weight. Each output element is the same sum in the same
 // order whatever M is and whichever thread computes it (batch invariant).
+#include <type_traits>
 #include <vector>
 
 #include "isa_kernels.h"
@@ -448,11 +449,31 @@ void run_typed(const LinearParams& p) {
   }
 }
 
-template <typename Rows>
-void dequantize_rows(const LinearParams& p, float* out) {
+// Each row decoded to float32, in place when out is float32, else through a row buffer and
+// rounded to out's dtype.
+template <typename Rows, typename T>
+void dequantize_rows(const LinearParams& p) {
+  const int64_t K = p.in_features;
   parallel_for(p.out_features, 64, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) decode_row(Rows(p, n, 1), 0, p.in_features / kBlock, out + n * p.in_features);
+    std::vector<float> row(std::is_same_v<T, float> ? 0 : K);
+    for (int64_t n = begin; n < end; ++n) {
+      T* out = static_cast<T*>(p.out) + n * K;
+      float* floats = std::is_same_v<T, float> ? reinterpret_cast<float*>(out) : row.data();
+      decode_row(Rows(p, n, 1), 0, K / kBlock, floats);
+      if constexpr (!std::is_same_v<T, float>)
+        for (int64_t k = 0; k < K; ++k) out[k] = from_float<T>(floats[k]);
+    }
   });
+}
+
+template <typename Rows>
+void dequantize_typed(const LinearParams& p) {
+  switch (p.dtype) {
+    case DType::kFloat32: return dequantize_rows<Rows, float>(p);
+    case DType::kBFloat16: return dequantize_rows<Rows, bf16>(p);
+    case DType::kFloat16: return dequantize_rows<Rows, f16>(p);
+    default: OCTAVO_CHECK(false, "dequantize: unsupported dtype " << dtype_name(p.dtype));
+  }
 }
 
 }  // namespace
@@ -468,13 +489,12 @@ void linear(const LinearParams& p) {
 }
 
 void dequantize(const LinearParams& p) {
-  float* out = static_cast<float*>(p.out);
   switch (p.weight_format) {
-    case WeightFormat::kQ8_0: return dequantize_rows<GgufRows<WeightFormat::kQ8_0>>(p, out);
-    case WeightFormat::kQ4_0: return dequantize_rows<GgufRows<WeightFormat::kQ4_0>>(p, out);
-    case WeightFormat::kQ4_1: return dequantize_rows<GgufRows<WeightFormat::kQ4_1>>(p, out);
-    case WeightFormat::kInt8: return dequantize_rows<Int8Rows>(p, out);
-    case WeightFormat::kInt4: return dequantize_rows<Int4Rows>(p, out);
+    case WeightFormat::kQ8_0: return dequantize_typed<GgufRows<WeightFormat::kQ8_0>>(p);
+    case WeightFormat::kQ4_0: return dequantize_typed<GgufRows<WeightFormat::kQ4_0>>(p);
+    case WeightFormat::kQ4_1: return dequantize_typed<GgufRows<WeightFormat::kQ4_1>>(p);
+    case WeightFormat::kInt8: return dequantize_typed<Int8Rows>(p);
+    case WeightFormat::kInt4: return dequantize_typed<Int4Rows>(p);
     default: OCTAVO_CHECK(false, "dequantize: not a quantized format");
   }
 }

@@ -39,5 +39,10 @@ OCTAVO_HOST_DEVICE inline int32_t prefill_tiles(int32_t n, int32_t group) {
   return n > 0 ? (n + tokens_per_tile - 1) / tokens_per_tile : 0;
 }
 void sample(const SampleParams& p);
+// Every WeightFormat; the weight and input rows aligned as their loads need (a contiguous tensor
+// from torch is), and dense weights in rows of a multiple of 32 inputs. dequantize: out in any
+// float dtype (p.dtype).
+void linear(const LinearParams& p);
+void dequantize(const LinearParams& p);
 
 }  // namespace octavo::cuda

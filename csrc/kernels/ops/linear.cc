@@ -1,8 +1,9 @@
-// linear and dequantize: argument checks, then the CPU launchers.
+// linear and dequantize: argument checks, then the CPU or CUDA launcher.
 #include <cstring>
 #include <tuple>
 
 #include "cpu/isa_kernels.h"
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 #include "op_checks.h"
 
@@ -12,18 +13,18 @@ namespace {
 
 constexpr int64_t kBlockWeights = 32;  // weights per GGUF block, in every format here
 
-// Checks a weight standing for `k` inputs per row in `format`, and its scales / zero points;
-// fills p's weight fields and returns the number of rows (output features).
+// Checks a weight standing for `k` inputs per row in `format`, and its scales / zero points, on
+// ref's device; fills p's weight fields and returns the number of rows (output features).
 int64_t check_weight(const TensorView& weight, WeightFormat format, const WeightQuant& quant, const TensorView& ref,
-                     int64_t k, LinearParams& p) {
-  ops::check_cpu(weight, "weight");
+                     const char* ref_arg, int64_t k, LinearParams& p) {
+  ops::check_same_device(weight, "weight", ref, ref_arg);
   check_ndim(weight, "weight", 2);
   check_contiguous(weight, "weight");
   p.weight = weight.data;
   p.weight_format = format;
   const int64_t n = weight.shape[0];
   if (format == WeightFormat::kDense) {
-    ops::check_same_dtype(weight, "weight", ref, "input");
+    ops::check_same_dtype(weight, "weight", ref, ref_arg);
     check_size(weight, "weight", 1, k);
     return n;
   }
@@ -35,7 +36,7 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   check_size(weight, "weight", 1, k / kBlockWeights * weight_block_bytes(format));
   if (format == WeightFormat::kInt8) {
     OCTAVO_CHECK(quant.scales != nullptr, "weight format int8 needs scales");
-    ops::check_vector(*quant.scales, "scales", DType::kFloat32, n);
+    ops::check_vector(*quant.scales, "scales", DType::kFloat32, n, ref, ref_arg);
     p.scales = static_cast<const float*>(quant.scales->data);
   } else if (format == WeightFormat::kInt4) {
     const int64_t g = quant.group_size;
@@ -48,7 +49,7 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
                  "weight format int4: " << k << " inputs in groups of " << g << " is more than the kernel indexes");
     for (const auto& [t, name, dtype] : {std::tuple{quant.scales, "scales", DType::kFloat32},
                                          std::tuple{quant.zeros, "zeros", DType::kUInt8}}) {
-      ops::check_cpu(*t, name);
+      ops::check_same_device(*t, name, ref, ref_arg);
       OCTAVO_CHECK(t->dtype == dtype, "argument '" << name << "' must be " << dtype_name(dtype) << ", got "
                                                     << dtype_name(t->dtype));
       check_ndim(*t, name, 2);
@@ -98,15 +99,13 @@ int64_t weight_block_bytes(WeightFormat format) {
 
 void linear(const TensorView& out, const TensorView& input, const TensorView& weight, const TensorView* bias,
             WeightFormat format, const WeightQuant& quant) {
-  ops::check_cpu(input, "input");
   const auto [in, o] = ops::float_in_out(out, "out", input);
   LinearParams p{};
-  const int64_t n = check_weight(weight, format, quant, input, in.cols, p);
+  const int64_t n = check_weight(weight, format, quant, input, "input", in.cols, p);
   OCTAVO_CHECK(o.rows == in.rows && o.cols == n, "argument 'out' must be [" << in.rows << ", " << n << "], got "
                                                                              << o.rows << " rows of " << o.cols);
   if (bias != nullptr) {
-    ops::check_cpu(*bias, "bias");
-    ops::check_vector(*bias, "bias", input.dtype, n);
+    ops::check_vector(*bias, "bias", input.dtype, n, input, "input");
     p.bias = bias->data;
   }
   p.out = out.data;
@@ -117,22 +116,25 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
   p.in_stride = in.stride;
   p.out_stride = o.stride;
   p.dtype = input.dtype;
-  cpu_dispatch(linear, p);
+  if (ops::runs_on_cuda(input, "input")) cuda::linear(p);
+  else cpu_dispatch(linear, p);
 }
 
 void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format, const WeightQuant& quant) {
   OCTAVO_CHECK(format != WeightFormat::kDense, "dequantize needs a quantized weight format, got dense");
-  ops::check_cpu(out, "out");
   check_ndim(out, "out", 2);
   check_contiguous(out, "out");
-  OCTAVO_CHECK(out.dtype == DType::kFloat32, "argument 'out' must be float32, got " << dtype_name(out.dtype));
+  OCTAVO_CHECK(out.dtype == DType::kFloat32 || out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat16,
+               "argument 'out' must be float32, bfloat16 or float16, got " << dtype_name(out.dtype));
   LinearParams p{};
-  const int64_t n = check_weight(weight, format, quant, out, out.shape[1], p);
+  const int64_t n = check_weight(weight, format, quant, out, "out", out.shape[1], p);
   check_size(out, "out", 0, n);
   p.out = out.data;
   p.out_features = n;
   p.in_features = out.shape[1];
-  cpu_dispatch(dequantize, p);
+  p.dtype = out.dtype;
+  if (ops::runs_on_cuda(out, "out")) cuda::dequantize(p);
+  else cpu_dispatch(dequantize, p);
 }
 
 }  // namespace octavo

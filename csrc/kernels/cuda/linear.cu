@@ -1,0 +1,310 @@
+// linear and dequantize on CUDA, for every WeightFormat.
+//
+// linear is for the small row counts of decode steps, where a projection is a matrix-vector
+// product: each weight byte is used once per step, so the kernel only has to stream the weight
+// at memory speed while decoding it in registers. (Larger M goes to torch's GEMM on the weights
+// `dequantize` writes; python/octavo/layers/linear.py picks.)
+//
+// Work split: a CUDA block computes kRows output features for up to kCols input rows. Its
+// threads walk the rows' blocks of 32 weights, kParts threads per block: part q decodes weights
+// 4q..4q+3 and 16+4q..16+4q+3 of the block (in the 4-bit formats, the four bytes whose low and
+// high nibbles hold them) for each of the kRows rows and multiplies them with the same 8 inputs
+// of each input row. Adjacent threads read adjacent bytes, so a warp reads one contiguous span
+// of each weight row. K is split over all of the block's threads rather than one warp per row,
+// so that a 4096-row projection still has enough warps per SM, each with loads in flight, to
+// keep the memory busy. The partial sums are reduced in a fixed order (a butterfly in each warp,
+// then the warps in order) that does not depend on M: a row's output is the same bits whatever
+// the batch.
+//
+// A decoded weight is the float that the CPU kernel decodes and `dequantize` writes, bit for
+// bit: GGUF formats with the gguf package's arithmetic (one product; Q4_1 then a separate sum,
+// written as __fmul_rn / __fadd_rn so that nvcc cannot contract them into one FMA).
+#include "common.cuh"
+#include "cuda_kernels.h"
+
+namespace octavo::cuda {
+namespace {
+
+constexpr int kBlockWeights = 32;  // weights per block, in every format
+constexpr int kParts = 4;          // threads per block of 32 weights, 8 weights each
+constexpr int kThreads = 128;
+constexpr int kBlocksPerStep = kThreads / kParts;
+constexpr int kRows = 4;  // output features per CUDA block
+constexpr int kCols = 4;  // input rows per CUDA block, at most
+
+// ---- loads ----------------------------------------------------------------------------------
+
+// Four elements of T, read or written with one load / store (p aligned to 4 elements).
+template <typename T>
+struct alignas(4 * sizeof(T)) Quad {
+  T v[4];
+};
+template <typename T>
+__device__ __forceinline__ void load4(const T* p, float out[4]) {
+  const Quad<T> q = *reinterpret_cast<const Quad<T>*>(p);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = to_float(q.v[i]);
+}
+template <typename T>
+__device__ __forceinline__ void store4(T* p, const float in[4]) {
+  Quad<T> q;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) q.v[i] = from_float<T>(in[i]);
+  *reinterpret_cast<Quad<T>*>(p) = q;
+}
+
+// Four bytes at p: one load where p is 4-byte aligned, two where it is only 2-byte aligned (the
+// quants of Q8_0's 34-byte and Q4_0's 18-byte blocks).
+__device__ __forceinline__ uint32_t load_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ uint32_t load_u32_2aligned(const uint8_t* p) {
+  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
+  return static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
+}
+__device__ __forceinline__ float half_at(const uint8_t* p) { return to_float(*reinterpret_cast<const f16*>(p)); }
+
+// ---- decoding: the 8 weights of part q, w[i] = weight 4q + i, w[4 + i] = weight 16 + 4q + i ----
+
+// Signed bytes `lo` (weights 4q..) and `hi` (16 + 4q..) times scale.
+__device__ __forceinline__ void signed_bytes(uint32_t lo, uint32_t hi, float scale, float w[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    w[i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(lo >> (8 * i))), scale);
+    w[4 + i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(hi >> (8 * i))), scale);
+  }
+}
+
+// Nibbles of four bytes (low: weights 4q.., high: 16 + 4q..) as (nibble - offset) * scale, then
+// + min for Q4_1 (kMin); the difference of small integers is exact.
+template <bool kMin>
+__device__ __forceinline__ void nibbles(uint32_t bytes, float offset, float scale, float min, float w[8]) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t nibble = (bytes >> (i < 4 ? 8 * i : 8 * (i - 4) + 4)) & 15u;
+    const float v = __fmul_rn(static_cast<float>(nibble) - offset, scale);
+    w[i] = kMin ? __fadd_rn(v, min) : v;
+  }
+}
+
+// One row n of the weight, per format: Row(p, n), then decode(blk, q, w) for each block.
+// kAlign: the byte alignment its loads need of the weight's start.
+template <typename T>
+struct DenseRow {
+  static constexpr int kAlign = 4 * sizeof(T);
+  const T* w;
+  __device__ DenseRow(const LinearParams& p, int64_t n) : w(static_cast<const T*>(p.weight) + n * p.in_features) {}
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    load4(w + blk * kBlockWeights + 4 * q, out);
+    load4(w + blk * kBlockWeights + 16 + 4 * q, out + 4);
+  }
+};
+
+// GGUF blocks (ggml's block_q8_0, block_q4_0, block_q4_1): float16 scale d (Q4_1 also a float16
+// minimum m), then the quants; Q8_0: w = d * q; Q4_0: w = d * (q - 8); Q4_1: w = d * q + m.
+template <int kBytes>
+struct GgufRow {
+  const uint8_t* w;
+  __device__ GgufRow(const LinearParams& p, int64_t n)
+      : w(static_cast<const uint8_t*>(p.weight) + n * (p.in_features / kBlockWeights * kBytes)) {}
+  __device__ const uint8_t* block(int64_t blk) const { return w + blk * kBytes; }
+};
+struct Q8_0Row : GgufRow<34> {
+  static constexpr int kAlign = 2;
+  using GgufRow::GgufRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = block(blk);
+    signed_bytes(load_u32_2aligned(b + 2 + 4 * q), load_u32_2aligned(b + 18 + 4 * q), half_at(b), out);
+  }
+};
+struct Q4_0Row : GgufRow<18> {
+  static constexpr int kAlign = 2;
+  using GgufRow::GgufRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = block(blk);
+    nibbles<false>(load_u32_2aligned(b + 2 + 4 * q), 8.0f, half_at(b), 0.0f, out);
+  }
+};
+struct Q4_1Row : GgufRow<20> {
+  static constexpr int kAlign = 4;
+  using GgufRow::GgufRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = block(blk);
+    nibbles<true>(load_u32(b + 4 + 4 * q), 0.0f, half_at(b), half_at(b + 2), out);
+  }
+};
+
+// Octavo's load-time formats (ops.h): int8, w = q * s per row; int4, w = (q - z) * s per row and
+// group of group_size inputs, nibbles ordered as GGUF's.
+struct Int8Row {
+  static constexpr int kAlign = 4;
+  const int8_t* w;
+  float scale;
+  __device__ Int8Row(const LinearParams& p, int64_t n)
+      : w(static_cast<const int8_t*>(p.weight) + n * p.in_features), scale(p.scales[n]) {}
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = reinterpret_cast<const uint8_t*>(w + blk * kBlockWeights);
+    signed_bytes(load_u32(b + 4 * q), load_u32(b + 16 + 4 * q), scale, out);
+  }
+};
+struct Int4Row {
+  static constexpr int kAlign = 4;
+  const uint8_t* w;
+  const float* scales;
+  const uint8_t* zeros;
+  int32_t blocks_per_group;
+  __device__ Int4Row(const LinearParams& p, int64_t n)
+      : w(static_cast<const uint8_t*>(p.weight) + n * (p.in_features / 2)),
+        scales(p.scales + n * (p.in_features / p.group_size)),
+        zeros(p.zeros + n * (p.in_features / p.group_size)),
+        blocks_per_group(static_cast<int32_t>(p.group_size / kBlockWeights)) {}
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const int32_t g = static_cast<int32_t>(blk) / blocks_per_group;  // 32-bit: a 64-bit divide is a long call
+    nibbles<false>(load_u32(w + blk * (kBlockWeights / 2) + 4 * q), static_cast<float>(zeros[g]), scales[g], 0.0f,
+                   out);
+  }
+};
+
+// ---- linear --------------------------------------------------------------------------------
+
+// Blocks are numbered input-row chunk fastest: the chunks of one weight tile run at about the
+// same time, so at M > kCols the weight comes from memory once and from L2 for the others.
+template <typename T, typename Row, int kC>
+__global__ void __launch_bounds__(kThreads) linear_kernel(LinearParams p) {
+  __shared__ float partial[kThreads / 32][kRows][kC];
+  const int64_t chunks = (p.rows + kC - 1) / kC;
+  const int64_t m0 = blockIdx.x % chunks * kC, n0 = blockIdx.x / chunks * kRows;
+  const T* x[kC];  // rows past M repeat the last one, and rows past N the last row: not stored
+#pragma unroll
+  for (int c = 0; c < kC; ++c) x[c] = static_cast<const T*>(p.input) + min64(m0 + c, p.rows - 1) * p.in_stride;
+  static_assert(kRows == 4, "w's initializer lists the rows");
+  const Row w[kRows] = {Row(p, min64(n0, p.out_features - 1)), Row(p, min64(n0 + 1, p.out_features - 1)),
+                        Row(p, min64(n0 + 2, p.out_features - 1)), Row(p, min64(n0 + 3, p.out_features - 1))};
+  const int q = threadIdx.x % kParts;
+  float acc[kRows][kC] = {};
+  const int64_t blocks = p.in_features / kBlockWeights;
+  for (int64_t blk = threadIdx.x / kParts; blk < blocks; blk += kBlocksPerStep) {
+    const int64_t k = blk * kBlockWeights + 4 * q;
+    float xs[kC][8];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      load4(x[c] + k, xs[c]);
+      load4(x[c] + k + 16, xs[c] + 4);
+    }
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      float ws[8];
+      w[r].decode(blk, q, ws);
+#pragma unroll
+      for (int c = 0; c < kC; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r][c] = fmaf(ws[j], xs[c][j], acc[r][c]);
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      float v = acc[r][c];
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0) partial[warp][r][c] = v;
+    }
+  __syncthreads();
+  if (threadIdx.x >= kRows * kC) return;
+  const int r = threadIdx.x / kC, c = threadIdx.x % kC;
+  const int64_t n = n0 + r, m = m0 + c;
+  if (n >= p.out_features || m >= p.rows) return;
+  float sum = partial[0][r][c];
+  for (int i = 1; i < kThreads / 32; ++i) sum += partial[i][r][c];
+  if (p.bias != nullptr) sum += to_float(static_cast<const T*>(p.bias)[n]);
+  static_cast<T*>(p.out)[m * p.out_stride + n] = from_float<T>(sum);
+}
+
+bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
+
+template <typename T, typename Row>
+void launch_linear(const LinearParams& p) {
+  OCTAVO_CHECK(aligned(p.weight, Row::kAlign), "linear on CUDA: the weight must start at a " << Row::kAlign
+                                                   << "-byte boundary");
+  OCTAVO_CHECK(aligned(p.input, 4 * sizeof(T)) && p.in_stride % 4 == 0,
+               "linear on CUDA: input rows must start at 4-element boundaries (a contiguous input does)");
+  const int64_t cols = p.rows >= kCols ? kCols : p.rows >= 2 ? 2 : 1;  // M = 3 computes one row twice
+  const int64_t blocks = ceil_div(p.rows, cols) * ceil_div(p.out_features, kRows);
+  OCTAVO_CHECK(blocks < (int64_t{1} << 31), "linear on CUDA: " << p.rows << " x " << p.out_features
+                                                                 << " outputs are more than one launch covers");
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (cols == 1) launch_kernel(linear_kernel<T, Row, 1>, grid, kThreads, 0, p);
+  else if (cols == 2) launch_kernel(linear_kernel<T, Row, 2>, grid, kThreads, 0, p);
+  else launch_kernel(linear_kernel<T, Row, kCols>, grid, kThreads, 0, p);
+  check_launch("linear");
+}
+
+// Calls fn(Row{}) with the row decoder of p's quantized format.
+template <typename Fn>
+void dispatch_quantized(const LinearParams& p, Fn&& fn) {
+  switch (p.weight_format) {
+    case WeightFormat::kQ8_0: return fn(static_cast<Q8_0Row*>(nullptr));
+    case WeightFormat::kQ4_0: return fn(static_cast<Q4_0Row*>(nullptr));
+    case WeightFormat::kQ4_1: return fn(static_cast<Q4_1Row*>(nullptr));
+    case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
+    case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
+    case WeightFormat::kDense: break;
+  }
+  OCTAVO_CHECK(false, "not a quantized weight format");
+}
+
+template <typename T>
+void run_linear(const LinearParams& p) {
+  if (p.weight_format == WeightFormat::kDense) {
+    OCTAVO_CHECK(p.in_features % kBlockWeights == 0,
+                 "linear on CUDA reads dense weights in rows of 32 inputs; got in_features " << p.in_features
+                     << " (torch.nn.functional.linear takes any)");
+    return launch_linear<T, DenseRow<T>>(p);
+  }
+  dispatch_quantized(p, [&](auto* row) { launch_linear<T, std::remove_pointer_t<decltype(row)>>(p); });
+}
+
+// ---- dequantize ----------------------------------------------------------------------------
+
+// One thread per part of a block: out[n, blk * 32 + ...] for its 8 weights, rounded to TOut.
+template <typename TOut, typename Row>
+__global__ void __launch_bounds__(256) dequantize_kernel(LinearParams p) {
+  const int64_t blocks = p.in_features / kBlockWeights;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= p.out_features * blocks * kParts) return;
+  const int q = static_cast<int>(i % kParts);
+  const int64_t blk = i / kParts % blocks, n = i / kParts / blocks;
+  float w[8];
+  Row(p, n).decode(blk, q, w);
+  TOut* out = static_cast<TOut*>(p.out) + n * p.in_features + blk * kBlockWeights + 4 * q;
+  store4(out, w);
+  store4(out + 16, w + 4);
+}
+
+template <typename TOut, typename Row>
+void launch_dequantize(const LinearParams& p) {
+  OCTAVO_CHECK(aligned(p.weight, Row::kAlign), "dequantize on CUDA: the weight must start at a " << Row::kAlign
+                                                   << "-byte boundary");
+  OCTAVO_CHECK(aligned(p.out, 4 * sizeof(TOut)), "dequantize on CUDA: out must start at a 4-element boundary");
+  constexpr int kBlockThreads = 256;
+  const int64_t threads = p.out_features * (p.in_features / kBlockWeights) * kParts;
+  OCTAVO_CHECK(ceil_div(threads, kBlockThreads) < (int64_t{1} << 31), "dequantize on CUDA: too many weights");
+  launch_kernel(dequantize_kernel<TOut, Row>, dim3(static_cast<unsigned>(ceil_div(threads, kBlockThreads))),
+                kBlockThreads, 0, p);
+  check_launch("dequantize");
+}
+
+}  // namespace
+
+void linear(const LinearParams& p) {
+  if (p.rows == 0 || p.out_features == 0) return;
+  dispatch_float(p.dtype, "linear", [&](auto t) { run_linear<decltype(t)>(p); });
+}
+
+void dequantize(const LinearParams& p) {
+  if (p.out_features == 0 || p.in_features == 0) return;
+  dispatch_float(p.dtype, "dequantize", [&](auto t) {
+    dispatch_quantized(p, [&](auto* row) { launch_dequantize<decltype(t), std::remove_pointer_t<decltype(row)>>(p); });
+  });
+}
+
+}  // namespace octavo::cuda

@@ -1,0 +1,232 @@
+// linear and dequantize: the CUDA kernels run by the simulator against the CPU kernels, for every
+// weight format, with test_linear*.py's case lists. Decoded weights must be the CPU's floats bit
+// for bit; products may differ by the summation order only.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "octavo/status.h"
+#include "sim_test_util.h"
+
+namespace {
+
+using octavo::WeightFormat;
+using sim_test::DType;
+using sim_test::Tensor;
+using sim_test::TensorView;
+
+const WeightFormat kQuantized[] = {WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
+                                   WeightFormat::kInt8, WeightFormat::kInt4};
+
+// A quantized weight of n rows standing for k inputs, with random quants and scales: GGUF blocks
+// get float16 scales (and Q4_1 minimums) of either sign written into the bytes.
+struct Weight {
+  WeightFormat format;
+  Tensor data, scales, zeros;
+  int64_t group_size = 0;
+
+  Weight(WeightFormat f, int64_t n, int64_t k, std::mt19937& gen) : format(f) {
+    const int64_t block_bytes = octavo::weight_block_bytes(f);
+    data = Tensor({n, k / 32 * block_bytes}, f == WeightFormat::kInt8 ? DType::kInt8 : DType::kUInt8);
+    uint8_t* bytes = data.as<uint8_t>();
+    for (int64_t i = 0; i < data.numel(); ++i) bytes[i] = static_cast<uint8_t>(gen());
+    std::normal_distribution<float> normal(0.0f, 0.05f);
+    if (f == WeightFormat::kQ8_0 || f == WeightFormat::kQ4_0 || f == WeightFormat::kQ4_1) {
+      const int halves = f == WeightFormat::kQ4_1 ? 2 : 1;  // scale, then the minimum
+      for (int64_t b = 0; b < n * k / 32; ++b)
+        for (int h = 0; h < halves; ++h) {
+          const __half v = __float2half_rn(normal(gen));
+          std::memcpy(bytes + b * block_bytes + 2 * h, &v, 2);
+        }
+    } else if (f == WeightFormat::kInt8) {
+      scales = Tensor({n}, DType::kFloat32);
+      for (int64_t i = 0; i < n; ++i) scales.set(i, std::fabs(normal(gen)) / 16);
+    } else {
+      group_size = k % 64 == 0 ? 64 : 32;
+      scales = Tensor({n, k / group_size}, DType::kFloat32);
+      zeros = Tensor({n, k / group_size}, DType::kUInt8);
+      for (int64_t i = 0; i < scales.numel(); ++i) {
+        scales.set(i, std::fabs(normal(gen)) / 4);
+        zeros.as<uint8_t>()[i] = static_cast<uint8_t>(gen() % 16);
+      }
+    }
+  }
+
+  // The views of one device, kept alive for WeightQuant's pointers.
+  struct Views {
+    TensorView data, scales, zeros;
+    octavo::WeightQuant quant;
+  };
+  Views on(bool cuda) const {
+    Views v{cuda ? data.cuda() : data.cpu(), TensorView{}, TensorView{}, {}};
+    if (!scales.shape().empty()) v.scales = cuda ? scales.cuda() : scales.cpu();
+    if (format == WeightFormat::kInt4) v.zeros = cuda ? zeros.cuda() : zeros.cpu();
+    return v;
+  }
+};
+
+// Calls octavo::linear / dequantize with w's views of one device (WeightQuant points into them).
+void run_linear(Tensor& out, const Tensor& x, const Weight& w, const Tensor* bias, bool cuda) {
+  Weight::Views v = w.on(cuda);
+  const octavo::WeightQuant q{v.scales.data ? &v.scales : nullptr, v.zeros.data ? &v.zeros : nullptr, w.group_size};
+  const TensorView b = bias ? (cuda ? bias->cuda() : bias->cpu()) : TensorView{};
+  octavo::linear(cuda ? out.cuda() : out.cpu(), cuda ? x.cuda() : x.cpu(), v.data, bias ? &b : nullptr, w.format, q);
+}
+void run_dequantize(Tensor& out, const Weight& w, bool cuda) {
+  Weight::Views v = w.on(cuda);
+  const octavo::WeightQuant q{v.scales.data ? &v.scales : nullptr, v.zeros.data ? &v.zeros : nullptr, w.group_size};
+  octavo::dequantize(cuda ? out.cuda() : out.cpu(), v.data, w.format, q);
+}
+
+std::string name(WeightFormat f, DType dtype) {
+  return std::string(octavo::weight_format_name(f)) + " " + octavo::dtype_name(dtype);
+}
+
+TEST(SimLinear, DequantizeGivesTheCpuFloatsBitForBit) {
+  std::mt19937 gen(31);
+  for (WeightFormat f : kQuantized)
+    for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 32}, {7, 96}, {64, 576}, {33, 1536}})
+      for (DType dtype : sim_test::kFloatDTypes) {
+        SCOPED_TRACE(name(f, dtype) + " " + std::to_string(n) + "x" + std::to_string(k));
+        const Weight w(f, n, k, gen);
+        Tensor cpu({n, k}, dtype), gpu({n, k}, dtype);
+        run_dequantize(cpu, w, false);
+        run_dequantize(gpu, w, true);
+        EXPECT_TRUE(gpu.same_bytes(cpu));
+      }
+}
+
+TEST(SimLinear, QuantizedWeightsMatchTheCpu) {
+  std::mt19937 gen(32);
+  const std::vector<std::array<int64_t, 3>> cases = {{1, 1, 32},   {1, 7, 64},   {2, 33, 96}, {3, 64, 576},
+                                                     {4, 9, 1536}, {5, 130, 32}, {9, 17, 256}};
+  for (WeightFormat f : kQuantized)
+    for (DType dtype : sim_test::kFloatDTypes)
+      for (auto [m, n, k] : cases)
+        for (bool with_bias : {false, true}) {
+          SCOPED_TRACE(name(f, dtype) + " m,n,k " + std::to_string(m) + "," + std::to_string(n) + "," +
+                       std::to_string(k) + (with_bias ? " bias" : ""));
+          const Weight w(f, n, k, gen);
+          const Tensor x = sim_test::randn({m, k}, dtype, gen), bias = sim_test::randn({n}, dtype, gen);
+          Tensor cpu({m, n}, dtype), gpu({m, n}, dtype);
+          run_linear(cpu, x, w, with_bias ? &bias : nullptr, false);
+          run_linear(gpu, x, w, with_bias ? &bias : nullptr, true);
+          sim_test::expect_matches_cpu(gpu, cpu);
+        }
+}
+
+TEST(SimLinear, DenseWeightsMatchTheCpu) {
+  std::mt19937 gen(33);
+  for (DType dtype : sim_test::kFloatDTypes)
+    for (auto [m, n, k] : std::vector<std::array<int64_t, 3>>{{1, 7, 64}, {3, 64, 576}, {6, 9, 1536}}) {
+      SCOPED_TRACE(std::string(octavo::dtype_name(dtype)) + " m " + std::to_string(m));
+      const Tensor x = sim_test::randn({m, k}, dtype, gen), w = sim_test::randn({n, k}, dtype, gen);
+      const Tensor bias = sim_test::randn({n}, dtype, gen);
+      Tensor cpu({m, n}, dtype), gpu({m, n}, dtype);
+      const TensorView cpu_bias = bias.cpu(), gpu_bias = bias.cuda();
+      octavo::linear(cpu.cpu(), x.cpu(), w.cpu(), &cpu_bias);
+      octavo::linear(gpu.cuda(), x.cuda(), w.cuda(), &gpu_bias);
+      sim_test::expect_matches_cpu(gpu, cpu);
+    }
+}
+
+// The CPU kernel's promise, kept on CUDA: a quantized weight gives exactly what the dense kernel
+// gives on its dequantized float32 weights (same floats, same order of sums).
+TEST(SimLinear, QuantizedEqualsDenseOnTheDequantizedWeights) {
+  std::mt19937 gen(34);
+  for (WeightFormat f : kQuantized) {
+    SCOPED_TRACE(octavo::weight_format_name(f));
+    const int64_t m = 3, n = 21, k = 576;
+    const Weight w(f, n, k, gen);
+    const Tensor x = sim_test::randn({m, k}, DType::kFloat32, gen);
+    Tensor floats({n, k}, DType::kFloat32), dense({m, n}, DType::kFloat32), quantized({m, n}, DType::kFloat32);
+    run_dequantize(floats, w, true);
+    octavo::linear(dense.cuda(), x.cuda(), floats.cuda(), nullptr);
+    run_linear(quantized, x, w, nullptr, true);
+    EXPECT_TRUE(quantized.same_bytes(dense));
+  }
+}
+
+// Each output row is the same bits whatever the batch: one row alone, and in batches of every
+// size the kernel splits differently (1, 2 and 4 input rows per CUDA block, and a remainder).
+TEST(SimLinear, RowsDoNotDependOnTheBatch) {
+  std::mt19937 gen(35);
+  for (WeightFormat f : {WeightFormat::kQ4_0, WeightFormat::kInt4, WeightFormat::kDense})
+    for (DType dtype : sim_test::kFloatDTypes) {
+      SCOPED_TRACE(name(f, dtype));
+      const int64_t n = 10, k = 1536, batch = 11;
+      const Weight quantized(f == WeightFormat::kDense ? WeightFormat::kInt8 : f, n, k, gen);
+      const Tensor dense = sim_test::randn({n, k}, dtype, gen), x = sim_test::randn({batch, k}, dtype, gen);
+      auto run = [&](int64_t m, Tensor& out) {
+        Tensor rows({m, k}, dtype);
+        std::memcpy(rows.data(), x.data(), static_cast<size_t>(m * k) * octavo::dtype_size(dtype));
+        if (f == WeightFormat::kDense) octavo::linear(out.cuda(), rows.cuda(), dense.cuda(), nullptr);
+        else run_linear(out, rows, quantized, nullptr, true);
+      };
+      Tensor all({batch, n}, dtype);
+      run(batch, all);
+      for (int64_t m : {1, 2, 3, 4, 5}) {
+        Tensor some({m, n}, dtype);
+        run(m, some);
+        EXPECT_EQ(std::memcmp(some.data(), all.data(), static_cast<size_t>(m * n) * octavo::dtype_size(dtype)), 0)
+            << "first " << m << " rows";
+      }
+    }
+}
+
+// Rows of a wider buffer, as a view of a fused projection's output gives.
+TEST(SimLinear, TakesStridedInputAndOutput) {
+  std::mt19937 gen(36);
+  const int64_t m = 5, n = 12, k = 96, in_stride = k + 8, out_stride = n + 3;
+  const Weight w(WeightFormat::kQ4_1, n, k, gen);
+  const Tensor x = sim_test::randn({m, in_stride}, DType::kBFloat16, gen);
+  Tensor cpu({m, out_stride}, DType::kBFloat16), gpu({m, out_stride}, DType::kBFloat16);
+  auto rows = [](const Tensor& t, int64_t cols, bool cuda) {
+    TensorView v = cuda ? t.cuda() : t.cpu();
+    v.shape[1] = cols;
+    return v;
+  };
+  for (bool cuda : {false, true}) {
+    Weight::Views v = w.on(cuda);
+    octavo::linear(rows(cuda ? gpu : cpu, n, cuda), rows(x, k, cuda), v.data, nullptr, w.format);
+  }
+  sim_test::expect_matches_cpu(gpu, cpu);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t c = n; c < out_stride; ++c) ASSERT_EQ(gpu.get(r * out_stride + c), 0.0f) << "the gap is untouched";
+}
+
+// Calls op, which must throw an octavo::Error whose message contains `says`.
+template <typename Op>
+void expect_refusal(Op op, const std::string& says) {
+  try {
+    op();
+    ADD_FAILURE() << "no error; expected one saying: " << says;
+  } catch (const octavo::Error& e) {
+    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
+  }
+}
+
+TEST(SimLinear, WhatCudaCannotReadIsRefusedByName) {
+  std::mt19937 gen(37);
+  const Tensor x = sim_test::randn({2, 100}, DType::kFloat32, gen), w = sim_test::randn({3, 100}, DType::kFloat32, gen);
+  Tensor out({2, 3}, DType::kFloat32);
+  expect_refusal([&] { octavo::linear(out.cuda(), x.cuda(), w.cuda(), nullptr); }, "in_features 100");
+  // An input row starting off a 4-element boundary (a view one element into a buffer).
+  const Tensor wide = sim_test::randn({2, 65}, DType::kFloat32, gen), w64 = sim_test::randn({3, 64}, DType::kFloat32, gen);
+  TensorView shifted = wide.cuda();
+  shifted.data = static_cast<float*>(shifted.data) + 1;
+  shifted.shape[1] = 64;
+  expect_refusal([&] { octavo::linear(out.cuda(), shifted, w64.cuda(), nullptr); }, "4-element boundaries");
+  expect_refusal([&] { octavo::linear(out.cuda(), x.cuda(), w.cpu(), nullptr); }, "argument 'weight'");
+  const Weight q(WeightFormat::kInt8, 3, 64, gen);
+  Tensor floats({3, 64}, DType::kFloat32);
+  const TensorView cpu_scales = q.scales.cpu();
+  expect_refusal([&] { octavo::dequantize(floats.cuda(), q.data.cuda(), q.format, {&cpu_scales}); },
+                 "argument 'scales'");
+}
+
+}  // namespace
