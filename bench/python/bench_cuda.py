@@ -8,7 +8,11 @@ fraction of them:
 - decode attention (one query token per sequence, batch >= 16, context >= 2k, GQA 4:1 and
   8:1, head size 128): KV bytes read per second against the copy bandwidth (goal >= 0.7);
 - prefill attention (whole causal prompts): TFLOP/s against torch's
-  scaled_dot_product_attention (flash backend) on the same data made contiguous (goal >= 1.0x).
+  scaled_dot_product_attention (flash backend) on the same data made contiguous (goal >= 1.0x);
+- linear at M = 1 on Llama-3-8B's projections, every weight format: weight bytes read per second
+  against the copy bandwidth (dense also against torch's cuBLAS); then, for int4 and Q4_0, the
+  kernel against torch's GEMM on dequantized weights (layers/linear.py's other path) as M grows,
+  which is where CUDA_KERNEL_MAX_ROWS should sit.
 
     python bench/python/bench_cuda.py [--dtype bfloat16] [--quick]
 
@@ -137,6 +141,62 @@ def prefill_attention(dtype, quick: bool) -> None:
               f"SDPA flash {flops / (sdpa / 1e3) / 1e12:6.1f} TFLOP/s: {sdpa / ms:.2f}x")
 
 
+def random_weight(fmt: str, n: int, k: int, dtype):
+    """A weight in `fmt` with random quants and small scales, made on the GPU."""
+    from octavo.layers.linear import QuantizedWeight
+
+    if fmt == "dense":
+        return torch.randn(n, k, dtype=dtype, device="cuda") * 0.02
+    if fmt in ("int8", "int4"):
+        groups = 1 if fmt == "int8" else k // 128
+        data = torch.randint(0, 256, (n, k if fmt == "int8" else k // 2), dtype=torch.uint8, device="cuda")
+        scales = torch.rand(n, groups, device="cuda") * 0.01
+        zeros = torch.randint(0, 16, (n, groups), dtype=torch.uint8, device="cuda") if fmt == "int4" else None
+        return QuantizedWeight(data.view(torch.int8) if fmt == "int8" else data, fmt, k,
+                               scales=scales.view(n) if fmt == "int8" else scales, zeros=zeros,
+                               group_size=0 if fmt == "int8" else 128)
+    block = _C.ops.weight_block_bytes(fmt)
+    data = torch.randint(0, 256, (n, k // 32, block), dtype=torch.uint8, device="cuda")
+    halves = 2 if fmt == "q4_1" else 1
+    data[:, :, :2 * halves] = (torch.rand(n, k // 32, halves, device="cuda") * 0.01).half().view(torch.uint8)
+    return QuantizedWeight(data.view(n, -1), fmt, k)
+
+
+def weight_bytes(weight) -> int:
+    tensors = [weight] if isinstance(weight, torch.Tensor) else [weight.qweight, weight.scales, weight.zeros]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def linear_weights(dtype, copy_bw: float, quick: bool) -> None:
+    from octavo.layers import linear as layer
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    x = torch.randn(1, 14336, dtype=dtype, device="cuda")
+    for fmt in ("dense", "int8", "int4", "q8_0", "q4_0", "q4_1"):
+        for name, (n, k) in shapes.items():
+            w = random_weight(fmt, n, k, dtype)
+            args = {} if fmt == "dense" else w.kernel_args()
+            data = w if fmt == "dense" else w.qweight
+            out = torch.empty(1, n, dtype=dtype, device="cuda")
+            ms = cuda_ms(lambda: _C.ops.linear(out, x[:, :k], data, None, **args), repeats=50)
+            bw = weight_bytes(w) / (ms / 1e3)
+            line = f"  linear M=1 {fmt:>5} {name:>7} {n}x{k}: {ms * 1e3:7.1f} us {bw / 1e9:6.0f} GB/s = " \
+                   f"{bw / copy_bw:.2f} of copy"
+            if fmt == "dense":
+                line += f"; cuBLAS {cuda_ms(lambda: F.linear(x[:, :k], w), repeats=50) * 1e3:7.1f} us"
+            print(line)
+    n, k = shapes["gate_up"]
+    for fmt in ("int4", "q4_0"):
+        w = random_weight(fmt, n, k, dtype)
+        for m in ((1, 16, 32) if quick else (1, 2, 4, 8, 16, 24, 32, 64, 128)):
+            xm = torch.randn(m, k, dtype=dtype, device="cuda")
+            out = torch.empty(m, n, dtype=dtype, device="cuda")
+            kernel = cuda_ms(lambda: _C.ops.linear(out, xm, w.qweight, None, **w.kernel_args()), repeats=20)
+            gemm = cuda_ms(lambda: layer._gemm_on_dequantized(xm, w, None), repeats=20)
+            print(f"  linear {fmt} gate_up M={m:3d}: kernel {kernel * 1e3:7.1f} us, dequantize + cuBLAS "
+                  f"{gemm * 1e3:7.1f} us (CUDA_KERNEL_MAX_ROWS = {layer.CUDA_KERNEL_MAX_ROWS})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -148,6 +208,7 @@ def main() -> None:
         elementwise(dtype, copy_bw, tokens)
     decode_attention(dtype, copy_bw, args.quick)
     prefill_attention(dtype, args.quick)
+    linear_weights(dtype, copy_bw, args.quick)
 
 
 if __name__ == "__main__":

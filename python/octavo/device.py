@@ -21,17 +21,15 @@ CUDA_HEAD_SIZES = (64, 128, 256)  # the attention kernels compiled in csrc/kerne
 CUDA_MAX_GROUP = 16  # query heads per KV head the CUDA attention kernels take (kMaxGroup)
 
 
-def cpu_only_reason(model, quantization: str | None = None) -> str | None:
-    """Why this model cannot run on a GPU yet, or None when it can."""
-    from .config import ModelConfig
-    from .loader.gguf_file import is_gguf
-    from .loader.safetensors_files import quant_method
+def cpu_only_reason(model) -> str | None:
+    """Why this model cannot run on a GPU yet, or None when it can. (Quantized weights can: GGUF
+    blocks, GPTQ / AWQ, Octavo's int8 / int4; see layers/linear.py.)"""
+    from pathlib import Path
 
-    if quantization is not None or is_gguf(model):
-        return "quantized weights run on the CPU only so far"
-    config = ModelConfig.from_pretrained(model)
-    if quant_method(config) is not None:
-        return f"{quant_method(config)} checkpoints run on the CPU only so far"
+    from .config import ModelConfig
+    from .loader.gguf_file import gguf_config, is_gguf
+
+    config = gguf_config(Path(model)) if is_gguf(model) else ModelConfig.from_pretrained(model)
     if config.head_dim not in CUDA_HEAD_SIZES:
         return f"head size {config.head_dim} has no CUDA attention kernel (compiled: {CUDA_HEAD_SIZES})"
     group = config.num_attention_heads // config.num_key_value_heads

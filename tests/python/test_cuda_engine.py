@@ -50,7 +50,6 @@ def test_what_cannot_run_on_a_gpu_is_named(tmp_path):
     tiny_checkpoint("llama", tmp_path / "head32")  # TINY's head size: 32
     assert cpu_only_reason(tmp_path / "ok") is None
     assert "head size 32 has no CUDA attention kernel" in cpu_only_reason(tmp_path / "head32")
-    assert "quantized weights" in cpu_only_reason(tmp_path / "ok", quantization="int4")
     tiny_checkpoint("llama", tmp_path / "group32", head_dim=64, num_attention_heads=32, num_key_value_heads=1,
                     hidden_size=64)
     assert "32 query heads per KV head; the CUDA attention kernels take at most 16" in \
@@ -60,18 +59,18 @@ def test_what_cannot_run_on_a_gpu_is_named(tmp_path):
 @pytest.mark.cuda
 @needs_cuda_build
 def test_auto_falls_back_to_the_cpu_and_cuda_refuses_what_it_cannot_run(tmp_path, capsys):
-    tiny_model_dir(tmp_path)
-    with pytest.raises(ValueError, match="quantized weights run on the CPU only so far"):
-        LLM(model=str(tmp_path), quantization="int8", device="cuda")
-    llm = LLM(model=str(tmp_path), quantization="int8", device="auto", kv_cache_memory_bytes=16 << 20)
-    assert llm.llm_engine.device.type == "cpu" and "running on the CPU: quantized" in capsys.readouterr().out
+    tiny_checkpoint("llama", tmp_path)  # head size 32
+    with pytest.raises(ValueError, match="head size 32 has no CUDA attention kernel"):
+        LLM(model=str(tmp_path), device="cuda")
+    llm = LLM(model=str(tmp_path), device="auto", kv_cache_memory_bytes=16 << 20)
+    assert llm.llm_engine.device.type == "cpu" and "running on the CPU: head size 32" in capsys.readouterr().out
 
 
 def greedy_reference(reference, prompt: list[int], n: int) -> list[int]:
     tokens = list(prompt)
     with torch.no_grad():
         for _ in range(n):
-            tokens.append(int(reference(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax()))
+            tokens.append(int(reference(torch.tensor([tokens], device=reference.device)).logits[0, -1].argmax()))
     return tokens[len(prompt):]
 
 
@@ -94,6 +93,39 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
     for prompt, out, n in zip(prompts, outputs, lengths):
         assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, n)
     assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
+
+
+def dequantized_reference(reference, model):
+    """transformers' model with each projection replaced by the weights Octavo's quantized one
+    stands for (the LM head gets its own, so a tied embedding stays the float table)."""
+    from octavo.layers.linear import QuantizedWeight
+
+    with torch.no_grad():
+        for name, (weight, start, rows) in model.weight_targets().items():
+            if isinstance(weight, QuantizedWeight) and name != "lm_head.weight":
+                reference.get_parameter(name).copy_(weight.dequantize()[start:start + rows])
+        assert isinstance(model.lm_head, QuantizedWeight)
+        reference.lm_head.weight = torch.nn.Parameter(model.lm_head.dequantize(), requires_grad=False)
+    return reference
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda_build])])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_models_give_the_greedy_tokens_of_their_dequantized_weights(method, device, tmp_path):
+    """On the GPU, decode steps (4 rows and fewer) take the CUDA kernel and the prompts (up to
+    97 tokens) torch's GEMM on dequantized weights; the CPU runs the same check with its kernel."""
+    tokenizer, reference = tiny_model_dir(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", device=device, quantization=method,
+              kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+    model = llm.llm_engine.model
+    from octavo.layers.linear import QuantizedWeight
+
+    assert {w.qweight.device.type for w in model.modules() if isinstance(w, QuantizedWeight)} == {device}
+    reference = dequantized_reference(reference.to(device), model)
+    prompts = [tokenizer.encode(t) for t in ("Hello world", "x", "a longer prompt " * 6)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, 8)
 
 
 @pytest.mark.cuda

@@ -144,6 +144,86 @@ def test_reshape_and_cache_skips_slots_outside_the_cache():
     assert torch.equal(caches[0][0, 0, 1], key[0, 0]) and caches[0].abs().sum() == key[0].abs().sum()
 
 
+# ----------------------------------------------------------------------------- linear and dequantize
+
+QUANTIZED = ["q8_0", "q4_0", "q4_1", "int8", "int4"]
+
+
+def random_quantized(fmt: str, n: int, k: int):
+    """A QuantizedWeight on the CPU: int8 / int4 from Octavo's quantizer, GGUF blocks as random
+    bytes with float16 scales (and Q4_1 minimums) of either sign written in."""
+    from octavo.layers.linear import QuantizedWeight
+    from octavo.layers.quantize import quantize_int4, quantize_int8
+
+    if fmt in ("int8", "int4"):
+        w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
+        return quantize_int8(w) if fmt == "int8" else quantize_int4(w, 64)
+    block = _C.ops.weight_block_bytes(fmt)
+    data = torch.randint(0, 256, (n, k // 32, block), dtype=torch.uint8)
+    halves = 2 if fmt == "q4_1" else 1
+    data[:, :, :2 * halves] = (torch.randn(n, k // 32, halves) * 0.05).half().view(torch.uint8)
+    return QuantizedWeight(data.reshape(n, -1), fmt, k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("fmt", QUANTIZED)
+def test_dequantize_gives_the_cpu_floats_bit_for_bit(fmt, dtype):
+    weight = random_quantized(fmt, 33, 1536)
+    assert torch.equal(weight.to("cuda").dequantize(dtype).cpu(), weight.dequantize(dtype))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k", [(1, 1, 32), (1, 7, 64), (2, 33, 96), (3, 64, 576), (4, 9, 1536), (5, 130, 32),
+                                   (16, 4096, 4096), (9, 17, 256)])
+@pytest.mark.parametrize("fmt", QUANTIZED + ["dense"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_linear_matches_the_cpu(dtype, fmt, m, n, k, bias):
+    x, b = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype) if bias else None
+    if fmt == "dense":
+        weight, args = torch.randn(n, k).to(dtype), {}
+        gweight = weight.cuda()
+    else:
+        quantized = random_quantized(fmt, n, k)
+        weight, args = quantized.qweight, quantized.kernel_args()
+        gquantized = quantized.to("cuda")
+        gweight, gargs = gquantized.qweight, gquantized.kernel_args()
+    out = torch.empty(m, n, dtype=dtype)
+    _C.ops.linear(out, x, weight, b, **args)
+    gx, gb = on_gpu(x, b)
+    gout = torch.empty(m, n, dtype=dtype, device="cuda")
+    _C.ops.linear(gout, gx, gweight, gb, **(gargs if fmt != "dense" else {}))
+    torch.cuda.synchronize()
+    assert_matches_cpu(gout, out)
+
+
+@pytest.mark.parametrize("fmt", ["q4_0", "int4", "int8"])
+def test_linear_rows_do_not_depend_on_the_batch(fmt):
+    weight = random_quantized(fmt, 100, 1536).to("cuda")
+    x = torch.randn(11, 1536, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty(m, 100, device="cuda", dtype=torch.bfloat16) for m in (11, 1, 2, 3, 4, 5)]
+    for out in outs:
+        _C.ops.linear(out, x[:out.shape[0]], weight.qweight, None, **weight.kernel_args())
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0][:out.shape[0]])
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "int4"])
+def test_layer_takes_the_kernel_for_few_rows_and_dequantized_gemm_for_many(fmt, monkeypatch):
+    """Both paths of layers.linear on the GPU against the dequantized float32 product; the GEMM
+    path in slabs of 256 rows (a last, shorter one included) with a bias."""
+    from octavo.layers import linear as layer
+
+    monkeypatch.setattr(layer, "DEQUANTIZE_SLAB_WEIGHTS", 256 * 512)
+    weight = random_quantized(fmt, 700, 512).to("cuda")
+    bias = torch.randn(700, device="cuda")
+    expected_weight = weight.dequantize()
+    for m in (layer.CUDA_KERNEL_MAX_ROWS, layer.CUDA_KERNEL_MAX_ROWS + 1, 300):
+        x = torch.randn(m, 512, device="cuda")
+        expected = torch.nn.functional.linear(x.double(), expected_weight.double(), bias.double())
+        got = layer.linear(x, weight, bias)
+        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
 # ----------------------------------------------------------------------------- streams and devices
 
 def test_ops_are_captured_in_a_cuda_graph_on_the_stream_they_are_given():

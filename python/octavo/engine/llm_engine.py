@@ -82,7 +82,7 @@ class LLMEngine:
         if not 0 < gpu_memory_utilization <= 1:  # checked on any device: a bad value is a bad value
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.device = resolve_device(device)
-        reason = cpu_only_reason(model, quantization) if self.device.type == "cuda" else None
+        reason = cpu_only_reason(model) if self.device.type == "cuda" else None
         if reason and device in (None, "auto"):  # "auto" means the best device this model can use
             print(f"octavo: running on the CPU: {reason}")
             self.device = torch.device("cpu")

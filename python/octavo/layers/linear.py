@@ -13,11 +13,18 @@ Crossover measured on the development machine (AMD EPYC, AVX-512 with BF16, 2 th
 Octavo's kernel computes each output row the same way for every M, so decode batches of any
 size at or below the crossover give bit-identical rows.
 
-Quantized weights (``QuantizedWeight``: GGUF blocks, int8, int4) always go through Octavo's
-kernel; no torch kernel reads those formats. Against torch on the dequantized float32 weights
-it is 12-18x faster at M = 1 and 1.3-2.5x from M = 64 to 8192: from 8 rows on, the kernel
+Quantized weights (``QuantizedWeight``: GGUF blocks, int8, int4) go through Octavo's kernel on
+the CPU at every M; no torch kernel reads those formats. Against torch on the dequantized float32
+weights it is 12-18x faster at M = 1 and 1.3-2.5x from M = 64 to 8192: from 8 rows on, the kernel
 decodes each weight tile once and runs the float32 path over it, so every format computes at
 float32's speed for prefill (bench/RESULTS.md).
+
+On a GPU, dense weights always take torch's cuBLAS. Quantized weights take Octavo's CUDA kernel
+(a GEMV that decodes in registers) up to ``CUDA_KERNEL_MAX_ROWS`` rows, and above it cuBLAS on the
+weights dequantized to the activations' dtype, a slab of rows at a time. The crossover is an
+estimate from the H100's peak figures, not a measurement yet: the kernel multiplies on CUDA
+cores, about 67 TFLOP/s, so its time grows with M, while the dequantizing path costs about 4.5
+bytes of memory traffic per int4 weight whatever M is; the two meet near M = 20.
 """
 
 from __future__ import annotations
@@ -31,6 +38,10 @@ from .. import _C
 
 # The smallest row count at which torch's GEMM takes over, per dtype.
 TORCH_FROM_ROWS = {torch.float32: math.inf, torch.float16: math.inf, torch.bfloat16: 32}
+# On CUDA, the most rows a quantized weight's product runs in Octavo's kernel (see above), and the
+# weights dequantized at a time above it (64 MiB in 16 bits: a slab, not the LM head whole).
+CUDA_KERNEL_MAX_ROWS = 16
+DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
 
 
 class QuantizedWeight(torch.nn.Module):
@@ -76,12 +87,21 @@ class QuantizedWeight(torch.nn.Module):
         return {"weight_format": self.weight_format, "scales": self.scales, "zeros": self.zeros,
                 "group_size": self.group_size}
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 [N, K] weights the quantized data stands for (inputs in the activations' order)."""
-        out = torch.empty(self.shape)
-        _C.ops.dequantize(out, self.qweight, **self.kernel_args())
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The [N, K] weights the quantized data stands for (inputs in the activations' order), as
+        float32 or rounded to ``dtype``, on the weight's device."""
+        out = self.dequantize_rows(0, self.shape[0], dtype)
         if self.input_order is not None:
             out[:, self.input_order] = out.clone()
+        return out
+
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows [start, stop) of the weights, inputs in the stored order (act-order GPTQ's
+        permuted ones: the order ``linear`` multiplies in)."""
+        out = torch.empty(stop - start, self.in_features, dtype=dtype, device=self.qweight.device)
+        rows = slice(start, stop)
+        _C.ops.dequantize(out, self.qweight[rows], self.weight_format, None if self.scales is None else self.scales[rows],
+                          None if self.zeros is None else self.zeros[rows], self.group_size)
         return out
 
     def extra_repr(self) -> str:
@@ -91,15 +111,32 @@ class QuantizedWeight(torch.nn.Module):
 
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N]."""
-    if isinstance(weight, QuantizedWeight):  # Octavo's kernel at every M (no torch kernel reads the format)
+    if isinstance(weight, QuantizedWeight):
         qweight, weight_format, scales, zeros, group_size, n, input_order = weight.bound
         if input_order is not None:
             x = x.index_select(-1, input_order)
-        out = torch.empty(x.shape[0], n, dtype=x.dtype)
+        if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS:
+            return _gemm_on_dequantized(x, weight, bias)
+        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size)
         return out
     if x.device.type != "cpu" or x.shape[0] >= TORCH_FROM_ROWS.get(x.dtype, 0):
         return F.linear(x, weight, bias)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
     _C.ops.linear(out, x, weight, bias)
+    return out
+
+
+def _gemm_on_dequantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """torch's GEMM on the weights in x's dtype, dequantized a slab of rows at a time (x's inputs
+    are in the stored order already)."""
+    n, k = weight.shape
+    slab = max(256, DEQUANTIZE_SLAB_WEIGHTS // k // 256 * 256)  # whole 256s keep slab starts aligned
+    if slab >= n:
+        return F.linear(x, weight.dequantize_rows(0, n, x.dtype), bias)
+    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    for start in range(0, n, slab):
+        stop = min(start + slab, n)
+        out[:, start:stop] = F.linear(x, weight.dequantize_rows(start, stop, x.dtype),
+                                      None if bias is None else bias[start:stop])
     return out

@@ -70,11 +70,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     if device.type != "cpu":
         from ..device import cpu_only_reason
 
-        reason = cpu_only_reason(path, quantization)
+        reason = cpu_only_reason(path)
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
-    if is_gguf(path):
-        return _quantized_after(load_gguf_model(path, dtype), quantization)
+    if is_gguf(path):  # read on the CPU (numpy), then moved: the quantized size, not the float one
+        return _quantized_after(load_gguf_model(path, dtype).to(device), quantization)
     config = ModelConfig.from_pretrained(path)
     if dtype == "auto":
         dtype = config.torch_dtype
@@ -95,11 +95,13 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         reject_foreign_quantization(config)
         if quantization is not None:
             load_quantizing(model, iter_safetensors(path), quantization)
-            return model.eval()
+            return model.eval().to(device)
         model.load_weights(iter_safetensors(path))
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
-    return _quantized_after(model.eval(), quantization)
+    # Quantized weights are built on the CPU from the file's tensors; .to() moves them (and leaves
+    # the parameters made on the device where they are).
+    return _quantized_after(model.eval(), quantization).to(device)
 
 
 def _quantized_after(model, quantization: str | None):
