@@ -64,23 +64,33 @@ __device__ __forceinline__ float half_at(const uint8_t* p) { return to_float(*re
 
 // ---- decoding: the 8 weights of part q, w[i] = weight 4q + i, w[4 + i] = weight 16 + 4q + i ----
 
-// Signed bytes `lo` (weights 4q..) and `hi` (16 + 4q..) times scale.
+// u - offset, for integers u < 2^23 and offset, without an integer-to-float conversion (those
+// run at a quarter of the FP32 rate or less, too slow to decode 4-bit weights at memory speed):
+// the float with 2^23's exponent and u in its mantissa is 2^23 + u, and subtracting 2^23 +
+// offset is exact.
+__device__ __forceinline__ float minus(uint32_t u, float offset) {
+  return __uint_as_float(0x4B000000u | u) - (8388608.0f + offset);
+}
+
+// Signed bytes `lo` (weights 4q..) and `hi` (16 + 4q..) times scale. Flipping each byte's top
+// bit gives q + 128 unsigned.
 __device__ __forceinline__ void signed_bytes(uint32_t lo, uint32_t hi, float scale, float w[8]) {
+  lo ^= 0x80808080u, hi ^= 0x80808080u;
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    w[i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(lo >> (8 * i))), scale);
-    w[4 + i] = __fmul_rn(static_cast<float>(static_cast<int8_t>(hi >> (8 * i))), scale);
+    w[i] = __fmul_rn(minus((lo >> (8 * i)) & 0xFFu, 128.0f), scale);
+    w[4 + i] = __fmul_rn(minus((hi >> (8 * i)) & 0xFFu, 128.0f), scale);
   }
 }
 
 // Nibbles of four bytes (low: weights 4q.., high: 16 + 4q..) as (nibble - offset) * scale, then
-// + min for Q4_1 (kMin); the difference of small integers is exact.
+// + min for Q4_1 (kMin).
 template <bool kMin>
 __device__ __forceinline__ void nibbles(uint32_t bytes, float offset, float scale, float min, float w[8]) {
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const uint32_t nibble = (bytes >> (i < 4 ? 8 * i : 8 * (i - 4) + 4)) & 15u;
-    const float v = __fmul_rn(static_cast<float>(nibble) - offset, scale);
+    const float v = __fmul_rn(minus(nibble, offset), scale);
     w[i] = kMin ? __fadd_rn(v, min) : v;
   }
 }
