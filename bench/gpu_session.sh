@@ -23,6 +23,8 @@ fi
 if [[ $what == bench || $what == all ]]; then
   python3 bench/python/bench_cuda.py 2>&1 | tee "$OUT/bench_cuda.log"
   python3 -m octavo.entrypoints.cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 2>&1 | tail -5 | tee "$OUT/latency.log"
+  python3 -m octavo.entrypoints.cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 \
+    --quantization int4 2>&1 | tail -5 | tee -a "$OUT/latency.log"
   python3 -m octavo.entrypoints.cli bench throughput --device cuda --dummy-shape llama-3-8b --input-len 512 --output-len 256 \
     --num-requests 256 --baseline-batch 32 64 2>&1 | grep -v "it/s]" | tail -8 | tee "$OUT/throughput.log"
   python3 bench/python/profile_step.py --batch 1 64 2>&1 | grep -v "^USDT\|^STAGE" | tee "$OUT/profile.log" | head -60

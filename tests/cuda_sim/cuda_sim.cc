@@ -24,6 +24,11 @@
 #include <sanitizer/common_interface_defs.h>
 #define CUDA_SIM_ASAN 1
 #endif
+#ifdef CUDA_SIM_TSAN
+#include <sanitizer/tsan_interface.h>
+extern "C" void __tsan_read_range(void* addr, unsigned long size);
+extern "C" void __tsan_write_range(void* addr, unsigned long size);
+#endif
 
 namespace cuda_sim {
 namespace {
@@ -108,9 +113,49 @@ void make_context(Context& c, void* stack, size_t bytes, void (*entry)()) {
 }
 #endif
 
+// ---- The race check (CUDA_SIM_TSAN) ---------------------------------------------------------------
+// In the racecheck build, ThreadSanitizer sees every fiber as a thread of its own. Switches carry
+// no ordering, so two fibers' accesses to one address are a race unless something CUDA promises
+// orders them: a __syncthreads both pass (a release on arrival, an acquire on leaving), the
+// launch (the host's writes before it, its reads after it; blocks run one after another, and
+// each has its own shared memory on a GPU, so blocks are ordered too). Warp collectives order
+// nothing, as a shuffle does not on a GPU. This file itself is built without instrumentation: its
+// bookkeeping is not CUDA code, and what it does for a fiber (a cp.async landing, ldmatrix reading
+// its rows) is reported as that fiber's access explicitly.
+namespace race {
+#ifdef CUDA_SIM_TSAN
+void* current() { return __tsan_get_current_fiber(); }
+// What `fiber` has done happens before whoever acquires `sync` next, though it never runs again
+// (a failed launch abandons its fibers where they stopped).
+void release_for(void* fiber, void* sync) {
+  void* self = __tsan_get_current_fiber();
+  __tsan_switch_to_fiber(fiber, __tsan_switch_to_fiber_no_sync);
+  __tsan_release(sync);
+  __tsan_switch_to_fiber(self, __tsan_switch_to_fiber_no_sync);
+}
+void* create() { return __tsan_create_fiber(0); }
+void switch_to(void* fiber) { __tsan_switch_to_fiber(fiber, __tsan_switch_to_fiber_no_sync); }
+void release(void* sync) { __tsan_release(sync); }
+void acquire(void* sync) { __tsan_acquire(sync); }
+void read(const void* p, size_t n) { __tsan_read_range(const_cast<void*>(p), n); }
+void write(void* p, size_t n) { __tsan_write_range(p, n); }
+#else
+void* current() { return nullptr; }
+void release_for(void*, void*) {}
+void* create() { return nullptr; }
+void switch_to(void*) {}
+void release(void*) {}
+void acquire(void*) {}
+void read(const void*, size_t) {}
+void write(void*, size_t) {}
+#endif
+}  // namespace race
+
 struct Fiber {
   Context context;
   void* stack = nullptr;
+  void* race_fiber = nullptr;  // ThreadSanitizer's, in the racecheck build
+  unsigned barriers_passed = 0;
   uint3 idx{0, 0, 0};
   int linear = 0;
   unsigned turn = 0;  // its place in the block's pass order
@@ -148,6 +193,11 @@ struct Launch {
   Fiber* current = nullptr;  // the running fiber; null while the scheduler runs
   Context scheduler;
   std::string error;  // the first failure; stops the launch
+  // The race check's synchronization objects (their addresses): the block's start and end, and
+  // its barriers, alternately (a fiber that is through one barrier and arrives at the next must
+  // not publish to a fiber still leaving the first).
+  char block_start = 0, block_end = 0, barrier[2] = {};
+  void* race_scheduler = nullptr;
 #ifdef CUDA_SIM_ASAN
   const void* scheduler_stack = nullptr;
   size_t scheduler_stack_bytes = 0;
@@ -201,6 +251,7 @@ void transfer(Launch& l, Context& from, bool from_exits, Fiber* to) {
 #else
   (void)from_exits;
 #endif
+  race::switch_to(to ? to->race_fiber : l.race_scheduler);
   switch_context(from, to ? to->context : l.scheduler);
 #ifdef CUDA_SIM_ASAN
   __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
@@ -226,12 +277,14 @@ void fiber_main() {
 #endif
   Launch& l = *g_launch;
   Fiber& f = *l.current;
+  race::acquire(&l.block_start);
   try {
     l.entry(l.call);
   } catch (const Failure&) {
   } catch (const std::exception& e) {
     record_failure(l, where(l, f) + ": exception: " + e.what());
   }
+  race::release(&l.block_end);
   f.state = State::kExited;
   yield(l, f);
 }
@@ -264,6 +317,8 @@ void start_fibers(Launch& l, unsigned threads) {
   for (unsigned i = 0; i < threads; ++i) {
     Fiber& f = g_fibers[i];
     if (f.stack == nullptr) f.stack = map_stack();
+    if (f.race_fiber == nullptr) f.race_fiber = race::create();
+    f.barriers_passed = 0;
 #ifdef CUDA_SIM_ASAN
     ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);  // an abandoned fiber may leave poisoned frames
 #endif
@@ -366,6 +421,7 @@ bool run_block(Launch& l, unsigned threads) {
   l.shared = l.shared_bytes ? static_cast<unsigned char*>(::operator new(l.shared_bytes, std::align_val_t(128)))
                             : nullptr;
   if (l.shared) std::memset(l.shared, 0xff, l.shared_bytes);
+  race::release(&l.block_start);  // the host's inputs, and the block before this one
   bool ok = true;
   for (;;) {
     Fiber* first = next_runnable(l, 0);
@@ -385,6 +441,9 @@ bool run_block(Launch& l, unsigned threads) {
       break;
     }
   }
+  for (unsigned i = 0; i < threads; ++i)
+    if (g_fibers[i].state != State::kExited) race::release_for(g_fibers[i].race_fiber, &l.block_end);
+  race::acquire(&l.block_end);
   if (l.shared) ::operator delete(l.shared, std::align_val_t(128));
   l.shared = nullptr;
   return ok;
@@ -500,7 +559,10 @@ int block_barrier(int predicate) {
   Fiber& f = *l.current;
   f.predicate = predicate;
   f.state = State::kAtBarrier;
+  char* sync = &l.barrier[f.barriers_passed++ % 2];
+  race::release(sync);
   yield(l, f);
+  race::acquire(sync);
   return f.predicate;
 }
 
@@ -512,6 +574,7 @@ void run_grid(const void* kernel, dim3 grid, dim3 block, size_t shared_bytes, En
     return;
   }
   Launch l;
+  l.race_scheduler = race::current();
   l.entry = entry;
   l.call = call;
   l.grid = grid;
@@ -544,6 +607,7 @@ void load_matrix_x4(uint32_t (&r)[4], const void* row, bool trans) {
   const auto* p = static_cast<const unsigned char*>(row);
   if (p < l.shared || p + 16 > l.shared + l.shared_bytes) fail("ldmatrix reads a row outside dynamic shared memory");
   if (reinterpret_cast<uintptr_t>(p) % 16 != 0) fail("ldmatrix reads a row that is not 16-byte aligned");
+  race::read(p, 16);  // each lane names one row; the warp's combine reads them all
   warp_collective(trans ? "ldmatrix.trans" : "ldmatrix", 0xffffffffu, &row, &r, trans, combine_load_matrix);
 }
 
@@ -560,7 +624,10 @@ void copy_async_16(void* shared, const void* global, bool zero) {
     fail("cp.async of 16 bytes between addresses that are not 16-byte aligned");
   Fiber& f = *l.current;
   Fiber::PendingCopy copy{p, {}, f.open_group};
-  if (!zero) std::memcpy(copy.bytes, global, 16);
+  if (!zero) {
+    race::read(global, 16);
+    std::memcpy(copy.bytes, global, 16);
+  }
   f.copies.push_back(copy);
 }
 
@@ -571,7 +638,10 @@ void copy_async_wait(int n) {
   const int done_before = f.open_group - n;  // groups below this one complete
   size_t kept = 0;
   for (const Fiber::PendingCopy& copy : f.copies) {
-    if (copy.group < done_before) std::memcpy(copy.shared, copy.bytes, 16);
+    if (copy.group < done_before) {
+      race::write(copy.shared, 16);  // lands now, as this fiber's write
+      std::memcpy(copy.shared, copy.bytes, 16);
+    }
     else f.copies[kept++] = copy;
   }
   f.copies.resize(kept);

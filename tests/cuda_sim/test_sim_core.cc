@@ -141,7 +141,9 @@ TEST(CudaSim, ReportsWhatAGpuWouldHangOnOrLeaveUndefined) {
   expect_failure(cudaErrorInvalidConfiguration, "a block of 1025x1x1 threads");
 }
 
-__global__ void large_shared_kernel(int* out) { out[0] = octavo::cuda::dynamic_shared_memory()[100000]; }
+__global__ void large_shared_kernel(int* out) {
+  if (threadIdx.x == 0) out[0] = octavo::cuda::dynamic_shared_memory()[100000];
+}
 
 TEST(CudaSim, SharedMemoryPast48KiBNeedsTheOptIn) {
   int out = 0;

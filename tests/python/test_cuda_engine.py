@@ -60,6 +60,7 @@ def test_what_cannot_run_on_a_gpu_is_named(tmp_path):
 @needs_cuda_build
 def test_auto_falls_back_to_the_cpu_and_cuda_refuses_what_it_cannot_run(tmp_path, capsys):
     tiny_checkpoint("llama", tmp_path)  # head size 32
+    _byte_level_bpe().save_pretrained(tmp_path)
     with pytest.raises(ValueError, match="head size 32 has no CUDA attention kernel"):
         LLM(model=str(tmp_path), device="cuda")
     llm = LLM(model=str(tmp_path), device="auto", kv_cache_memory_bytes=16 << 20)
@@ -112,20 +113,23 @@ def dequantized_reference(reference, model):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda_build])])
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_models_give_the_greedy_tokens_of_their_dequantized_weights(method, device, tmp_path):
-    """On the GPU, decode steps (4 rows and fewer) take the CUDA kernel and the prompts (up to
-    97 tokens) torch's GEMM on dequantized weights; the CPU runs the same check with its kernel."""
+    """On the GPU, prompts and decode steps of more than 16 rows (20 requests: a graph of 32) take
+    torch's GEMM on dequantized weights, and the last steps of up to 16 rows the CUDA kernel; the
+    CPU runs the same check with its own kernel."""
     tokenizer, reference = tiny_model_dir(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", device=device, quantization=method,
-              kv_cache_memory_bytes=64 << 20, max_num_seqs=8)
+              kv_cache_memory_bytes=64 << 20, max_num_seqs=32)
     model = llm.llm_engine.model
     from octavo.layers.linear import QuantizedWeight
 
     assert {w.qweight.device.type for w in model.modules() if isinstance(w, QuantizedWeight)} == {device}
     reference = dequantized_reference(reference.to(device), model)
-    prompts = [tokenizer.encode(t) for t in ("Hello world", "x", "a longer prompt " * 6)]
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
-        assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, 8)
+    prompts = [tokenizer.encode(t) for t in ["Hello world", "x", "a longer prompt " * 6] +
+               [f"request {i}: {'ab' * i}" for i in range(17)]]
+    # Requests end one after another from the 5th token on, so the batch falls from 20 rows to 1.
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True) for i in range(len(prompts))]
+    for prompt, out, p in zip(prompts, llm.generate(prompts, params, use_tqdm=False), params):
+        assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, p.max_tokens)
 
 
 @pytest.mark.cuda

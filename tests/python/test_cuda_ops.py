@@ -169,7 +169,8 @@ def random_quantized(fmt: str, n: int, k: int):
 @pytest.mark.parametrize("fmt", QUANTIZED)
 def test_dequantize_gives_the_cpu_floats_bit_for_bit(fmt, dtype):
     weight = random_quantized(fmt, 33, 1536)
-    assert torch.equal(weight.to("cuda").dequantize(dtype).cpu(), weight.dequantize(dtype))
+    expected = weight.dequantize(dtype)
+    assert torch.equal(weight.to("cuda").dequantize(dtype).cpu(), expected)  # .to moves the module itself
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -179,21 +180,17 @@ def test_dequantize_gives_the_cpu_floats_bit_for_bit(fmt, dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_linear_matches_the_cpu(dtype, fmt, m, n, k, bias):
     x, b = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype) if bias else None
-    if fmt == "dense":
-        weight, args = torch.randn(n, k).to(dtype), {}
-        gweight = weight.cuda()
-    else:
-        quantized = random_quantized(fmt, n, k)
-        weight, args = quantized.qweight, quantized.kernel_args()
-        gquantized = quantized.to("cuda")
-        gweight, gargs = gquantized.qweight, gquantized.kernel_args()
-    out = torch.empty(m, n, dtype=dtype)
-    _C.ops.linear(out, x, weight, b, **args)
-    gx, gb = on_gpu(x, b)
-    gout = torch.empty(m, n, dtype=dtype, device="cuda")
-    _C.ops.linear(gout, gx, gweight, gb, **(gargs if fmt != "dense" else {}))
-    torch.cuda.synchronize()
-    assert_matches_cpu(gout, out)
+    weight = torch.randn(n, k).to(dtype) if fmt == "dense" else random_quantized(fmt, n, k)
+
+    def run(device: str) -> torch.Tensor:
+        w = weight.to(device)  # a QuantizedWeight moves itself
+        data, args = (w, {}) if fmt == "dense" else (w.qweight, w.kernel_args())
+        out = torch.empty(m, n, dtype=dtype, device=device)
+        _C.ops.linear(out, x.to(device), data, None if b is None else b.to(device), **args)
+        return out.cpu()
+
+    expected = run("cpu")
+    assert_matches_cpu(run("cuda"), expected)
 
 
 @pytest.mark.parametrize("fmt", ["q4_0", "int4", "int8"])

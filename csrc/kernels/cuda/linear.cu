@@ -276,13 +276,14 @@ void run_linear(const LinearParams& p) {
 // ---- dequantize ----------------------------------------------------------------------------
 
 // One thread per part of a block: out[n, blk * 32 + ...] for its 8 weights, rounded to TOut.
+// 32-bit indices (the launcher checks they fit): a 64-bit division is a long instruction sequence.
 template <typename TOut, typename Row>
 __global__ void __launch_bounds__(256) dequantize_kernel(LinearParams p) {
-  const int64_t blocks = p.in_features / kBlockWeights;
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= p.out_features * blocks * kParts) return;
+  const uint32_t blocks = static_cast<uint32_t>(p.in_features / kBlockWeights);
+  const uint32_t i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= static_cast<uint32_t>(p.out_features) * blocks * kParts) return;
   const int q = static_cast<int>(i % kParts);
-  const int64_t blk = i / kParts % blocks, n = i / kParts / blocks;
+  const uint32_t blk = i / kParts % blocks, n = i / kParts / blocks;
   float w[8];
   Row(p, n).decode(blk, q, w);
   TOut* out = static_cast<TOut*>(p.out) + n * p.in_features + blk * kBlockWeights + 4 * q;
@@ -297,7 +298,9 @@ void launch_dequantize(const LinearParams& p) {
   OCTAVO_CHECK(aligned(p.out, 4 * sizeof(TOut)), "dequantize on CUDA: out must start at a 4-element boundary");
   constexpr int kBlockThreads = 256;
   const int64_t threads = p.out_features * (p.in_features / kBlockWeights) * kParts;
-  OCTAVO_CHECK(ceil_div(threads, kBlockThreads) < (int64_t{1} << 31), "dequantize on CUDA: too many weights");
+  OCTAVO_CHECK(threads < (int64_t{1} << 32) - kBlockThreads,
+               "dequantize on CUDA: " << p.out_features << " x " << p.in_features << " weights are more than one "
+                                      << "launch covers; dequantize slabs of rows");
   launch_kernel(dequantize_kernel<TOut, Row>, dim3(static_cast<unsigned>(ceil_div(threads, kBlockThreads))),
                 kBlockThreads, 0, p);
   check_launch("dequantize");

@@ -106,7 +106,11 @@ __device__ bool penalize(const SampleParams& p, int64_t r, const float* raw, flo
   for (int64_t i = threadIdx.x; i < n; i += kThreads) work[i] = raw[i];
   __syncthreads();
   if (repeat) {
-    const auto penalize_token = [&](int32_t t) { work[t] = raw[t] > 0 ? raw[t] / repetition : raw[t] * repetition; };
+    // A token listed twice is written twice, with the same value: atomically, so that the two
+    // writes are not a data race.
+    const auto penalize_token = [&](int32_t t) {
+      atomicExch(&work[t], raw[t] > 0 ? raw[t] / repetition : raw[t] * repetition);
+    };
     for_each_token(prompt, n, penalize_token);
     for_each_token(output, n, penalize_token);
     __syncthreads();

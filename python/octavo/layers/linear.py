@@ -22,9 +22,13 @@ float32's speed for prefill (bench/RESULTS.md).
 On a GPU, dense weights always take torch's cuBLAS. Quantized weights take Octavo's CUDA kernel
 (a GEMV that decodes in registers) up to ``CUDA_KERNEL_MAX_ROWS`` rows, and above it cuBLAS on the
 weights dequantized to the activations' dtype, a slab of rows at a time. The crossover is an
-estimate from the H100's peak figures, not a measurement yet: the kernel multiplies on CUDA
-cores, about 67 TFLOP/s, so its time grows with M, while the dequantizing path costs about 4.5
-bytes of memory traffic per int4 weight whatever M is; the two meet near M = 20.
+estimate from the H100's peak figures, not a measurement yet: the kernel's time grows with M
+(per weight and row, an FMA and its share of the decode, about 4 operations at 67 TFLOP/s of
+FP32), while the dequantizing path costs about 4.5 bytes of memory traffic per int4 weight
+whatever M is (3.35 TB/s); the two meet near M = 20 (near 45 if the decode were free).
+Either side of it a row's bits differ: the kernel multiplies the float32 weights, the GEMM
+them rounded to the activations' dtype, as a bfloat16 checkpoint's weights would be. On a GPU
+rows are not batch-invariant anyway (cuBLAS picks its algorithm by shape).
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ interleaves the two rotary halves of every head; this is the inverse, as transfo
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +84,18 @@ def gguf_config(path: Path, reader=None) -> ModelConfig:
     if "vocab_size" not in hf:
         hf["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
     return ModelConfig.from_dict(hf)
+
+
+@functools.lru_cache(maxsize=4)
+def _config_of_version(path: str, size: int, mtime_ns: int) -> ModelConfig:
+    return gguf_config(Path(path))
+
+
+def cached_gguf_config(path: str | Path) -> ModelConfig:
+    """gguf_config, parsed once per version of the file in this process: choosing a device
+    reads it before the model is loaded (read-only use; the loader parses the file itself)."""
+    stat = Path(path).stat()
+    return _config_of_version(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
