@@ -25,9 +25,9 @@ def cpu_only_reason(model) -> str | None:
     """Why this model cannot run on a GPU yet, or None when it can. (Quantized weights can: GGUF
     blocks, GPTQ / AWQ, Octavo's int8 / int4; see layers/linear.py.)"""
     from .config import ModelConfig
-    from .loader.gguf_file import cached_gguf_config, is_gguf
+    from .loader.gguf_file import gguf_config, is_gguf
 
-    config = cached_gguf_config(model) if is_gguf(model) else ModelConfig.from_pretrained(model)
+    config = gguf_config(model) if is_gguf(model) else ModelConfig.from_pretrained(model)
     if config.head_dim not in CUDA_HEAD_SIZES:
         return f"head size {config.head_dim} has no CUDA attention kernel (compiled: {CUDA_HEAD_SIZES})"
     group = config.num_attention_heads // config.num_key_value_heads

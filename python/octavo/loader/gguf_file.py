@@ -9,7 +9,6 @@ interleaves the two rotary halves of every head; this is the inverse, as transfo
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +19,7 @@ from ..config import ModelConfig
 from ..layers.linear import QuantizedWeight
 from ..layers.quantize import place_quantized
 from ..models import model_class
+from .gguf_reader import GgufFile
 
 KEPT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> weight format
 FLOAT_TYPES = {"F32", "F16", "BF16"}
@@ -45,11 +45,9 @@ def hf_name(name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model")
 
 
-def open_reader(path: Path):
-    import gguf
-
+def open_reader(path: Path) -> GgufFile:
     try:
-        return gguf.GGUFReader(str(path))
+        return GgufFile(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read the GGUF metadata of {path}: {e}") from e
 
@@ -65,11 +63,9 @@ _TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "p
 
 def gguf_config(path: Path, reader=None) -> ModelConfig:
     """The model config in the file's metadata (the names transformers' GGUF loader gives them).
-    ``reader``: the file's gguf.GGUFReader, when one is open already (parsing the metadata, a
-    tokenizer of 50k strings, takes seconds)."""
+    ``reader``: the file's GgufFile, when one is open already."""
     reader = reader or open_reader(path)
-    fields = {name: field.contents() for name, field in reader.fields.items()
-              if not name.startswith("tokenizer.ggml.") or name.endswith("_token_id")}
+    fields = reader.fields
     arch = fields.get("general.architecture")
     if arch not in ARCHITECTURES:
         raise ValueError(f"{path} is a {arch!r} GGUF; Octavo runs GGUF files of the architectures "
@@ -82,20 +78,8 @@ def gguf_config(path: Path, reader=None) -> ModelConfig:
     hf.update((name, fields[f"tokenizer.ggml.{key}"]) for name, key in _TOKEN_IDS.items()
               if f"tokenizer.ggml.{key}" in fields)
     if "vocab_size" not in hf:
-        hf["vocab_size"] = len(reader.fields["tokenizer.ggml.tokens"].data)
+        hf["vocab_size"] = len(fields["tokenizer.ggml.tokens"])
     return ModelConfig.from_dict(hf)
-
-
-@functools.lru_cache(maxsize=4)
-def _config_of_version(path: str, size: int, mtime_ns: int) -> ModelConfig:
-    return gguf_config(Path(path))
-
-
-def cached_gguf_config(path: str | Path) -> ModelConfig:
-    """gguf_config, parsed once per version of the file in this process: choosing a device
-    reads it before the model is loaded (read-only use; the loader parses the file itself)."""
-    stat = Path(path).stat()
-    return _config_of_version(str(Path(path).resolve()), stat.st_size, stat.st_mtime_ns)
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -111,7 +95,9 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
     tensors = {}
     for t in reader.tensors:
         name, kind = hf_name(t.name), t.tensor_type.name
-        data = np.asarray(t.data)
+        data = t.data
+        if kind == "BF16":  # its bytes: the upper halves of float32s
+            data, kind = (data.view("<u2").astype(np.uint32) << 16).view(np.float32), "F32"
         if kind not in KEPT_FORMATS and kind not in FLOAT_TYPES:
             try:
                 data = gguf.quants.dequantize(data, t.tensor_type)
