@@ -3,7 +3,11 @@
 # CUDA kernels on the GPU machine (no package registry there: --no-build-isolation, --no-deps),
 # run the CUDA tests, then the benchmarks. Logs go to $OUT, which the device tool brings back.
 #
-#   bash bench/gpu_session.sh [tests|bench|all]     (default: all)
+#   bash bench/gpu_session.sh [tests|kernels|e2e|bench|all]     (default: all; bench = kernels + e2e)
+#
+# Each part fits one device-tool command (10 minutes): run them as separate calls, each within the
+# machine's 30 s of warmth after the last, so that the build directory (pyproject.toml's
+# build/wheel/..., ignored by git and so kept on a warm machine) makes the next build quick.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/octavo-gpu}
@@ -20,8 +24,10 @@ if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_ops.py tests/python/test_cuda_sampling.py \
     tests/python/test_cuda_engine.py tests/python/test_build_info.py 2>&1 | tail -40 | tee "$OUT/tests.log"
 fi
-if [[ $what == bench || $what == all ]]; then
+if [[ $what == kernels || $what == bench || $what == all ]]; then
   python3 bench/python/bench_cuda.py 2>&1 | tee "$OUT/bench_cuda.log"
+fi
+if [[ $what == e2e || $what == bench || $what == all ]]; then
   python3 -m octavo.entrypoints.cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 2>&1 | tail -5 | tee "$OUT/latency.log"
   python3 -m octavo.entrypoints.cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 \
     --quantization int4 2>&1 | tail -5 | tee -a "$OUT/latency.log"

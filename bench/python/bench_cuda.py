@@ -9,6 +9,8 @@ fraction of them:
   8:1, head size 128): KV bytes read per second against the copy bandwidth (goal >= 0.7);
 - prefill attention (whole causal prompts): TFLOP/s against torch's
   scaled_dot_product_attention (flash backend) on the same data made contiguous (goal >= 1.0x);
+- mixed batches (a prompt chunk beside decodes of long contexts) against the same chunk and
+  decodes run apart: whether routing a mixed step's decodes to the decode kernels would pay;
 - linear at M = 1 on Llama-3-8B's projections, every weight format: weight bytes read per second
   against the copy bandwidth (dense also against torch's cuBLAS); then, for int4 and Q4_0, the
   kernel against torch's GEMM on dequantized weights (layers/linear.py's other path) as M grows,
@@ -167,6 +169,43 @@ def weight_bytes(weight) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+def varied_batch(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: int, dtype):
+    """paged_attention's arguments for sequences of (query tokens, context) each."""
+    block = 16
+    widths = [math.ceil(context / block) for _, context in seqs]
+    key_cache = torch.randn(sum(widths) + 1, kv_heads, block, d, dtype=dtype, device="cuda")
+    tables = torch.zeros(len(seqs), max(widths), dtype=torch.int32)
+    ids = (torch.randperm(sum(widths)) + 1).int()
+    for i, width in enumerate(widths):
+        tables[i, :width], ids = ids[:width], ids[width:]
+    starts = torch.tensor([0] + [q for q, _ in seqs], dtype=torch.int32).cumsum(0).int()
+    query = torch.randn(int(starts[-1]), heads, d, dtype=dtype, device="cuda")
+    lens = torch.tensor([c for _, c in seqs], dtype=torch.int32)
+    return query, key_cache, torch.randn_like(key_cache), starts.cuda(), lens.cuda(), tables.cuda()
+
+
+def mixed_attention(dtype, quick: bool) -> None:
+    """A chunked prefill's step: one prompt chunk with decodes of long contexts beside it. The
+    decodes then go through the prefill kernel, one block per KV head and no split; the figure to
+    watch is the mixed batch against the chunk and the decodes run apart (what routing the
+    decodes to the decode kernels, with their splits, would cost at most plus a launch)."""
+    d, heads, kv_heads = 128, 32, 8
+    for chunk in (512, 2048):
+        for decodes in ((4, 32) if quick else (1, 4, 16, 64)):
+            for context in ((8192,) if quick else (2048, 8192, 32768)):
+                times = {}
+                for name, seqs in (("mixed", [(chunk, chunk)] + [(1, context)] * decodes),
+                                   ("chunk", [(chunk, chunk)]), ("decodes", [(1, context)] * decodes)):
+                    query, kc, vc, qsl, lens, tables = varied_batch(seqs, heads, kv_heads, d, dtype)
+                    out = torch.empty_like(query)
+                    times[name] = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc, vc, qsl, lens, tables,
+                                                                         d ** -0.5), repeats=10)
+                apart = times["chunk"] + times["decodes"]
+                print(f"  mixed chunk {chunk:4d} + {decodes:2d} decodes at {context:5d}: {times['mixed'] * 1e3:8.1f} us; "
+                      f"apart {times['chunk'] * 1e3:.1f} + {times['decodes'] * 1e3:.1f} = {apart * 1e3:8.1f} us "
+                      f"({times['mixed'] / apart:.2f}x)")
+
+
 def linear_weights(dtype, copy_bw: float, quick: bool) -> None:
     from octavo.layers import linear as layer
 
@@ -208,6 +247,7 @@ def main() -> None:
         elementwise(dtype, copy_bw, tokens)
     decode_attention(dtype, copy_bw, args.quick)
     prefill_attention(dtype, args.quick)
+    mixed_attention(dtype, args.quick)
     linear_weights(dtype, copy_bw, args.quick)
 
 
