@@ -20,6 +20,8 @@ def assert_same_as_gguf(path):
             assert len(value) == len(expected), key
         elif isinstance(value, np.ndarray):
             assert value.tolist() == expected, key
+        elif isinstance(value, list):  # arrays of arrays, which the gguf package gives flattened
+            assert [x for v in value for x in v.tolist()] == expected, key
         else:
             assert value == expected and type(value) is type(expected), key
     assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
@@ -39,6 +41,8 @@ def test_every_metadata_type_and_tensor_layout(tmp_path):
     writer.add_array("test.ints", [1, -2, 3])
     writer.add_array("test.floats", [0.5, 1.5])
     writer.add_array("test.strings", ["a", "", "ccc" * 50])
+    writer.add_array("test.bools", [True, False])
+    writer.add_array("test.nested", [[1, 2], [3]])
     rng = np.random.default_rng(0)
     writer.add_tensor("f32", rng.standard_normal((3, 40)).astype(np.float32))
     writer.add_tensor("f16", rng.standard_normal((5,)).astype(np.float16))
@@ -51,6 +55,7 @@ def test_every_metadata_type_and_tensor_layout(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     assert_same_as_gguf(path)
+    assert [v.tolist() for v in GgufFile(path).fields["test.nested"]] == [[1, 2], [3]]
     tensors = GgufFile(path).tensors
     assert tensors[2].data.shape == (2, 16) and tensors[3].data.shape == (4, 2 * 34)  # bytes per row
 
@@ -85,6 +90,45 @@ def test_what_is_not_gguf_is_refused(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(data[:-100])  # inside the tensor's data
     with pytest.raises(ValueError, match="runs past the end of the file"):
         open_reader(tmp_path / "cut.gguf")
+
+
+def _header(version: int, fields: list[bytes], tensors: list[bytes] = ()) -> bytes:
+    """A GGUF header written by hand: fields and tensor infos given as their bytes."""
+    import struct
+
+    return b"GGUF" + struct.pack("<IQQ", version, len(tensors), len(fields)) + b"".join(fields) + b"".join(tensors)
+
+
+def _text(s: str) -> bytes:
+    import struct
+
+    return struct.pack("<Q", len(s)) + s.encode()
+
+
+def test_version_2_and_corrupt_headers(tmp_path):
+    """A version 2 file reads; counts, lengths and alignments no file could hold are refused as
+    soon as they are read (no loop through them, no error other than ValueError)."""
+    import struct
+
+    from octavo.loader.gguf_file import open_reader
+
+    def read(data: bytes):
+        (tmp_path / "h.gguf").write_bytes(data)
+        return open_reader(tmp_path / "h.gguf")
+
+    assert read(_header(2, [_text("a") + struct.pack("<II", 4, 7)])).fields == {"a": 7}
+    u32_array = _text("a") + struct.pack("<IIQ", 9, 4, (1 << 64) - 1)
+    string_array = _text("a") + struct.pack("<IIQ", 9, 8, 1 << 62) + bytes(64)
+    long_string = _text("a") + struct.pack("<IQ", 8, 1 << 63)
+    cut_string = _text("a") + struct.pack("<IQ", 8, 10) + b"abc"
+    for fields in ([u32_array], [string_array], [long_string], [cut_string]):
+        with pytest.raises(ValueError, match="truncated or corrupt GGUF header"):
+            read(_header(3, fields))
+    with pytest.raises(ValueError, match="general.alignment must be a positive multiple of 8, got 0"):
+        read(_header(3, [_text("general.alignment") + struct.pack("<II", 4, 0)]))
+    many_dims = _text("t") + struct.pack("<I", (1 << 32) - 1) + bytes(64)
+    with pytest.raises(ValueError, match="4294967295 dimensions"):
+        read(_header(3, [], [many_dims]))
 
 
 def _llama_cpp_rows(rows: np.ndarray, heads: int) -> np.ndarray:

@@ -11,6 +11,7 @@ and block sizes are the gguf package's.
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ _NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 
 _STRING, _ARRAY = 8, 9
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
 
 
 @dataclass
@@ -51,7 +53,7 @@ class GgufFile:
         self._at = 0
         try:
             self._read_header()
-        except (struct.error, UnicodeDecodeError, IndexError) as e:
+        except (struct.error, UnicodeDecodeError, OverflowError) as e:
             raise ValueError(f"truncated or corrupt GGUF header ({e})") from None
 
     def _read_header(self) -> None:
@@ -67,7 +69,9 @@ class GgufFile:
             key = self._string()
             self.fields[key] = self._value(self._scalar("<I"))
         infos = [self._tensor_info() for _ in range(tensor_count)]
-        alignment = int(self.fields.get("general.alignment", _DEFAULT_ALIGNMENT))
+        alignment = self.fields.get("general.alignment", _DEFAULT_ALIGNMENT)
+        if not isinstance(alignment, int) or alignment <= 0 or alignment % 8:
+            raise ValueError(f"general.alignment must be a positive multiple of 8, got {alignment!r}")
         start = -(-self._at // alignment) * alignment
         self.tensors = [self._tensor(name, dims, type_id, start + offset) for name, dims, type_id, offset in infos]
 
@@ -76,11 +80,23 @@ class GgufFile:
         self._at += struct.calcsize(fmt)
         return value
 
+    def _expect(self, n: int) -> None:
+        """n more bytes must lie in the file (a corrupt count or length stops here, not after
+        reading or looping through it)."""
+        if n > len(self._bytes) - self._at:
+            raise ValueError(f"truncated or corrupt GGUF header ({n} bytes wanted at offset {self._at}, "
+                             f"{len(self._bytes) - self._at} left)")
+
+    def _claim(self, n: int) -> int:
+        """The offset of the next n bytes; moves past them."""
+        self._expect(n)
+        at, self._at = self._at, self._at + n
+        return at
+
     def _string(self) -> str:
         n = self._scalar("<Q")
-        text = bytes(self._bytes[self._at:self._at + n]).decode("utf-8")
-        self._at += n
-        return text
+        at = self._claim(n)
+        return bytes(self._bytes[at:at + n]).decode("utf-8")
 
     def _value(self, kind: int):
         if kind in _SCALARS:
@@ -92,18 +108,20 @@ class GgufFile:
         item_kind, count = self._scalar("<I"), self._scalar("<Q")
         if item_kind in _NUMPY:
             dtype = np.dtype(_NUMPY[item_kind])
-            values = np.frombuffer(self._bytes, dtype, count, self._at).copy()
-            self._at += count * dtype.itemsize
-            return values
+            return np.frombuffer(self._bytes, dtype, count, self._claim(count * dtype.itemsize)).copy()
+        self._expect(8 * count)  # a string or an array takes 8 bytes at least
         if item_kind == _STRING:  # skipped: each is a 64-bit length and its bytes
             for _ in range(count):
-                self._at += 8 + struct.unpack_from("<Q", self._bytes, self._at)[0]
+                self._claim(self._scalar("<Q"))
             return StringArray(count)
         return [self._value(item_kind) for _ in range(count)]  # arrays of arrays
 
     def _tensor_info(self) -> tuple[str, list[int], int, int]:
         name = self._string()
-        dims = [self._scalar("<Q") for _ in range(self._scalar("<I"))]
+        n_dims = self._scalar("<I")
+        if n_dims > _MAX_DIMS:
+            raise ValueError(f"GGUF tensor {name!r} has {n_dims} dimensions (at most {_MAX_DIMS})")
+        dims = [self._scalar("<Q") for _ in range(n_dims)]
         return name, dims, self._scalar("<I"), self._scalar("<Q")
 
     def _tensor(self, name: str, dims: list[int], type_id: int, start: int) -> Tensor:
@@ -123,7 +141,7 @@ class GgufFile:
                 raise ValueError(f"GGUF tensor {name!r}: rows of {shape[-1]} are not whole blocks of {block}")
             shape[-1] = shape[-1] // block * block_bytes
             dtype = np.dtype(np.uint8)
-        count = int(np.prod(shape))
+        count = math.prod(shape)
         if start + count * dtype.itemsize > len(self._bytes):
             raise ValueError(f"GGUF tensor {name!r} runs past the end of the file")
         return Tensor(name, kind, np.frombuffer(self._bytes, dtype, count, start).reshape(shape))
