@@ -120,8 +120,10 @@ void make_context(Context& c, void* stack, size_t bytes, void (*entry)()) {
 // launch (the host's writes before it, its reads after it; blocks run one after another, and
 // each has its own shared memory on a GPU, so blocks are ordered too). Warp collectives order
 // nothing, as a shuffle does not on a GPU. This file itself is built without instrumentation: its
-// bookkeeping is not CUDA code, and what it does for a fiber (a cp.async landing, ldmatrix reading
-// its rows) is reported as that fiber's access explicitly.
+// bookkeeping is not CUDA code, and what it does for a fiber is reported as that fiber's access
+// explicitly: ldmatrix reading its rows, and a cp.async copy writing shared memory when it is
+// issued, at each barrier while it is pending, and when it lands (a GPU may write it any time in
+// between). Blocks are ordered one after another, so races between blocks are not seen.
 namespace race {
 #ifdef CUDA_SIM_TSAN
 void* current() { return __tsan_get_current_fiber(); }
@@ -133,7 +135,12 @@ void release_for(void* fiber, void* sync) {
   __tsan_release(sync);
   __tsan_switch_to_fiber(self, __tsan_switch_to_fiber_no_sync);
 }
-void* create() { return __tsan_create_fiber(0); }
+void* create(int thread) {
+  void* fiber = __tsan_create_fiber(0);
+  const std::string name = "CUDA thread " + std::to_string(thread);  // copied by the runtime
+  __tsan_set_fiber_name(fiber, name.c_str());
+  return fiber;
+}
 void switch_to(void* fiber) { __tsan_switch_to_fiber(fiber, __tsan_switch_to_fiber_no_sync); }
 void release(void* sync) { __tsan_release(sync); }
 void acquire(void* sync) { __tsan_acquire(sync); }
@@ -142,7 +149,7 @@ void write(void* p, size_t n) { __tsan_write_range(p, n); }
 #else
 void* current() { return nullptr; }
 void release_for(void*, void*) {}
-void* create() { return nullptr; }
+void* create(int) { return nullptr; }
 void switch_to(void*) {}
 void release(void*) {}
 void acquire(void*) {}
@@ -317,7 +324,7 @@ void start_fibers(Launch& l, unsigned threads) {
   for (unsigned i = 0; i < threads; ++i) {
     Fiber& f = g_fibers[i];
     if (f.stack == nullptr) f.stack = map_stack();
-    if (f.race_fiber == nullptr) f.race_fiber = race::create();
+    if (f.race_fiber == nullptr) f.race_fiber = race::create(static_cast<int>(i));
     f.barriers_passed = 0;
 #ifdef CUDA_SIM_ASAN
     ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);  // an abandoned fiber may leave poisoned frames
@@ -560,6 +567,7 @@ int block_barrier(int predicate) {
   f.predicate = predicate;
   f.state = State::kAtBarrier;
   char* sync = &l.barrier[f.barriers_passed++ % 2];
+  for (const Fiber::PendingCopy& copy : f.copies) race::write(copy.shared, 16);  // may land at any time until waited for
   race::release(sync);
   yield(l, f);
   race::acquire(sync);
@@ -624,6 +632,7 @@ void copy_async_16(void* shared, const void* global, bool zero) {
     fail("cp.async of 16 bytes between addresses that are not 16-byte aligned");
   Fiber& f = *l.current;
   Fiber::PendingCopy copy{p, {}, f.open_group};
+  race::write(p, 16);  // a GPU may write it from now on (and at each barrier before the wait, below)
   if (!zero) {
     race::read(global, 16);
     std::memcpy(copy.bytes, global, 16);

@@ -204,7 +204,12 @@ inline int shuffle_source(int lane, int src, int width, unsigned mask) {
 }
 // Combines run on the scheduler, outside any fiber: in the racecheck build their reads of each
 // lane's operand are not that scheduler's accesses (cuda_sim.cc, "The race check").
-#if defined(__SANITIZE_THREAD__)
+#if defined(__has_feature)  // clang
+#if __has_feature(thread_sanitizer)
+#define CUDA_SIM_TSAN_BUILD 1
+#endif
+#endif
+#if defined(__SANITIZE_THREAD__) || defined(CUDA_SIM_TSAN_BUILD)
 #define CUDA_SIM_UNCHECKED __attribute__((no_sanitize("thread")))
 #else
 #define CUDA_SIM_UNCHECKED
