@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue #7's GPU checks in one device-tool call (see ../.library/device): build Octavo with its
+# Issue #7's GPU checks, in device-tool calls (see ../.library/device): build Octavo with its
 # CUDA kernels on the GPU machine (no package registry there: --no-build-isolation, --no-deps),
 # run the CUDA tests, then the benchmarks. Logs go to $OUT, which the device tool brings back.
 #

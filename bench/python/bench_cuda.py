@@ -201,8 +201,8 @@ def mixed_attention(dtype, quick: bool) -> None:
                     times[name] = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc, vc, qsl, lens, tables,
                                                                          d ** -0.5), repeats=10)
                 apart = times["chunk"] + times["decodes"]
-                print(f"  mixed chunk {chunk:4d} + {decodes:2d} decodes at {context:5d}: {times['mixed'] * 1e3:8.1f} us; "
-                      f"apart {times['chunk'] * 1e3:.1f} + {times['decodes'] * 1e3:.1f} = {apart * 1e3:8.1f} us "
+                print(f"  mixed chunk {chunk:4d} + {decodes:2d} decodes at {context:5d}: "
+                      f"{times['mixed'] * 1e3:8.1f} us; apart {times['chunk'] * 1e3:.1f} + {times['decodes'] * 1e3:.1f} = {apart * 1e3:8.1f} us "
                       f"({times['mixed'] / apart:.2f}x)")
 
 

@@ -92,7 +92,7 @@ struct WeightQuant {
 // input: [M, K] (any leading shape, rows of K); weight: [N, K] contiguous in `format` (see
 // WeightFormat); bias: [N] or null; out: [M, N], not overlapping input. out, input and bias
 // share one float dtype (and a dense weight too). Quantized weights are decoded in registers to
-// exactly the floats `dequantize` gives, so the result equals the dense kernel's on those
+// exactly the float32 values `dequantize` gives, so the result equals the dense kernel's on those
 // floats, bit for bit. Each output row is computed the same way whatever M is (batch
 // invariant). Meant for small M (decode batches); for large M a BLAS GEMM may be faster (see
 // python/octavo/layers/linear.py for the measured crossover). On CUDA, dense weights need rows of

@@ -567,7 +567,8 @@ int block_barrier(int predicate) {
   f.predicate = predicate;
   f.state = State::kAtBarrier;
   char* sync = &l.barrier[f.barriers_passed++ % 2];
-  for (const Fiber::PendingCopy& copy : f.copies) race::write(copy.shared, 16);  // may land at any time until waited for
+  // A pending copy may land at any time until it is waited for.
+  for (const Fiber::PendingCopy& copy : f.copies) race::write(copy.shared, 16);
   race::release(sync);
   yield(l, f);
   race::acquire(sync);

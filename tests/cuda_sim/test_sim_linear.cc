@@ -216,7 +216,8 @@ TEST(SimLinear, WhatCudaCannotReadIsRefusedByName) {
   Tensor out({2, 3}, DType::kFloat32);
   expect_refusal([&] { octavo::linear(out.cuda(), x.cuda(), w.cuda(), nullptr); }, "in_features 100");
   // An input row starting off a 4-element boundary (a view one element into a buffer).
-  const Tensor wide = sim_test::randn({2, 65}, DType::kFloat32, gen), w64 = sim_test::randn({3, 64}, DType::kFloat32, gen);
+  const Tensor wide = sim_test::randn({2, 65}, DType::kFloat32, gen);
+  const Tensor w64 = sim_test::randn({3, 64}, DType::kFloat32, gen);
   TensorView shifted = wide.cuda();
   shifted.data = static_cast<float*>(shifted.data) + 1;
   shifted.shape[1] = 64;

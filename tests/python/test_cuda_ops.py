@@ -204,21 +204,31 @@ def test_linear_rows_do_not_depend_on_the_batch(fmt):
         assert torch.equal(out, outs[0][:out.shape[0]])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt", ["q4_1", "int4"])
-def test_layer_takes_the_kernel_for_few_rows_and_dequantized_gemm_for_many(fmt, monkeypatch):
-    """Both paths of layers.linear on the GPU against the dequantized float32 product; the GEMM
-    path in slabs of 256 rows (a last, shorter one included) with a bias."""
+def test_layer_takes_the_kernel_for_few_rows_and_dequantized_gemm_for_many(fmt, dtype, monkeypatch):
+    """Both paths of layers.linear on the GPU against the dequantized product in float64: the
+    kernel up to CUDA_KERNEL_MAX_ROWS rows, above it the GEMM in slabs of 256 rows (3 slabs here,
+    the last shorter) with a bias; bfloat16 multiplies the weights rounded to bfloat16."""
     from octavo.layers import linear as layer
 
     monkeypatch.setattr(layer, "DEQUANTIZE_SLAB_WEIGHTS", 256 * 512)
+    slabs = []
+    dequantize_rows = layer.QuantizedWeight.dequantize_rows
+    monkeypatch.setattr(layer.QuantizedWeight, "dequantize_rows",
+                        lambda self, *args: slabs.append(args) or dequantize_rows(self, *args))
     weight = random_quantized(fmt, 700, 512).to("cuda")
-    bias = torch.randn(700, device="cuda")
-    expected_weight = weight.dequantize()
-    for m in (layer.CUDA_KERNEL_MAX_ROWS, layer.CUDA_KERNEL_MAX_ROWS + 1, 300):
-        x = torch.randn(m, 512, device="cuda")
-        expected = torch.nn.functional.linear(x.double(), expected_weight.double(), bias.double())
+    bias = torch.randn(700, device="cuda").to(dtype)
+    expected_weight = weight.dequantize(dtype).double()
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -7}[dtype]
+    for m, slabs_used in ((layer.CUDA_KERNEL_MAX_ROWS, 0), (layer.CUDA_KERNEL_MAX_ROWS + 1, 3), (300, 3)):
+        slabs.clear()
+        x = torch.randn(m, 512, device="cuda").to(dtype)
+        expected = torch.nn.functional.linear(x.double(), expected_weight, bias.double())
         got = layer.linear(x, weight, bias)
-        torch.testing.assert_close(got.double(), expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+        assert len(slabs) == slabs_used and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance,
+                                   atol=tolerance * expected.abs().max().item())
 
 
 # ----------------------------------------------------------------------------- streams and devices

@@ -20,7 +20,8 @@ from test_default_model_outputs import GREEDY, llm, path, prompts, token_ids, to
 
 @pytest.fixture(scope="module")
 def gguf_llm():
-    return LLM(model=str(default_gguf_path()), kv_cache_memory_bytes=256 << 20, max_model_len=1024)
+    # The CPU: the outputs compared are the CPU kernel's, batch invariant (a GPU also runs GGUF files).
+    return LLM(model=str(default_gguf_path()), kv_cache_memory_bytes=256 << 20, max_model_len=1024, device="cpu")
 
 
 def test_projections_stay_quantized_and_dequantize_to_the_converted_floats(gguf_llm, path):

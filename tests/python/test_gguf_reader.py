@@ -7,11 +7,11 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from octavo.loader.gguf_reader import GgufFile, StringArray  # noqa: E402
+from octavo.loader.gguf_reader import GgufReader, StringArray  # noqa: E402
 
 
 def assert_same_as_gguf(path):
-    ours, theirs = GgufFile(path), gguf.GGUFReader(str(path))
+    ours, theirs = GgufReader(path), gguf.GGUFReader(str(path))
     fields = {k: f for k, f in theirs.fields.items() if not k.startswith("GGUF.")}  # its own header entries
     assert ours.fields.keys() == fields.keys()
     for key, field in fields.items():
@@ -55,8 +55,8 @@ def test_every_metadata_type_and_tensor_layout(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     assert_same_as_gguf(path)
-    assert [v.tolist() for v in GgufFile(path).fields["test.nested"]] == [[1, 2], [3]]
-    tensors = GgufFile(path).tensors
+    assert [v.tolist() for v in GgufReader(path).fields["test.nested"]] == [[1, 2], [3]]
+    tensors = GgufReader(path).tensors
     assert tensors[2].data.shape == (2, 16) and tensors[3].data.shape == (4, 2 * 34)  # bytes per row
 
 
@@ -68,7 +68,7 @@ def test_the_default_models_file():
     from octavo.default_model import default_gguf_path
 
     assert_same_as_gguf(default_gguf_path())
-    assert len(GgufFile(default_gguf_path()).fields["tokenizer.ggml.tokens"]) == 49152
+    assert len(GgufReader(default_gguf_path()).fields["tokenizer.ggml.tokens"]) == 49152
 
 
 def test_what_is_not_gguf_is_refused(tmp_path):

@@ -94,7 +94,7 @@ def test_checkpoint_runs_like_its_float_weights(tmp_path, method, g, act_order, 
             assert torch.equal(ours.dequantize(), theirs.data)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 6, 7, 8], [20, 21]]
-    runs = [LLM(model=str(d), kv_cache_memory_bytes=16 << 20).generate(prompts, params, use_tqdm=False)
+    runs = [LLM(model=str(d), kv_cache_memory_bytes=16 << 20, device="cpu").generate(prompts, params, use_tqdm=False)
             for d in (quant_dir, float_dir)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
 

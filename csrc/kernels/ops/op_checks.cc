@@ -75,7 +75,7 @@ void check_index_dtype(const TensorView& t, const char* arg) {
 void check_cpu(const TensorView& t, const char* arg) {
   OCTAVO_CHECK(t.device.type == DeviceType::kCPU,
                "argument '" << arg << "' is a " << device_name(t.device.type)
-                            << " tensor, but this op has only a CPU kernel so far; move it to the CPU");
+                            << " tensor; it must be in CPU memory (the host reads it)");
 }
 
 void check_same_device(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg) {

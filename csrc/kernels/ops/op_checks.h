@@ -30,7 +30,7 @@ struct InOutRows {
 InOutRows float_in_out(const TensorView& out, const char* out_arg, const TensorView& input);
 void check_same_dtype(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
 void check_index_dtype(const TensorView& t, const char* arg);  // int32 or int64
-// CPU memory, for the ops that have only a CPU kernel so far.
+// CPU memory, for arrays the host reads (the attention plan's inputs).
 void check_cpu(const TensorView& t, const char* arg);
 // On the same device (type and index) as ref.
 void check_same_device(const TensorView& t, const char* arg, const TensorView& ref, const char* ref_arg);
@@ -38,7 +38,7 @@ inline bool is_cuda(const TensorView& t) { return t.device.type == DeviceType::k
 // Whether the op runs its CUDA kernel: t is a CUDA tensor, on the device this thread launches
 // on (kernels launch on the current device; another one would fault).
 bool runs_on_cuda(const TensorView& t, const char* arg);
-// 1-D, contiguous, `dtype`, `size` elements (size < 0: any); on the CPU, or on ref's device.
+// 1-D, contiguous, `dtype`, `size` elements (size < 0: any); in CPU memory, or on ref's device.
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size);
 void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t size, const TensorView& ref,
                   const char* ref_arg);

@@ -49,8 +49,9 @@ DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
 
 
 class QuantizedWeight(torch.nn.Module):
-    """A projection weight in a quantized format that ``linear`` decodes as it reads (in registers
-    below 8 input rows, once per weight tile from 8 rows on).
+    """A projection weight in a quantized format that ``linear`` decodes as it reads: on the CPU in
+    registers below 8 input rows, once per weight tile from 8 rows on; on CUDA in registers up to
+    CUDA_KERNEL_MAX_ROWS rows, into dequantized slabs for torch's GEMM above.
 
     GGUF blocks as a file stores them ("q8_0", "q4_0", "q4_1": ``qweight`` uint8 [N, K / 32 *
     block bytes]), or Octavo's own load-time formats ("int8": ``qweight`` int8 [N, K] and
@@ -104,8 +105,8 @@ class QuantizedWeight(torch.nn.Module):
         permuted ones: the order ``linear`` multiplies in)."""
         out = torch.empty(stop - start, self.in_features, dtype=dtype, device=self.qweight.device)
         rows = slice(start, stop)
-        _C.ops.dequantize(out, self.qweight[rows], self.weight_format, None if self.scales is None else self.scales[rows],
-                          None if self.zeros is None else self.zeros[rows], self.group_size)
+        scales, zeros = (None if t is None else t[rows] for t in (self.scales, self.zeros))
+        _C.ops.dequantize(out, self.qweight[rows], self.weight_format, scales, zeros, self.group_size)
         return out
 
     def extra_repr(self) -> str:

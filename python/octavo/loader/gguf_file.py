@@ -2,9 +2,11 @@
 Q4_0 / Q4_1 blocks (``QuantizedWeight``), everything else is read as floats.
 
 The config is read from the file's metadata (as transformers' GGUF loader names it), the tokenizer
-through transformers' GGUF support. The tensors are read with the ``gguf`` package: llama.cpp's names are mapped to Hugging Face's, and
-the rows of attn_q / attn_k are put back in Hugging Face's order (llama.cpp's converter
-interleaves the two rotary halves of every head; this is the inverse, as transformers applies it).
+through transformers' GGUF support. The header and tensors are read by ``gguf_reader.py`` (the
+``gguf`` package gives the tensor types' names and dequantizes types Octavo does not keep):
+llama.cpp's names are mapped to Hugging Face's, and the rows of attn_q / attn_k are put back in
+Hugging Face's order (llama.cpp's converter interleaves the two rotary halves of every head;
+this is the inverse, as transformers applies it).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from ..config import ModelConfig
 from ..layers.linear import QuantizedWeight
 from ..layers.quantize import place_quantized
 from ..models import model_class
-from .gguf_reader import GgufFile
+from .gguf_reader import GgufReader
 
 KEPT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> weight format
 FLOAT_TYPES = {"F32", "F16", "BF16"}
@@ -45,9 +47,9 @@ def hf_name(name: str) -> str:
     raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model")
 
 
-def open_reader(path: Path) -> GgufFile:
+def open_reader(path: Path) -> GgufReader:
     try:
-        return GgufFile(path)
+        return GgufReader(path)
     except (ValueError, OSError) as e:
         raise ValueError(f"cannot read the GGUF metadata of {path}: {e}") from e
 
@@ -63,7 +65,7 @@ _TOKEN_IDS = {"bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id", "p
 
 def gguf_config(path: Path, reader=None) -> ModelConfig:
     """The model config in the file's metadata (the names transformers' GGUF loader gives them).
-    ``reader``: the file's GgufFile, when one is open already."""
+    ``reader``: the file's GgufReader, when one is open already."""
     reader = reader or open_reader(path)
     fields = reader.fields
     arch = fields.get("general.architecture")

@@ -44,7 +44,7 @@ class Tensor:
     data: np.ndarray     # rows first; block formats as uint8 [..., bytes per row]
 
 
-class GgufFile:
+class GgufReader:
     """``fields``: metadata key -> int, float, bool, str, numpy array of numbers or StringArray;
     ``tensors``: in the file's order. Raises ValueError for a file that is not GGUF v2 / v3."""
 

@@ -62,7 +62,10 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     fills every weight with small random values (benchmarks of large shapes). The parameters
     are created on ``device``; checkpoint tensors are copied into them as they are read.
     ``quantization`` "int8" / "int4" quantizes the projections of a float checkpoint as they
-    are read (layers/quantize.py), so the float model is never whole in memory.
+    are read (layers/quantize.py), so the float model is never whole in memory. Models whose
+    projections end up quantized are built in CPU memory and moved: there, float parameters
+    that quantized weights replace before they are filled take no pages (on a GPU they would
+    take their full size).
     """
     from .gguf_file import is_gguf, load_gguf_model
 
@@ -80,7 +83,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    with device:
+    quantized_files = load_format == "safetensors" and (quantization is not None or quant_method(config) is not None)
+    with torch.device("cpu") if quantized_files else device:
         model = model_class(config.architecture)(config, dtype)
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(0)
@@ -99,8 +103,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         model.load_weights(iter_safetensors(path))
     else:
         raise ValueError(f"load_format must be 'safetensors' or 'dummy', got {load_format!r}")
-    # Quantized weights are built on the CPU from the file's tensors; .to() moves them (and leaves
-    # the parameters made on the device where they are).
+    # A model built on the CPU moves now; one built on the device stays (dummy weights are
+    # quantized there).
     return _quantized_after(model.eval(), quantization).to(device)
 
 

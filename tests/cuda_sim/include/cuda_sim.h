@@ -53,13 +53,6 @@ struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
-struct alignas(8) uint2 {
-  unsigned x, y;
-};
-struct alignas(16) float4 {
-  float x, y, z, w;
-};
-inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 // Rounded, never contracted into an FMA with a neighbour (cuda_sim's kernels build with
 // -ffp-contract=off, as nvcc leaves these alone).
 inline float __fmul_rn(float a, float b) { return a * b; }
