@@ -56,30 +56,32 @@ struct Weight {
     }
   }
 
-  // The views of one device, kept alive for WeightQuant's pointers.
+  // The views of one device; quant() points into them, so they must outlive its use.
   struct Views {
     TensorView data, scales, zeros;
-    octavo::WeightQuant quant;
+    int64_t group_size;
+    octavo::WeightQuant quant() const {
+      return {scales.data ? &scales : nullptr, zeros.data ? &zeros : nullptr, group_size};
+    }
   };
   Views on(bool cuda) const {
-    Views v{cuda ? data.cuda() : data.cpu(), TensorView{}, TensorView{}, {}};
+    Views v{cuda ? data.cuda() : data.cpu(), TensorView{}, TensorView{}, group_size};
     if (!scales.shape().empty()) v.scales = cuda ? scales.cuda() : scales.cpu();
     if (format == WeightFormat::kInt4) v.zeros = cuda ? zeros.cuda() : zeros.cpu();
     return v;
   }
 };
 
-// Calls octavo::linear / dequantize with w's views of one device (WeightQuant points into them).
+// Calls octavo::linear / dequantize with w's views of one device.
 void run_linear(Tensor& out, const Tensor& x, const Weight& w, const Tensor* bias, bool cuda) {
-  Weight::Views v = w.on(cuda);
-  const octavo::WeightQuant q{v.scales.data ? &v.scales : nullptr, v.zeros.data ? &v.zeros : nullptr, w.group_size};
+  const Weight::Views v = w.on(cuda);
   const TensorView b = bias ? (cuda ? bias->cuda() : bias->cpu()) : TensorView{};
-  octavo::linear(cuda ? out.cuda() : out.cpu(), cuda ? x.cuda() : x.cpu(), v.data, bias ? &b : nullptr, w.format, q);
+  octavo::linear(cuda ? out.cuda() : out.cpu(), cuda ? x.cuda() : x.cpu(), v.data, bias ? &b : nullptr, w.format,
+                 v.quant());
 }
 void run_dequantize(Tensor& out, const Weight& w, bool cuda) {
-  Weight::Views v = w.on(cuda);
-  const octavo::WeightQuant q{v.scales.data ? &v.scales : nullptr, v.zeros.data ? &v.zeros : nullptr, w.group_size};
-  octavo::dequantize(cuda ? out.cuda() : out.cpu(), v.data, w.format, q);
+  const Weight::Views v = w.on(cuda);
+  octavo::dequantize(cuda ? out.cuda() : out.cpu(), v.data, w.format, v.quant());
 }
 
 std::string name(WeightFormat f, DType dtype) {

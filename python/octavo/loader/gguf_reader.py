@@ -2,7 +2,7 @@
 of the mapped file (nothing is read until used).
 
 The gguf package's GGUFReader builds numpy views for every part of every metadata value, the
-tokenizer's 100k strings included: 2.1 s of the default model's 2.6 s load. Octavo reads the
+tokenizer's 100k strings included: 2.1 s of the default model's 2.4 s load (bench/RESULTS.md). Octavo reads the
 tokenizer through transformers once and caches it (loader/__init__.py), and needs only the
 number of strings here, so arrays of strings are walked and kept as their length. Format:
 ggml's docs/gguf.md (versions 2 and 3: little-endian, 64-bit counts). The tensor types' names
@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-# Metadata value types (gguf.md, gguf_metadata_value_type) -> struct format of one value.
+# Metadata value types (gguf.md, gguf_metadata_value_type) -> struct format of one value; an
+# array of them is read as the numpy dtype of the same format.
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_NUMPY = {0: "<u1", 1: "<i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8",
-          12: "<f8"}
 _STRING, _ARRAY = 8, 9
 _MAGIC = b"GGUF"
 _DEFAULT_ALIGNMENT = 32
@@ -106,8 +105,8 @@ class GgufReader:
         if kind != _ARRAY:
             raise ValueError(f"unknown GGUF metadata type {kind}")
         item_kind, count = self._scalar("<I"), self._scalar("<Q")
-        if item_kind in _NUMPY:
-            dtype = np.dtype(_NUMPY[item_kind])
+        if item_kind in _SCALARS:
+            dtype = np.dtype(_SCALARS[item_kind])
             return np.frombuffer(self._bytes, dtype, count, self._claim(count * dtype.itemsize)).copy()
         self._expect(8 * count)  # a string or an array takes 8 bytes at least
         if item_kind == _STRING:  # skipped: each is a 64-bit length and its bytes
