@@ -105,26 +105,34 @@ Tensor cos_sin_cache(int64_t max_position, int64_t rot_dim) {
   return cache;
 }
 
+// The packed kernel where heads and halves are whole 16-byte packs, the one-pair kernel where
+// not: (80, 40) in 16 bits, and a query whose rows are one element wider than its heads.
 TEST(SimElementwise, RotaryEmbedding) {
   std::mt19937 gen(5);
   const int64_t tokens = 7, heads = 8, kv_heads = 2;
+  const std::vector<std::pair<int64_t, int64_t>> dims{{64, 64}, {128, 128}, {128, 64}, {256, 256}, {64, 32}, {80, 40}};
   for (DType dtype : sim_test::kFloatDTypes)
     for (DType index : {DType::kInt32, DType::kInt64})
-      for (auto [head_size, rot_dim] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {128, 128}, {128, 64}, {256, 256}})
-        for (bool is_neox : {true, false}) {
-          SCOPED_TRACE(name(dtype) + " " + name(index) + " head_size " + std::to_string(head_size) + " rot_dim " +
-                       std::to_string(rot_dim) + (is_neox ? " neox" : " gptj"));
-          Tensor positions({tokens}, index);
-          for (int64_t t = 0; t < tokens; ++t) positions.set(t, static_cast<double>(gen() % 4096));
-          Tensor cpu_q = sim_test::randn({tokens, heads * head_size}, dtype, gen), gpu_q = cpu_q;
-          Tensor cpu_k = sim_test::randn({tokens, kv_heads, head_size}, dtype, gen), gpu_k = cpu_k;
-          const Tensor cache = cos_sin_cache(4096, rot_dim);
-          const TensorView ck = cpu_k.cpu(), gk = gpu_k.cuda();
-          octavo::rotary_embedding(positions.cpu(), cpu_q.cpu(), &ck, head_size, cache.cpu(), is_neox);
-          octavo::rotary_embedding(positions.cuda(), gpu_q.cuda(), &gk, head_size, cache.cuda(), is_neox);
-          sim_test::expect_matches_cpu(gpu_q, cpu_q);
-          sim_test::expect_matches_cpu(gpu_k, cpu_k);
-        }
+      for (auto [head_size, rot_dim] : dims)
+        for (bool is_neox : {true, false})
+          for (int64_t pad : {0, 1}) {
+            SCOPED_TRACE(name(dtype) + " " + name(index) + " head_size " + std::to_string(head_size) + " rot_dim " +
+                         std::to_string(rot_dim) + (is_neox ? " neox" : " gptj") + " pad " + std::to_string(pad));
+            Tensor positions({tokens}, index);
+            for (int64_t t = 0; t < tokens; ++t) positions.set(t, static_cast<double>(gen() % 4096));
+            const int64_t stride = heads * head_size + pad;
+            Tensor cpu_q = sim_test::randn({tokens, stride}, dtype, gen), gpu_q = cpu_q;
+            Tensor cpu_k = sim_test::randn({tokens, kv_heads, head_size}, dtype, gen), gpu_k = cpu_k;
+            const Tensor cache = cos_sin_cache(4096, rot_dim);
+            const TensorView ck = cpu_k.cpu(), gk = gpu_k.cuda();
+            octavo::rotary_embedding(positions.cpu(), rows_of(cpu_q, tokens, heads * head_size, stride, octavo::DeviceType::kCPU),
+                                     &ck, head_size, cache.cpu(), is_neox);
+            octavo::rotary_embedding(positions.cuda(),
+                                     rows_of(gpu_q, tokens, heads * head_size, stride, octavo::DeviceType::kCUDA), &gk,
+                                     head_size, cache.cuda(), is_neox);
+            sim_test::expect_matches_cpu(gpu_q, cpu_q);  // the pad column too: untouched on both
+            sim_test::expect_matches_cpu(gpu_k, cpu_k);
+          }
 }
 
 // On the device nothing reads positions on the host, so the kernel itself leaves a token with a

@@ -1,0 +1,39 @@
+"""test_attention.py's kernel cases again, on the CUDA kernels (skipped without a GPU): the same
+batches and float64 references, with the ops taking the CPU tests' tensors to the GPU and back
+(ops_on_device.py)."""
+
+import pytest
+import test_attention
+from octavo import _C
+from ops_on_device import run_ops_on
+from test_attention import *  # noqa: F401,F403  (the tests themselves)
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not _C.cuda_compiled(), reason="this build of Octavo has no CUDA kernels")]
+
+
+@pytest.fixture
+def isa():
+    """One run per case: the CPU kernel level does not reach the CUDA kernels."""
+    return None
+
+
+@pytest.fixture(autouse=True)
+def _on_cuda(monkeypatch):
+    run_ops_on(test_attention, "cuda", monkeypatch)
+
+
+@pytest.mark.parametrize("head_size", [64, 128, 256])  # of the CPU test's sizes, those CUDA compiles
+def test_every_head_size(head_size):
+    test_attention.test_every_head_size(None, head_size)
+
+
+def test_other_head_sizes_are_refused():
+    with pytest.raises(ValueError, match="head_size 80"):
+        test_attention.test_every_head_size(None, 80)
+
+
+# The CPU thread pool; the op adapters' argument checks (host-side, tested once on the CPU); the
+# plan, a host-side op whose CUDA use test_cuda_ops.py covers.
+del test_result_does_not_depend_on_thread_count, test_bad_arguments_raise_clear_errors  # noqa: F821
+del test_plan_lays_out_tiles_of_query_rows, test_plan_refuses_bad_arguments  # noqa: F821
