@@ -257,6 +257,24 @@ TEST(SimAttention, SlidingWindowAndSoftcap) {
   }
 }
 
+// Blocks smaller than a tile: a tile's keys span many table entries (64 of block size 1 in the
+// grouped decode kernel's 64-key tiles, past one warp's 32 lanes), and windows start tiles
+// inside a block. Every kernel: prefill (the mixed batch), split-KV (group 2, and float32) and
+// grouped decode (group 8) under a window.
+TEST(SimAttention, SmallBlocksSpanManyTableEntriesPerTile) {
+  for (DType dtype : sim_test::kFloatDTypes)
+    for (int block_size : {1, 2, 3, 8})
+      for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{4, 2}, {16, 2}}) {
+        SCOPED_TRACE(name(dtype) + " block_size " + std::to_string(block_size) + " group " +
+                     std::to_string(heads / kv_heads));
+        std::mt19937 gen(block_size * 10 + heads);
+        check(Batch(kMixed, heads, kv_heads, 64, block_size, dtype, gen));
+        const Batch decodes({{300, 1}, {77, 1}, {0, 1}, {129, 1}}, heads, kv_heads, 128, block_size, dtype, gen);
+        check(decodes);
+        check(decodes, 45);
+      }
+}
+
 // Head size 256 on a device with an RTX 30xx / 40xx's 99 KiB of opt-in shared memory per block:
 // the prefill kernel takes 16-key tiles there, since its 32-key shape needs 132 KiB (which the
 // simulator, like the GPU, refuses past the device's limit). Below 99 KiB it refuses clearly.

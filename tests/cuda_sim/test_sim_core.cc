@@ -16,18 +16,21 @@ __global__ void shuffle_kernel(int* out) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int x = __shfl_xor_sync(0xffffffffu, lane * 10, 5);
   const int up = __shfl_up_sync(0xffffffffu, lane * 10, 3);
-  out[threadIdx.x * 2] = x;
-  out[threadIdx.x * 2 + 1] = up;
+  const int indexed = __shfl_sync(0xffffffffu, lane * 10, (lane * 7 + 3) % 41);  // past 31: wraps
+  out[threadIdx.x * 3] = x;
+  out[threadIdx.x * 3 + 1] = up;
+  out[threadIdx.x * 3 + 2] = indexed;
 }
 
 TEST(CudaSim, ShufflesReadTheirSourceLanes) {
-  std::vector<int> out(64 * 2);
+  std::vector<int> out(64 * 3);
   cuda_sim::launch(shuffle_kernel, 1, 64, 0, out.data());
   ASSERT_EQ(cudaGetLastError(), cudaSuccess);
   for (int t = 0; t < 64; ++t) {
     const int lane = t % 32;
-    EXPECT_EQ(out[t * 2], (lane ^ 5) * 10) << t;
-    EXPECT_EQ(out[t * 2 + 1], (lane >= 3 ? lane - 3 : lane) * 10) << t;
+    EXPECT_EQ(out[t * 3], (lane ^ 5) * 10) << t;
+    EXPECT_EQ(out[t * 3 + 1], (lane >= 3 ? lane - 3 : lane) * 10) << t;
+    EXPECT_EQ(out[t * 3 + 2], (lane * 7 + 3) % 41 % 32 * 10) << t;
   }
 }
 

@@ -68,27 +68,60 @@ __device__ __forceinline__ auto row_flag(T* k_tile, int j) {
   return reinterpret_cast<Flag*>(k_tile + j * kLd + kD);
 }
 
+// The block ids of a tile's keys [start, start + kKeys), read from the block table once per tile
+// and warp: lane l holds the id of the tile's block l (and l + 32, ... for tiles of more than 32
+// blocks, which block sizes below kKeys / 32 make); -1 for blocks starting past k_end.
+template <int kKeys>
+struct TileBlocks {
+  static constexpr int kRegs = (kKeys + 31) / 32;  // a tile spans at most kKeys blocks
+  int lead;                                        // keys of the tile's first block before start
+  int ids[kRegs];
+
+  __device__ TileBlocks(const PagedKv& kv, int start, int lane) {
+    const int first = kv.block_shift >= 0 ? start >> kv.block_shift : start / kv.block_size;
+    lead = start - first * kv.block_size;
+#pragma unroll
+    for (int r = 0; r < kRegs; ++r) {
+      const int entry = first + lane + 32 * r;
+      ids[r] = static_cast<int64_t>(entry) * kv.block_size < kv.k_end ? kv.table[entry] : -1;
+    }
+  }
+
+  // The id of the tile's block `at`. Every lane of the warp must call it.
+  __device__ int id(int at) const {
+    int id = __shfl_sync(0xffffffffu, ids[0], at & 31);
+#pragma unroll
+    for (int r = 1; r < kRegs; ++r) {
+      const int other = __shfl_sync(0xffffffffu, ids[r], at & 31);
+      if (at >> 5 == r) id = other;
+    }
+    return id;
+  }
+};
+
 // Starts copying keys [start, start + kKeys) into rows kLd elements apart at k_dst / v_dst (the
 // caller commits the copy group): K and V rows, zeros for keys past k_end or in a block outside
 // the cache, and each key's flag saying whether it is real (in the row's padding, else at
-// ok_dst[j]; see row_flag). Each thread looks up the block of every row it copies a pack of (the
-// entries of one tile sit in a cache line or two). Returns whether any key this thread flagged
-// is not real.
+// ok_dst[j]; see row_flag). The block table is read once per tile (TileBlocks). Called by whole
+// warps, `tid` counting the block's threads in their hardware order and `threads` a multiple of
+// 32, so that every lane of a warp takes each step of the loop. Returns whether any key this
+// thread flagged is not real.
 template <typename T, int kD, int kKeys, int kLd>
 __device__ bool copy_kv_tile(const PagedKv& kv, int64_t start, T* k_dst, T* v_dst, int* ok_dst, int tid, int threads) {
   constexpr int kPack = Pack<T>::kSize, kPacksPerRow = kD / kPack;
+  static_assert(kKeys * kPacksPerRow % 32 == 0, "whole warps per step of the copy loop");
+  const TileBlocks<kKeys> blocks(kv, static_cast<int>(start), tid % 32);  // contexts fit 32 bits
+  const int real_keys = static_cast<int>(kv.k_end - start);  // contexts fit 32 bits
   bool any_masked = false;
   for (int c = tid; c < kKeys * kPacksPerRow; c += threads) {
     const int j = c / kPacksPerRow, d = (c % kPacksPerRow) * kPack;
-    const int64_t key = start + j;
-    const int k = static_cast<int>(key);  // contexts fit 32 bits: cheaper index arithmetic
-    const int entry = kv.block_shift >= 0 ? k >> kv.block_shift : k / kv.block_size;
-    const int offset = k - entry * kv.block_size;
-    const int block = key < kv.k_end ? kv.table[entry] : -1;
-    const bool ok = block >= 0 && block < kv.num_blocks;
-    const int64_t at = ok ? block * kv.block_stride + offset * kD + d : 0;
-    copy_async_16(k_dst + j * kLd + d, static_cast<const T*>(kv.key_cache) + at, !ok);
-    copy_async_16(v_dst + j * kLd + d, static_cast<const T*>(kv.value_cache) + at, !ok);
+    const int from_lead = blocks.lead + j;  // the key's place counted from its tile's first block
+    const int at = kv.block_shift >= 0 ? from_lead >> kv.block_shift : from_lead / kv.block_size;
+    const int id = blocks.id(at);  // by every lane, before the mask below
+    const bool ok = j < real_keys && id >= 0 && id < kv.num_blocks;
+    const int64_t offset = ok ? id * kv.block_stride + (from_lead - at * kv.block_size) * kD + d : 0;
+    copy_async_16(k_dst + j * kLd + d, static_cast<const T*>(kv.key_cache) + offset, !ok);
+    copy_async_16(v_dst + j * kLd + d, static_cast<const T*>(kv.value_cache) + offset, !ok);
     if (d == 0) {
       if constexpr (kLd > kD) *row_flag<kD, kLd>(k_dst, j) = ok;
       else ok_dst[j] = ok;

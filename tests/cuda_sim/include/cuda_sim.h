@@ -223,8 +223,29 @@ CUDA_SIM_UNCHECKED void combine_shfl_up(const void* const* in, void* const* out,
     *static_cast<T*>(out[lane]) = *static_cast<const T*>(in[shuffle_source(lane, src, width, mask)]);
   }
 }
+// __shfl_sync's source lane is each caller's own argument: it travels with the caller's value.
+template <typename T>
+struct IndexedOperand {
+  T value;
+  int src_lane;
+};
+template <typename T>
+CUDA_SIM_UNCHECKED void combine_shfl_idx(const void* const* in, void* const* out, unsigned mask, int width) {
+  for (int lane = 0; lane < 32; ++lane) {
+    if (!(mask >> lane & 1u)) continue;
+    const int src = (lane & ~(width - 1)) + (static_cast<const IndexedOperand<T>*>(in[lane])->src_lane & (width - 1));
+    *static_cast<T*>(out[lane]) = static_cast<const IndexedOperand<T>*>(in[shuffle_source(lane, src, width, mask)])->value;
+  }
+}
 }  // namespace cuda_sim
 
+template <typename T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+  const ::cuda_sim::IndexedOperand<T> operand{v, src_lane};
+  T result;
+  ::cuda_sim::warp_collective("__shfl_sync", mask, &operand, &result, width, ::cuda_sim::combine_shfl_idx<T>);
+  return result;
+}
 template <typename T>
 T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
   T result;
