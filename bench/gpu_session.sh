@@ -15,14 +15,17 @@ mkdir -p "$OUT"
 what=${1:-all}
 nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv | tee "$OUT/device.txt"
 # sm_90 only: half the compile time of the default "80;90" on a Hopper machine.
-python3 -m pip install -q --no-build-isolation --no-deps -C cmake.define.OCTAVO_CUDA_ARCHITECTURES=90 . \
-  2>&1 | tail -20 | tee "$OUT/build.log" || exit 1
+# OCTAVO_ENABLE_CUDA=ON: a build that quietly left CUDA out would skip every test below.
+python3 -m pip install -q --no-build-isolation --no-deps -C cmake.define.OCTAVO_CUDA_ARCHITECTURES=90 \
+  -C cmake.define.OCTAVO_ENABLE_CUDA=ON . 2>&1 | tail -20 | tee "$OUT/build.log" || exit 1
 python3 -c "import octavo, torch; print(octavo._C.cuda_compiled(), octavo._C.cuda_device_count(), torch.__version__)"
+python3 -c "import octavo, sys; sys.exit(octavo._C.cuda_device_count() == 0)" || { echo "no GPU seen"; exit 1; }
 if [[ $what == tests || $what == all ]]; then
   # The CUDA test files by name: collecting every file would import the server's packages,
   # which the GPU machine lacks.
   python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_ops.py tests/python/test_cuda_sampling.py \
-    tests/python/test_cuda_engine.py tests/python/test_build_info.py 2>&1 | tail -40 | tee "$OUT/tests.log"
+    tests/python/test_cuda_elementwise_ops.py tests/python/test_cuda_attention.py tests/python/test_cuda_engine.py \
+    tests/python/test_build_info.py 2>&1 | tail -40 | tee "$OUT/tests.log"
 fi
 if [[ $what == kernels || $what == bench || $what == all ]]; then
   python3 bench/python/bench_cuda.py 2>&1 | tee "$OUT/bench_cuda.log"

@@ -1,7 +1,7 @@
 """The engine on a GPU: tiny random checkpoints of every architecture give transformers' greedy
-tokens on the same GPU (float32), and the KV cache is sized from the GPU's memory. Runs only
-where a GPU is present and this build carries CUDA kernels; the CPU-side checks of device
-selection run everywhere."""
+tokens on the same GPU (float32; a bfloat16 GQA model agrees with them), and the KV cache is sized
+from the GPU's memory. Runs only where a GPU is present and this build carries CUDA kernels; the
+CPU-side checks (device selection, the bfloat16 check's CPU run) run everywhere."""
 
 import gc
 
@@ -15,11 +15,12 @@ from test_models import ARCHITECTURES, tiny_checkpoint
 needs_cuda_build = pytest.mark.skipif(not _C.cuda_compiled(), reason="this build of Octavo has no CUDA kernels")
 
 
-def tiny_model_dir(path, kind: str = "llama"):
+def tiny_model_dir(path, kind: str = "llama", **overrides):
     """A tiny random checkpoint with a byte-level tokenizer; head size 64, which CUDA attention has."""
     tokenizer = _byte_level_bpe()
     tokenizer.save_pretrained(path)
-    reference = tiny_checkpoint(kind, path, head_dim=64, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    reference = tiny_checkpoint(kind, path, **{"head_dim": 64, "vocab_size": len(tokenizer),
+                                               "eos_token_id": tokenizer.eos_token_id, **overrides})
     return tokenizer, reference
 
 
@@ -94,6 +95,39 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
     for prompt, out, n in zip(prompts, outputs, lengths):
         assert list(out.outputs[0].token_ids) == greedy_reference(reference, prompt, n)
     assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
+
+
+# What bfloat16 rounding may move a near-tie by, in this model whose logits span about 2.5
+# (standard deviation 0.3; a token drawn at random lies about 1 below the top). The CPU kernels
+# pick transformers' top token at every step of the test below.
+BF16_LOGIT_MARGIN = 0.125
+
+
+@pytest.mark.parametrize("device,enforce_eager", [
+    ("cpu", True),
+    pytest.param("cuda", False, marks=[pytest.mark.cuda, needs_cuda_build], id="cuda-graphs"),
+    pytest.param("cuda", True, marks=[pytest.mark.cuda, needs_cuda_build], id="cuda-eager")])
+def test_bfloat16_gqa_model_agrees_with_transformers(device, enforce_eager, tmp_path):
+    """bfloat16 with 8 query heads per KV head: on a GPU, the tensor-core prefill and grouped
+    decode kernels, in graphs and eagerly. Rounding parts greedy paths at near-ties, so each of
+    Octavo's tokens is judged by transformers' bfloat16 logits after the same prefix (teacher
+    forcing): the top token's logit exceeds its own by at most BF16_LOGIT_MARGIN, and nine in ten
+    are the top token."""
+    tokenizer, reference = tiny_model_dir(tmp_path, num_attention_heads=16, num_key_value_heads=2, hidden_size=256)
+    reference = reference.to(device=device, dtype=torch.bfloat16)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", device=device, kv_cache_memory_bytes=64 << 20,
+              max_num_seqs=8, enforce_eager=enforce_eager)
+    prompts = [tokenizer.encode(t) for t in ("Hello world", "Straße und Meer", "x", "a longer prompt " * 12)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (24, 17, 9, 4)]
+    gaps = []
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        tokens = list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logits = reference(torch.tensor([prompt + tokens], device=device)).logits[0, len(prompt) - 1:-1].float()
+        chosen = logits.gather(-1, torch.tensor(tokens, device=device)[:, None])[:, 0]
+        gaps += (logits.max(-1).values - chosen).tolist()
+    assert max(gaps) <= BF16_LOGIT_MARGIN, f"a token {max(gaps):.3f} below transformers' top logit"
+    assert sum(g == 0 for g in gaps) >= 0.9 * len(gaps), gaps
 
 
 def dequantized_reference(reference, model):
@@ -185,3 +219,13 @@ def test_staging_moves_mixed_arrays_in_one_buffer_and_keeps_them_apart(device):
             assert t.device.type == device and t.shape == a.shape and t.is_contiguous()
             assert t.data_ptr() % 16 == 0 or t.numel() == 0
             np.testing.assert_array_equal(t.cpu().numpy(), a)
+
+
+def test_graph_sizes_cover_max_num_seqs():
+    from octavo.runner.cuda_graphs import graph_sizes
+
+    assert graph_sizes(1) == [1]
+    assert graph_sizes(8) == [1, 2, 4, 8]
+    assert graph_sizes(20) == [1, 2, 4, 8, 16, 32]
+    assert graph_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert graph_sizes(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]  # larger batches run eagerly

@@ -20,8 +20,25 @@ import torch
 
 from .. import _C
 from ..layers.attention import AttentionMetadata
+from .model_runner import profile_activation_bytes
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+def graph_sizes(max_num_seqs: int) -> list[int]:
+    """The batch sizes captured: every size below max_num_seqs and the first that holds it (256
+    at most)."""
+    return sorted({b for b in BATCH_SIZES if b < max_num_seqs} |
+                  {next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])})
+
+
+def graph_pool_bytes(model, max_num_seqs: int, block_size: int) -> int:
+    """An estimate of the graphs' private memory pool, which stays allocated beside the KV cache:
+    a step of the largest size (its intermediates, which the smaller graphs' captures reuse) and
+    the float32 logits each other graph keeps as its output."""
+    sizes = graph_sizes(max_num_seqs)
+    step = profile_activation_bytes(model, sizes[-1], sizes[-1], block_size)
+    return step + sum(sizes[:-1]) * model.config.vocab_size * 4
 
 
 class CudaGraphs:
@@ -30,9 +47,7 @@ class CudaGraphs:
     def __init__(self, model, max_num_seqs: int, max_blocks_per_seq: int):
         self.model = model
         device = model.embed_tokens.device
-        # Every size below max_num_seqs and the first that holds it (256 at most).
-        self.sizes = sorted({b for b in BATCH_SIZES if b < max_num_seqs} |
-                            {next((b for b in BATCH_SIZES if b >= max_num_seqs), BATCH_SIZES[-1])})
+        self.sizes = graph_sizes(max_num_seqs)
         largest = self.sizes[-1]
 
         # [input_ids | positions | slot_mapping | seq_lens] x largest, then block_tables.
