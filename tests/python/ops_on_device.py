@@ -11,6 +11,7 @@ against float64 references) judge the other device's kernel unchanged.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from octavo import _C
 
@@ -59,3 +60,21 @@ class _ModuleOn:
 def run_ops_on(module, device: str, monkeypatch) -> None:
     """Makes ``module``'s calls of ``_C.ops.X`` run on ``device`` for the current test."""
     monkeypatch.setattr(module, "_C", _ModuleOn(device))
+
+
+def rerun_on_cuda(module):
+    """(pytestmark, isa, _on_cuda) for a test file that star-imports ``module``'s tests to run them
+    on CUDA: skipped without a GPU or CUDA kernels, once per case (the CPU kernel level does not
+    reach the CUDA kernels), with the ops on CUDA."""
+    marks = [pytest.mark.cuda,
+             pytest.mark.skipif(not _C.cuda_compiled(), reason="this build of Octavo has no CUDA kernels")]
+
+    @pytest.fixture
+    def isa():
+        return None
+
+    @pytest.fixture(autouse=True)
+    def _on_cuda(monkeypatch):
+        run_ops_on(module, "cuda", monkeypatch)
+
+    return marks, isa, _on_cuda

@@ -4,23 +4,10 @@ batches and float64 references, with the ops taking the CPU tests' tensors to th
 
 import pytest
 import test_attention
-from octavo import _C
-from ops_on_device import run_ops_on
+from ops_on_device import rerun_on_cuda
 from test_attention import *  # noqa: F401,F403  (the tests themselves)
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not _C.cuda_compiled(), reason="this build of Octavo has no CUDA kernels")]
-
-
-@pytest.fixture
-def isa():
-    """One run per case: the CPU kernel level does not reach the CUDA kernels."""
-    return None
-
-
-@pytest.fixture(autouse=True)
-def _on_cuda(monkeypatch):
-    run_ops_on(test_attention, "cuda", monkeypatch)
+pytestmark, isa, _on_cuda = rerun_on_cuda(test_attention)
 
 
 @pytest.mark.parametrize("head_size", [64, 128, 256])  # of the CPU test's sizes, those CUDA compiles

@@ -4,23 +4,10 @@ the GPU and back (ops_on_device.py)."""
 
 import pytest
 import test_elementwise_ops
-from octavo import _C
-from ops_on_device import run_ops_on
+from ops_on_device import rerun_on_cuda
 from test_elementwise_ops import *  # noqa: F401,F403  (the tests themselves)
 
-pytestmark = [pytest.mark.cuda,
-              pytest.mark.skipif(not _C.cuda_compiled(), reason="this build of Octavo has no CUDA kernels")]
-
-
-@pytest.fixture
-def isa():
-    """One run per case: the CPU kernel level does not reach the CUDA kernels."""
-    return None
-
-
-@pytest.fixture(autouse=True)
-def _on_cuda(monkeypatch):
-    run_ops_on(test_elementwise_ops, "cuda", monkeypatch)
+pytestmark, isa, _on_cuda = rerun_on_cuda(test_elementwise_ops)
 
 
 # The CPU thread pool, and the op adapters' argument checks, which run on the host for any device
