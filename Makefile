@@ -21,7 +21,8 @@ endif
 
 SOURCES := CMakeLists.txt pyproject.toml README.md $(shell find cmake csrc include python -type f -not -name '*.pyc')
 
-.PHONY: test build bench serve demo demo-scheduler clean distclean system-deps python-env install release-test asan-test pytest
+.PHONY: test build bench serve demo demo-scheduler clean distclean system-deps python-env install release-test asan-test pytest \
+        cuda-build-check
 
 test: system-deps install release-test asan-test pytest
 
@@ -84,6 +85,14 @@ asan-test: system-deps build/asan/build.ninja
 
 pytest: install
 	$(PY) -m pytest tests/python -q
+
+# CUDA is built where a CUDA compiler is found (OCTAVO_ENABLE_CUDA=AUTO). Where nvcc is on PATH, a
+# build without CUDA kernels means the compiler check failed quietly (CI runs this after make test).
+cuda-build-check: install
+	@if command -v nvcc >/dev/null; then \
+	  $(PY) -c "import octavo, sys; sys.exit(not octavo._C.cuda_compiled())" || \
+	    { echo "error: nvcc is on PATH but the build has no CUDA kernels" >&2; exit 1; }; \
+	fi
 
 bench: build
 	@shopt -s nullglob; for b in build/release/bench/cpp/bench_*; do \

@@ -142,9 +142,12 @@ def test_logprobs_are_raw_log_softmax(tiny):
                         rel_tol=1e-6)
 
 
-@pytest.mark.parametrize("budget", [None, 16])  # everything in one step; chunked prefill
-def test_prompt_logprobs_are_raw_log_softmax_of_every_prompt_token(tiny, tiny_path, budget):
+# Everything in one step; chunked prefill; logits made 5 prompt rows at a time.
+@pytest.mark.parametrize("budget,logits_rows", [(None, None), (16, None), (None, 5)])
+def test_prompt_logprobs_are_raw_log_softmax_of_every_prompt_token(tiny, tiny_path, budget, logits_rows, monkeypatch):
     llm, reference, tokenizer = tiny
+    if logits_rows:
+        monkeypatch.setattr("octavo.runner.model_runner.PROMPT_LOGITS_ROWS", logits_rows)
     if budget:
         llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
                   max_num_batched_tokens=budget)

@@ -50,7 +50,7 @@ def run(path, batch: list[list[int]], num_blocks: int, budget: int) -> tuple[lis
     order = list(states)
     while sched.has_unfinished_requests():
         out = sched.schedule()
-        logits = runner.execute(out)
+        logits, _ = runner.execute(out)
         sampled = sample(logits, [states[h] for h in out.req_handles])
         update = sched.update_from_output(sampled.token_ids)
         offsets = update.new_token_offsets

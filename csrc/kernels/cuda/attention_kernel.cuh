@@ -152,8 +152,9 @@ __device__ bool fold_slices(Running<kVec>& run, float* fold, int lane, int head,
 }
 
 // The explicit one block per SM: without it ptxas aimed at 64 registers and spilled in the float16
-// variants (nvcc 13.0, sm_90); with it, 63-85 and no spills. For the usual 128-thread blocks,
-// shared memory (32 KiB of tiles each) still limits the blocks per SM before registers do.
+// variants (nvcc 13.0, sm_90); with it, 63-85 and no spills. For the usual 128-thread blocks in
+// 16 bits, shared memory (32 KiB of tiles each) still limits the blocks per SM before registers
+// do; float32 at head size 256 (85 registers) fits one block fewer than shared memory allows.
 template <typename T, int kD>
 __global__ void __launch_bounds__(kMaxDecodeThreads, 1) paged_attention_kernel(PagedAttentionParams p,
                                                                                 SplitOutputs splits) {

@@ -19,7 +19,7 @@ from ..device import cpu_only_reason, resolve_device
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.cuda_graphs import graph_pool_bytes
-from ..runner.model_runner import ModelRunner, kv_cache_block_bytes, profile_activation_bytes
+from ..runner.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, kv_cache_block_bytes, profile_activation_bytes
 from ..runner.sampler import SamplingState, sample
 from ..runner.staging import Staging
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -127,13 +127,14 @@ class LLMEngine:
         """The KV cache's bytes when the user gives none. On a GPU, as vLLM sizes it: this engine
         may use ``gpu_memory_utilization`` of the device's memory; what is in use already (the
         weights, other processes) comes off it, and so does what the steps will take beside the
-        cache, measured by running them: a step's activation peak (a full token budget, whose rows
-        may all want logits for prompt logprobs), the sampler's workspaces (allocated outside
-        torch, float32 weights and counts per row of the vocabulary) and the decode graphs' pool."""
+        cache, measured by running them: a step's activation peak (a full token budget, with the
+        logits of its sampled rows and of one batch of prompt-logprob rows), the sampler's
+        workspaces (allocated outside torch, float32 weights and counts per row of the vocabulary)
+        and the decode graphs' pool."""
         if self.device.type == "cpu":
             return DEFAULT_KV_CACHE_BYTES
         vocab = self.model.config.vocab_size
-        activations = profile_activation_bytes(self.model, step_tokens, step_tokens + max_num_seqs, block_size)
+        activations = profile_activation_bytes(self.model, step_tokens, max_num_seqs + PROMPT_LOGITS_ROWS, block_size)
         activations += 2 * max_num_seqs * vocab * 4
         if graphs:
             activations += graph_pool_bytes(self.model, max_num_seqs, block_size)
@@ -228,10 +229,11 @@ class LLMEngine:
         if out.num_reqs:
             batch = [self._by_handle[h] for h in out.req_handles]
             chunks = prompt_chunks(out, batch) if self._wants_prompt_logprobs() else []
-            logits = self.runner.execute(out, np.concatenate([c.rows() for c in chunks]) if chunks else None)
-            if chunks:  # on the CPU, where the Python that reads them runs
-                record_prompt_logprobs(chunks, logits[out.num_reqs:].cpu(), self._decode)
-            sampled = sample(logits[:out.num_reqs], [s.state for _, s in batch], self._sampling_staging)
+            logits, prompt_logits = self.runner.execute(out, np.concatenate([c.rows() for c in chunks]) if chunks
+                                                        else None)
+            if chunks:  # prompt_logits are on the CPU, where the Python that reads them runs
+                record_prompt_logprobs(chunks, prompt_logits, self._decode)
+            sampled = sample(logits, [s.state for _, s in batch], self._sampling_staging)
             update = self.scheduler.update_from_output(sampled.token_ids)
             offsets = update.new_token_offsets
             for i, handle in enumerate(update.req_handles):

@@ -20,6 +20,11 @@ def kv_cache_block_bytes(model, block_size: int) -> int:
     return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
 
 
+# Prompt-logprob rows whose logits are made on the device at once: with a step's sampled rows,
+# what the KV budget leaves room for (engine/llm_engine.py, _kv_cache_bytes).
+PROMPT_LOGITS_ROWS = 256
+
+
 class ModelRunner:
     """Holds the model and its paged KV cache; ``execute`` runs one step and returns the logits
     of the tokens the scheduler wants sampled (on the model's device)."""
@@ -60,14 +65,16 @@ class ModelRunner:
         return self.cuda_graphs.capture_seconds
 
     @torch.inference_mode()
-    def execute(self, out, extra_rows: np.ndarray | None = None) -> torch.Tensor:
-        """out: a SchedulerOutput -> float32 logits [num_reqs, vocab] in batch order, followed
-        by the logits of the flat token rows ``extra_rows`` when given (prompt logprobs)."""
+    def execute(self, out, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """out: a SchedulerOutput -> float32 logits [num_reqs, vocab] in batch order (on the
+        model's device), and those of the flat token rows ``extra_rows`` when given (prompt
+        logprobs; on the CPU, made PROMPT_LOGITS_ROWS rows at a time so that a long prompt's
+        logits never sit on the device at once)."""
         self._use_device()
         if self.cuda_graphs is not None and extra_rows is None:
             logits = self.cuda_graphs.run(out)
             if logits is not None:
-                return logits
+                return logits, None
         indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])
         # The scheduler's arrays are read-only views of its buffers, valid until its next step:
         # staging copies them.
@@ -80,7 +87,13 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_tables=block_tables, plan=plan[0] if plan else None)
         hidden = self.model(input_ids, positions, meta)
-        return self.model.compute_logits(hidden, indices)
+        n = len(out.logits_indices)
+        logits = self.model.compute_logits(hidden, indices[:n])
+        if extra_rows is None:
+            return logits, None
+        extra = indices[n:]
+        return logits, torch.cat([self.model.compute_logits(hidden, extra[i:i + PROMPT_LOGITS_ROWS]).cpu()
+                                  for i in range(0, len(extra), PROMPT_LOGITS_ROWS)])
 
     def release(self) -> None:
         """Drops the KV cache (a profiling runner's, before the real one is allocated)."""
