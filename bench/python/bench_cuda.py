@@ -1,4 +1,4 @@
-"""Octavo's CUDA kernels against the device's own limits, for issue #7 (needs a GPU).
+"""Octavo's CUDA kernels against the device's own limits (needs a GPU).
 
 First the device: copy bandwidth (a large device-to-device copy, bytes read + written per second)
 and bfloat16 matmul TFLOP/s (torch / cuBLAS, 8192^3). Then each kernel on large inputs, as a
@@ -9,12 +9,15 @@ fraction of them:
   8:1, head size 128): KV bytes read per second against the copy bandwidth (goal >= 0.7);
 - prefill attention (whole causal prompts): TFLOP/s against torch's
   scaled_dot_product_attention (flash backend) on the same data made contiguous (goal >= 1.0x);
-- mixed batches (a prompt chunk beside decodes of long contexts) against the same chunk and
-  decodes run apart: whether routing a mixed step's decodes to the decode kernels would pay;
+- mixed batches (decodes of long contexts, then a prompt chunk, as a chunked prefill's step),
+  in one kernel and with the decodes counted (num_decodes: they run in the decode kernels), against
+  the same decodes and chunk run apart (goal: decodes counted <= 1.1x apart);
 - linear at M = 1 on Llama-3-8B's projections, every weight format: weight bytes read per second
-  against the copy bandwidth (dense also against torch's cuBLAS); then, for int4 and Q4_0, the
-  kernel against torch's GEMM on dequantized weights (layers/linear.py's other path) as M grows,
-  which is where CUDA_KERNEL_MAX_ROWS should sit.
+  against the copy bandwidth (dense also against torch's cuBLAS); dense from M = 1 to 16 against
+  cuBLAS with weights beyond L2, in the benchmark's dtype and float32 (where
+  CUDA_DENSE_KERNEL_MAX_ROWS should sit); then,
+  for int4 and Q4_0, the kernel against torch's GEMM on dequantized weights (layers/linear.py's
+  other path) as M grows, which is where CUDA_KERNEL_MAX_ROWS should sit.
 
     python bench/python/bench_cuda.py [--dtype bfloat16] [--quick]
 
@@ -188,25 +191,47 @@ def varied_batch(seqs: list[tuple[int, int]], heads: int, kv_heads: int, d: int,
 
 
 def mixed_attention(dtype, quick: bool) -> None:
-    """A chunked prefill's step: one prompt chunk with decodes of long contexts beside it. The
-    decodes then go through the prefill kernel, one block per KV head and no split; the figure to
-    watch is the mixed batch against the chunk and the decodes run apart (what routing the
-    decodes to the decode kernels, with their splits, would cost at most plus a launch)."""
+    """A chunked prefill's step: decodes of long contexts, then one prompt chunk. In one kernel
+    (the prefill kernel's, one block per decode and KV head, no split) and with the decodes
+    counted (num_decodes: the decode kernels, with their splits, then the prefill kernel on the
+    chunk), against the decodes and the chunk run apart."""
     d, heads, kv_heads = 128, 32, 8
     for chunk in (512, 2048):
         for decodes in ((4, 32) if quick else (1, 4, 16, 64)):
-            for context in ((8192,) if quick else (2048, 8192, 32768)):
+            for context in ((8192, 32768) if quick else (2048, 8192, 32768)):
                 times = {}
-                for name, seqs in (("mixed", [(chunk, chunk)] + [(1, context)] * decodes),
-                                   ("chunk", [(chunk, chunk)]), ("decodes", [(1, context)] * decodes)):
+                for name, seqs, counted in (("one kernel", [(1, context)] * decodes + [(chunk, chunk)], 0),
+                                            ("counted", [(1, context)] * decodes + [(chunk, chunk)], decodes),
+                                            ("chunk", [(chunk, chunk)], 0), ("decodes", [(1, context)] * decodes, 0)):
                     query, kc, vc, qsl, lens, tables = varied_batch(seqs, heads, kv_heads, d, dtype)
                     out = torch.empty_like(query)
                     times[name] = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc, vc, qsl, lens, tables,
-                                                                         d ** -0.5), repeats=10)
+                                                                         d ** -0.5, num_decodes=counted), repeats=10)
                 apart = times["chunk"] + times["decodes"]
-                print(f"  mixed chunk {chunk:4d} + {decodes:2d} decodes at {context:5d}: "
-                      f"{times['mixed'] * 1e3:8.1f} us; apart {times['chunk'] * 1e3:.1f} + {times['decodes'] * 1e3:.1f} = {apart * 1e3:8.1f} us "
-                      f"({times['mixed'] / apart:.2f}x)")
+                print(f"  mixed {decodes:2d} decodes at {context:5d} + chunk {chunk:4d}: apart "
+                      f"{times['decodes'] * 1e3:.1f} + {times['chunk'] * 1e3:.1f} = {apart * 1e3:8.1f} us; "
+                      f"one kernel {times['one kernel'] * 1e3:8.1f} us ({times['one kernel'] / apart:.2f}x); "
+                      f"decodes counted {times['counted'] * 1e3:8.1f} us ({times['counted'] / apart:.2f}x)")
+
+
+def dense_crossover(dtype, quick: bool) -> None:
+    """Dense linear from M = 1 up: Octavo's kernel against cuBLAS on Llama-3-8B's projections. Each
+    launch takes the next of enough weight copies to pass 256 MiB, so that no launch finds its
+    weight in L2 (a model's layers never do)."""
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    size = torch.empty((), dtype=dtype).element_size()
+    for name, (n, k) in shapes.items():
+        copies = (256 << 20) // (n * k * size) + 2
+        weights = [torch.randn(n, k, dtype=dtype, device="cuda") * 0.02 for _ in range(copies)]
+        cells = []
+        for m in ((1, 2, 4, 8) if quick else (1, 2, 3, 4, 6, 8, 12, 16)):
+            x = torch.randn(m, k, dtype=dtype, device="cuda")
+            out = torch.empty(m, n, dtype=dtype, device="cuda")
+            turn = iter(range(1 << 30))
+            ours = cuda_ms(lambda: _C.ops.linear(out, x, weights[next(turn) % copies], None), repeats=40)
+            cublas = cuda_ms(lambda: F.linear(x, weights[next(turn) % copies]), repeats=40)
+            cells.append(f"M={m} {ours * 1e3:.1f}/{cublas * 1e3:.1f}")
+        print(f"  dense {str(dtype).removeprefix('torch.')} {name:>7} kernel/cuBLAS us: {', '.join(cells)}")
 
 
 def linear_weights(dtype, copy_bw: float, quick: bool) -> None:
@@ -251,6 +276,8 @@ def main() -> None:
     decode_attention(dtype, copy_bw, args.quick)
     prefill_attention(dtype, matmul_flops, args.quick)
     mixed_attention(dtype, args.quick)
+    for dense_dtype in (dtype, torch.float32):
+        dense_crossover(dense_dtype, args.quick)
     linear_weights(dtype, copy_bw, args.quick)
 
 

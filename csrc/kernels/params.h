@@ -62,6 +62,7 @@ struct PagedAttentionParams {
   float scale, softcap;            // softcap 0: off
   DType dtype;
   const int32_t* tile_offsets;     // CUDA only: plan_paged_attention's [num_seqs + 1], or null
+  int64_t num_decodes;             // the first num_decodes sequences have one query token each (0: not counted)
 };
 
 struct LinearParams {

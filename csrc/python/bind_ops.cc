@@ -140,20 +140,22 @@ void bind_kernels(py::module_& ops) {
       "paged_attention",
       [](py::handle out, py::handle query, py::handle key_cache, py::handle value_cache, py::handle query_start_loc,
          py::handle seq_lens, py::handle block_tables, double scale, int64_t sliding_window, double softcap,
-         py::handle plan) {
+         py::handle plan, int64_t num_decodes) {
         PyTensor o = tensor(out, "out"), q = tensor(query, "query"), kc = tensor(key_cache, "key_cache");
         PyTensor vc = tensor(value_cache, "value_cache"), qsl = tensor(query_start_loc, "query_start_loc");
         PyTensor sl = tensor(seq_lens, "seq_lens"), bt = tensor(block_tables, "block_tables");
         OptTensor pl(plan, "plan");
         py::gil_scoped_release nogil;
         paged_attention(o.view, q.view, kc.view, vc.view, qsl.view, sl.view, bt.view, scale, sliding_window, softcap,
-                        pl.view());
+                        pl.view(), num_decodes);
       },
       py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("query_start_loc"),
       py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("sliding_window") = 0,
-      py::arg("softcap") = 0.0, py::arg("plan") = py::none(),
+      py::arg("softcap") = 0.0, py::arg("plan") = py::none(), py::arg("num_decodes") = 0,
       "Causal attention of a mixed prefill/decode batch over the paged KV cache. plan: None, or "
-      "plan_paged_attention's result for this batch, on the query's device (used on CUDA, ignored on the CPU).");
+      "plan_paged_attention's result for this batch, on the query's device (used on CUDA, ignored on the CPU). "
+      "num_decodes: how many leading sequences have one query token each (CUDA runs them in the decode kernels; "
+      "0 says nothing).");
   ops.def(
       "plan_paged_attention",
       [](py::handle plan, py::handle query_start_loc, int64_t num_heads, int64_t num_kv_heads) {

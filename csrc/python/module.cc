@@ -84,6 +84,28 @@ PYBIND11_MODULE(_C, m) {
       "cuda_stream", [] { return reinterpret_cast<uintptr_t>(octavo::cuda_stream()); },
       "The stream this thread's CUDA ops launch on, as an int (0: the legacy default stream).");
 
+  m.def(
+      "reserve_cuda_workspaces",
+      [](int64_t max_tokens, int64_t max_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t head_size,
+         int64_t max_blocks_per_seq, int64_t block_size, int64_t vocab_size) {
+        return octavo::reserve_cuda_workspaces({max_tokens, max_seqs, num_heads, num_kv_heads, head_size,
+                                                max_blocks_per_seq, block_size, vocab_size});
+      },
+      py::arg("max_tokens"), py::arg("max_seqs"), py::arg("num_heads"), py::arg("num_kv_heads"), py::arg("head_size"),
+      py::arg("max_blocks_per_seq"), py::arg("block_size"), py::arg("vocab_size"),
+      "Allocates on the current CUDA device every kernel workspace a step within these limits can need, at its "
+      "largest size (no such step allocates outside torch afterwards); returns the bytes held.");
+  m.def(
+      "cuda_workspace_stats",
+      [] {
+        const octavo::CudaWorkspaceStats s = octavo::cuda_workspace_stats();
+        py::dict d;
+        d["bytes"] = s.bytes;
+        d["allocations"] = s.allocations;
+        return d;
+      },
+      "{'bytes': workspace bytes held on the current CUDA device, 'allocations': workspace allocations so far}.");
+
   octavo::python::bind_core(m);
   octavo::python::bind_ops(m);
 

@@ -57,10 +57,15 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 // plan: null, or plan_paged_attention's result for this batch's query_start_loc and heads, on
 // the query's device. The CUDA kernels use it (without one they lay the batch out on the device
 // per call); the CPU kernel needs none and ignores it.
+// num_decodes: how many of the batch's first sequences have one query token each (the caller
+// knows its batch; 0 says nothing). On CUDA a batch with prompt chunks runs those decodes in
+// the decode kernels, which split long contexts over the GPU, and the rest in the prefill
+// kernel. The CPU checks the count; CUDA cannot read the batch on the host, so a wrong count
+// there gives wrong rows (never a read outside the batch).
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
                      const TensorView& block_tables, double scale, int64_t sliding_window = 0, double softcap = 0.0,
-                     const TensorView* plan = nullptr);
+                     const TensorView* plan = nullptr, int64_t num_decodes = 0);
 
 // The host half of paged_attention on CUDA, computed once per step from the batch layout the
 // host already has: plan [B + 1] int32 (CPU) gets, for each sequence, the offset of its first

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "cuda/cuda_kernels.h"  // multiprocessor_count
+#include "octavo/cuda_info.h"
 #include "octavo/status.h"
 #include "sim_test_util.h"
 
@@ -117,7 +118,14 @@ struct Batch {
 
   // Query rows `pad` elements further apart than their heads: with an odd pad no row is
   // 16-byte aligned, so no tensor-core kernel can read them in packs.
-  Tensor run(double scale, int window, double softcap, const Tensor* plan, int pad = 0) const {
+  // How many sequences at the batch's start are decodes (one query token each).
+  int leading_decodes() const {
+    int n = 0;
+    while (n < static_cast<int>(seqs.size()) && seqs[n].second == 1) ++n;
+    return n;
+  }
+
+  Tensor run(double scale, int window, double softcap, const Tensor* plan, int pad = 0, int num_decodes = 0) const {
     Tensor out(query.shape(), dtype);
     const sim_test::TensorView plan_view = plan ? plan->cuda() : sim_test::TensorView{};
     const int64_t tokens = query.shape()[0], row = int64_t{heads} * head_size;
@@ -128,13 +136,33 @@ struct Batch {
     q.data = padded.data();
     q.strides[0] = row + pad;
     octavo::paged_attention(out.cuda(), q, key_cache.cuda(), value_cache.cuda(), query_start_loc.cuda(),
-                            seq_lens.cuda(), block_tables.cuda(), scale, window, softcap, plan ? &plan_view : nullptr);
+                            seq_lens.cuda(), block_tables.cuda(), scale, window, softcap, plan ? &plan_view : nullptr,
+                            num_decodes);
     return out;
   }
 };
 
+void expect_close(const Tensor& out, const std::vector<double>& ref, DType dtype) {
+  double err = 0, norm = 0;
+  for (int64_t i = 0; i < out.numel(); ++i) {
+    ASSERT_TRUE(std::isfinite(out.get(i))) << "element " << i;
+    err += (out.get(i) - ref[i]) * (out.get(i) - ref[i]);
+    norm += ref[i] * ref[i];
+  }
+  EXPECT_LT(std::sqrt(err / norm), tolerance(dtype));
+}
+
+// Elements [from, numel) of a and b hold the same bytes.
+bool same_bytes_from(const Tensor& a, const Tensor& b, int64_t from) {
+  for (int64_t i = from; i < a.numel(); ++i)
+    if (a.get(i) != b.get(i) && !(std::isnan(a.get(i)) && std::isnan(b.get(i)))) return false;
+  return true;
+}
+
 // The batch on the simulated device, with the host's plan and with the tile layout made on the
-// device, against float64: within test_attention.py's tolerance, and the two runs equal.
+// device, against float64: within test_attention.py's tolerance, and the two runs equal. A batch
+// that starts with decodes runs twice more with them counted (num_decodes), which sends them to
+// the decode kernels apart from the rest: as close to float64, and the rest's rows unchanged.
 void check(const Batch& batch, int window = 0, double softcap = 0, int pad = 0) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(batch.head_size));
   Tensor plan({static_cast<int64_t>(batch.seqs.size()) + 1}, DType::kInt32);
@@ -142,14 +170,17 @@ void check(const Batch& batch, int window = 0, double softcap = 0, int pad = 0) 
   const Tensor out = batch.run(scale, window, softcap, nullptr, pad);
   const Tensor planned = batch.run(scale, window, softcap, &plan, pad);
   const std::vector<double> ref = batch.reference(scale, window, softcap);
-  double err = 0, norm = 0;
-  for (int64_t i = 0; i < out.numel(); ++i) {
-    ASSERT_TRUE(std::isfinite(out.get(i))) << "element " << i;
-    err += (out.get(i) - ref[i]) * (out.get(i) - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  EXPECT_LT(std::sqrt(err / norm), tolerance(batch.dtype));
+  expect_close(out, ref, batch.dtype);
   EXPECT_TRUE(planned.same_bytes(out)) << "the host's plan and the device's layout give different results";
+  const int decodes = batch.leading_decodes();
+  if (decodes == 0 || decodes == static_cast<int>(batch.seqs.size())) return;
+  SCOPED_TRACE(std::to_string(decodes) + " leading decodes run apart");
+  const Tensor apart = batch.run(scale, window, softcap, &plan, pad, decodes);
+  const Tensor apart_unplanned = batch.run(scale, window, softcap, nullptr, pad, decodes);
+  expect_close(apart, ref, batch.dtype);
+  EXPECT_TRUE(apart_unplanned.same_bytes(apart)) << "with decodes apart, plan and device layout differ";
+  EXPECT_TRUE(same_bytes_from(apart, out, int64_t{decodes} * batch.heads * batch.head_size))
+      << "running the decodes apart changed the other sequences' rows";
 }
 
 std::string name(DType dtype) { return octavo::dtype_name(dtype); }
@@ -179,6 +210,40 @@ TEST(SimAttention, MixedBatch) {
         std::mt19937 gen(head_size * 100 + heads);
         check(Batch(kMixed, heads, kv_heads, head_size, 16, dtype, gen));
       }
+}
+
+// Chunks of a prompt after decodes of long contexts, the step that chunked prefill makes: the
+// decodes split their keys over the SMs in the decode kernels, the chunks take the prefill
+// kernel, with and without a window; then decodes after a chunk (only leading ones run apart).
+TEST(SimAttention, MixedStepsRunTheirLeadingDecodesApart) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16})
+    for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{32, 8}, {16, 1}}) {
+      SCOPED_TRACE(name(dtype) + " heads " + std::to_string(heads) + "/" + std::to_string(kv_heads));
+      std::mt19937 gen(heads + kv_heads);
+      const Batch batch({{1200, 1}, {700, 1}, {5, 1}, {40, 70}, {0, 9}}, heads, kv_heads, 64, 16, dtype, gen);
+      ASSERT_EQ(batch.leading_decodes(), 3);
+      check(batch);
+      check(batch, 300);
+      check(Batch({{20, 1}, {90, 33}, {1200, 1}, {0, 1}}, heads, kv_heads, 128, 16, dtype, gen));
+    }
+}
+
+// The count is checked where the batch can be read (the CPU), and its range everywhere.
+TEST(SimAttention, NumDecodesMustCountSingleTokenSequences) {
+  std::mt19937 gen(5);
+  const Batch batch(kMixed, 8, 2, 64, 16, DType::kBFloat16, gen);
+  Tensor out(batch.query.shape(), batch.dtype);
+  const auto call = [&](bool cuda, int64_t num_decodes) {
+    const auto view = [cuda](const Tensor& t) { return cuda ? t.cuda() : t.cpu(); };
+    octavo::paged_attention(view(out), view(batch.query), view(batch.key_cache), view(batch.value_cache),
+                            view(batch.query_start_loc), view(batch.seq_lens), view(batch.block_tables), 0.125, 0, 0,
+                            nullptr, num_decodes);
+  };
+  call(false, 1);
+  call(true, 1);
+  EXPECT_THROW(call(false, 2), octavo::Error);  // sequence 1 has 23 query tokens
+  for (int64_t bad : {-1, 7})
+    for (bool cuda : {false, true}) EXPECT_THROW(call(cuda, bad), octavo::Error) << bad;
 }
 
 // Decodes alone: groups of 4 and more in bfloat16 / float16 take the tensor-core decode kernel
@@ -317,6 +382,70 @@ TEST(SimAttention, BlockIdsOutsideTheCacheMaskTheirKeys) {
       batch.block_tables.set(5 * width + 2, static_cast<double>(batch.key_cache.shape()[0]));  // keys 32-47 of 5
       check(batch);
     }
+}
+
+// Samples every row of logits [rows, vocab] on the simulated device, with frequency and presence
+// penalties (their counts take a workspace of their own).
+void sample_with_penalties(const Tensor& logits, std::mt19937& gen) {
+  const int64_t rows = logits.shape()[0];
+  Tensor temperature({rows}, DType::kFloat32), penalty({rows}, DType::kFloat32), seeds({rows}, DType::kInt64),
+      counters({rows}, DType::kInt64), offsets({rows + 1}, DType::kInt32), ids({rows}, DType::kInt32),
+      sampled({rows}, DType::kInt32);
+  for (int64_t r = 0; r < rows; ++r) {
+    temperature.set(r, 1.0), penalty.set(r, 0.5), seeds.set(r, static_cast<double>(gen() % 1000));
+    offsets.set(r + 1, static_cast<double>(r + 1)), ids.set(r, static_cast<double>(r));
+  }
+  const sim_test::TensorView penalty_v = penalty.cuda(), offsets_v = offsets.cuda(), ids_v = ids.cuda();
+  octavo::SampleArgs a;
+  a.logits = logits.cuda();
+  a.temperature = temperature.cuda();
+  a.frequency_penalty = a.presence_penalty = &penalty_v;
+  a.output_offsets = &offsets_v;
+  a.output_token_ids = &ids_v;
+  a.seeds = seeds.cuda();
+  a.counters = counters.cuda();
+  a.sampled = sampled.cuda();
+  octavo::sample(a);
+}
+
+// reserve_cuda_workspaces, then every kind of step within its limits (decodes of every batch
+// size at the widest table, mixed steps with their decodes run apart, float32 prompts through
+// the split-KV kernel, sampling at the most rows): no workspace allocation after the
+// reservation. One step past the limits does allocate, so the count is watched. On a device of
+// its own (20 SMs: splits until 40 (token, KV head) pairs), whose workspaces start empty.
+TEST(SimWorkspaces, ReservationCoversEveryStepWithinItsLimits) {
+  OnDevice device({20});
+  const octavo::CudaStepLimits limits{/*max_tokens=*/40, /*max_seqs=*/6, /*num_heads=*/8, /*num_kv_heads=*/2,
+                                      /*head_size=*/64, /*max_blocks_per_seq=*/64, /*block_size=*/16,
+                                      /*vocab_size=*/500};
+  const size_t reserved = octavo::reserve_cuda_workspaces(limits);
+  const octavo::CudaWorkspaceStats before = octavo::cuda_workspace_stats();
+  EXPECT_EQ(before.bytes, reserved);
+  EXPECT_GT(reserved, size_t{6 * 500 * 8});  // the sampler's two [rows, vocab] buffers at least
+
+  std::mt19937 gen(11);
+  const int full = 64 * 16 - 1;  // a context that fills the widest table
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(name(dtype));
+    for (int n = 1; n <= 6; ++n) check(Batch(Seqs(n, {full, 1}), 8, 2, 64, 16, dtype, gen));
+    check(Batch({{full, 1}, {full, 1}, {full, 1}, {full, 1}, {full, 1}, {100, 35}}, 8, 2, 64, 16, dtype, gen));
+    check(Batch({{300, 19}, {0, 2}}, 8, 2, 64, 16, dtype, gen));  // float32: 21 tokens x 2 heads, 2 splits
+  }
+  sample_with_penalties(sim_test::randn({6, 500}, DType::kFloat32, gen), gen);
+  const octavo::CudaWorkspaceStats after = octavo::cuda_workspace_stats();
+  EXPECT_EQ(after.allocations, before.allocations) << "a step within the limits allocated a workspace";
+  EXPECT_EQ(after.bytes, before.bytes);
+
+  sample_with_penalties(sim_test::randn({7, 500}, DType::kFloat32, gen), gen);  // one row past max_seqs
+  const octavo::CudaWorkspaceStats past = octavo::cuda_workspace_stats();
+  EXPECT_EQ(past.allocations, before.allocations + 2);  // the sampler's weights and counts grew...
+  EXPECT_EQ(past.bytes, before.bytes + 2 * 500 * 4);    // ... and the outgrown ones were freed
+}
+
+TEST(SimWorkspaces, ReservationRefusesEmptyLimits) {
+  EXPECT_THROW(octavo::reserve_cuda_workspaces({0, 0, 8, 2, 64, 4, 16, 500}), octavo::Error);
+  EXPECT_THROW(octavo::reserve_cuda_workspaces({4, 8, 8, 2, 64, 4, 16, 500}), octavo::Error);  // seqs > tokens
+  EXPECT_THROW(octavo::reserve_cuda_workspaces({4, 4, 8, 2, 64, 4, 16, 0}), octavo::Error);
 }
 
 TEST(SimAttention, RefusesWhatItHasNoKernelFor) {

@@ -52,10 +52,11 @@ class Batch:
     def all_slots(self) -> torch.Tensor:
         return torch.cat([self.slots(b) for b in range(len(self.seqs))])
 
-    def run(self, scale, sliding_window=0, softcap=0.0):
+    def run(self, scale, sliding_window=0, softcap=0.0, num_decodes=0):
         out = torch.empty_like(self.query)
         _C.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.query_start_loc,
-                               self.seq_lens, self.block_tables, scale, sliding_window, softcap)
+                               self.seq_lens, self.block_tables, scale, sliding_window, softcap,
+                               num_decodes=num_decodes)
         return out
 
     def reference(self, scale, sliding_window=0, softcap=0.0):
@@ -81,9 +82,9 @@ class Batch:
         return out
 
 
-def check(batch: Batch, dtype, sliding_window=0, softcap=0.0):
+def check(batch: Batch, dtype, sliding_window=0, softcap=0.0, num_decodes=0):
     scale = batch.query.shape[-1] ** -0.5
-    out = batch.run(scale, sliding_window, softcap)
+    out = batch.run(scale, sliding_window, softcap, num_decodes)
     ref = batch.reference(scale, sliding_window, softcap)
     assert torch.isfinite(out).all()
     assert rel_error(out, ref) < TOLERANCE[dtype]
@@ -138,6 +139,17 @@ def test_long_single_decode_is_split_and_merged(isa, num_kv_heads):
         batch = Batch([(3000, 1)], 4 * num_kv_heads, num_kv_heads, 128, 16, dtype, gen)
         check(batch, dtype)
         check(batch, dtype, sliding_window=700)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_counted_decodes_give_the_same_attention(isa, dtype):
+    # A chunked prefill's step: decodes of long contexts, then prompt chunks. Counted, the decodes
+    # run in the decode kernels on CUDA (split over the keys) and the chunks in the prefill kernel.
+    gen = torch.Generator().manual_seed(19)
+    batch = Batch([(2500, 1), (600, 1), (3, 1), (40, 70), (0, 9)], 8, 2, 64, 16, dtype, gen)
+    for num_decodes in (0, 1, 3):
+        check(batch, dtype, num_decodes=num_decodes)
+        check(batch, dtype, sliding_window=300, num_decodes=num_decodes)
 
 
 def test_result_does_not_depend_on_thread_count():
@@ -209,6 +221,11 @@ def test_bad_arguments_raise_clear_errors():
         call(query_start_loc=torch.tensor([0, 3], dtype=torch.int32))
     with pytest.raises(ValueError, match="out"):
         call(out=torch.empty(2, 4, 32))
+    with pytest.raises(ValueError, match="num_decodes is 1, but sequence 0 has 2 query tokens"):
+        call(num_decodes=1)
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match=r"num_decodes must be in \[0, 1\]"):
+            call(num_decodes=bad)
     with pytest.raises(ValueError, match="slot_mapping"):
         _C.ops.reshape_and_cache(b.keys[:2], b.values[:2], b.key_cache, b.value_cache,
                                  torch.tensor([0, 10_000], dtype=torch.int32))

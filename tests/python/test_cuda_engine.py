@@ -5,6 +5,7 @@ CPU-side checks (device selection, the bfloat16 check's CPU run) run everywhere.
 
 import gc
 
+import numpy as np
 import pytest
 import torch
 from octavo import _C, LLM, SamplingParams
@@ -183,6 +184,28 @@ def test_kv_cache_is_sized_from_gpu_memory(tmp_path, capsys):
 
 
 
+@pytest.mark.cuda
+@needs_cuda_build
+def test_no_step_allocates_a_kernel_workspace_after_startup(tmp_path, capsys):
+    """The engine reserves the kernels' workspaces for its largest step before it sizes the KV
+    cache: a workload of every kind of step (prompts chunked beside decodes of long contexts,
+    the most requests at once, penalties, logprobs, prompt logprobs) allocates none afterwards."""
+    tiny_model_dir(tmp_path, max_position_embeddings=1024)
+    llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.5, max_num_seqs=12,
+              max_num_batched_tokens=96)
+    printed = capsys.readouterr().out
+    assert "kernel workspaces" in printed and "free after a warm-up step of 96 tokens" in printed
+    before = _C.cuda_workspace_stats()
+    assert before["bytes"] > 0
+    prompts = [[(7 * i + j) % 200 + 3 for j in range(40 + 80 * i)] for i in range(12)]
+    params = SamplingParams(temperature=0.8, top_p=0.9, frequency_penalty=0.5, presence_penalty=0.3,
+                            repetition_penalty=1.1, max_tokens=30, ignore_eos=True, logprobs=3, prompt_logprobs=2,
+                            seed=1)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [30] * len(prompts)
+    assert _C.cuda_workspace_stats() == before
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_packed_outputs_come_back_apart_in_one_copy(device):
     from octavo.runner.staging import PackedOutputs
@@ -229,3 +252,12 @@ def test_graph_sizes_cover_max_num_seqs():
     assert graph_sizes(20) == [1, 2, 4, 8, 16, 32]
     assert graph_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert graph_sizes(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]  # larger batches run eagerly
+
+
+def test_leading_decodes_counts_the_single_token_requests_a_step_starts_with():
+    from octavo.runner.model_runner import leading_decodes
+
+    assert leading_decodes(np.array([0, 1, 2, 3], dtype=np.int32)) == 3  # decodes alone
+    assert leading_decodes(np.array([0, 1, 2, 50, 51], dtype=np.int32)) == 2  # then a chunk, then a decode
+    assert leading_decodes(np.array([0, 7, 8], dtype=np.int32)) == 0
+    assert leading_decodes(np.array([0], dtype=np.int32)) == 0

@@ -14,6 +14,14 @@ void set_cuda_stream(void* stream) {
 }
 void* cuda_stream() { return nullptr; }
 
+size_t reserve_cuda_workspaces(const CudaStepLimits&) {
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, false,
+                    "reserve_cuda_workspaces: this build of Octavo has no CUDA kernels (it was configured without "
+                    "nvcc)");
+  return 0;
+}
+CudaWorkspaceStats cuda_workspace_stats() { return {0, 0}; }
+
 namespace cuda {
 namespace {
 [[noreturn]] void no_cuda(const char* op) {

@@ -1,6 +1,7 @@
 // paged_attention's host side: which kernel takes a batch (prefill, grouped decode or split-KV
-// decode), how many splits, the split workspace, the head-size and dtype dispatch, and the merge
-// of split results.
+// decode; a mixed batch's counted decodes apart from its chunks), how many splits, the split
+// workspace and its reservation, the head-size and dtype dispatch, and the merge of split results.
+#include <algorithm>
 #include <cmath>
 #include <type_traits>
 
@@ -72,13 +73,18 @@ void dispatch_head_size(int64_t head_size, Fn&& fn) {
 // of decodes alone is the decode kernels' case) in bfloat16 / float16, when query and output
 // rows can be read in 16-byte packs.
 template <typename T>
-bool run_prefill(const PagedAttentionParams& p) {
+bool takes_prefill_kernel(const PagedAttentionParams& p) {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
-    if (p.num_tokens == p.num_seqs || !packs_fit<T>(p.query, p.head_size, p.query_stride) ||
-        !packs_fit<T>(p.out, p.head_size, p.out_stride))
-      return false;
+    return p.num_tokens != p.num_seqs && packs_fit<T>(p.query, p.head_size, p.query_stride) &&
+           packs_fit<T>(p.out, p.head_size, p.out_stride);
+  }
+}
+
+template <typename T>
+void run_prefill(const PagedAttentionParams& p) {
+  if constexpr (!std::is_same_v<T, float>) {  // the tensor-core kernel takes 16-bit types only
     const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
     const int64_t max_tiles = p.num_seqs + ceil_div(p.num_tokens, kPrefillRows / group);
     const int32_t* offsets = p.tile_offsets;
@@ -90,7 +96,6 @@ bool run_prefill(const PagedAttentionParams& p) {
       offsets = laid_out;
     }
     dispatch_head_size(p.head_size, [&](auto d) { launch_prefill_attention<T, d()>(p, offsets, max_tiles); });
-    return true;
   }
 }
 
@@ -101,16 +106,24 @@ bool use_grouped_decode(const PagedAttentionParams& p) {
   return p.num_heads / p.num_kv_heads >= kMinMmaGroup && packs_fit<T>(p.query, p.head_size, p.query_stride);
 }
 
+// The split-KV workspace: the partial output, max and sum of every (token, head, split).
+size_t split_workspace_bytes(const PagedAttentionParams& p, int num_splits) {
+  if (num_splits <= 1) return 0;
+  const size_t rows = static_cast<size_t>(p.num_tokens * p.num_heads * num_splits);
+  return rows * (p.head_size + 2) * sizeof(float);
+}
+
+// The decode kernels (one block per token and KV head, split over the keys when that fills the
+// GPU better), for any batch.
 template <typename T>
-void run(const PagedAttentionParams& p) {
-  if (run_prefill<T>(p)) return;
+void run_decodes(const PagedAttentionParams& p) {
   SplitOutputs splits{nullptr, nullptr, choose_splits(p)};
   if (splits.num_splits > 1) {
-    const size_t rows = static_cast<size_t>(p.num_tokens * p.num_heads * splits.num_splits);
-    const size_t bytes = rows * (p.head_size + 2) * sizeof(float);
-    auto* workspace = static_cast<float*>(device_workspace(WorkspaceSlot::kAttentionSplits, bytes, "paged_attention"));
-    splits.acc = workspace;
-    splits.max_sum = workspace + rows * p.head_size;
+    auto* workspace = static_cast<float*>(device_workspace(WorkspaceSlot::kAttentionSplits,
+                                                           split_workspace_bytes(p, splits.num_splits),
+                                                           "paged_attention"));
+    splits.acc = workspace;  // [tokens, heads, splits, head_size], then [tokens, heads, splits, 2]
+    splits.max_sum = workspace + p.num_tokens * p.num_heads * splits.num_splits * p.head_size;
   }
   dispatch_head_size(p.head_size, [&](auto d) {
     if constexpr (!std::is_same_v<T, float>) {  // the tensor-core kernels take 16-bit types only
@@ -125,7 +138,58 @@ void run(const PagedAttentionParams& p) {
   }
 }
 
+// A mixed step's first num_decodes sequences (one query token each) as a batch of their own...
+PagedAttentionParams leading_decodes(const PagedAttentionParams& p) {
+  PagedAttentionParams d = p;
+  d.num_seqs = d.num_tokens = d.num_decodes = p.num_decodes;
+  d.tile_offsets = nullptr;
+  return d;
+}
+
+// ... and the rest. Query and output rows keep their indices (query_start_loc's entries are
+// absolute), and so do the plan's tiles (the prefill kernel counts from tile_offsets[0]).
+PagedAttentionParams after_leading_decodes(const PagedAttentionParams& p) {
+  PagedAttentionParams r = p;
+  r.query_start_loc += p.num_decodes;
+  r.seq_lens += p.num_decodes;
+  r.block_tables += p.num_decodes * p.block_table_stride;
+  r.num_seqs -= p.num_decodes;
+  r.num_tokens -= p.num_decodes;
+  r.num_decodes = 0;
+  if (p.tile_offsets != nullptr) r.tile_offsets += p.num_decodes;
+  return r;
+}
+
+// A batch with prompt chunks goes to the prefill kernel, whose tiles fit long queries; its
+// leading decodes, when the caller counted them, go to the decode kernels instead, which split
+// a long context over the GPU (in the prefill kernel a decode is one block walking its whole
+// context alone).
+template <typename T>
+void run(const PagedAttentionParams& p) {
+  if (!takes_prefill_kernel<T>(p)) return run_decodes<T>(p);
+  if (p.num_decodes == 0) return run_prefill<T>(p);
+  run_decodes<T>(leading_decodes(p));
+  run_prefill<T>(after_leading_decodes(p));
+}
+
 }  // namespace
+
+void reserve_paged_attention_workspaces(const CudaStepLimits& limits) {
+  PagedAttentionParams p{};
+  p.num_heads = limits.num_heads;
+  p.num_kv_heads = limits.num_kv_heads;
+  p.head_size = limits.head_size;
+  p.block_size = limits.block_size;
+  p.max_blocks_per_seq = limits.max_blocks_per_seq;
+  size_t largest = 0;
+  // Splits only happen while tokens x KV heads are under twice the SM count; past that, none.
+  for (int64_t n = 1; n <= limits.max_tokens && n * limits.num_kv_heads < 2 * multiprocessor_count(); ++n) {
+    p.num_tokens = n;
+    largest = std::max(largest, split_workspace_bytes(p, choose_splits(p)));
+  }
+  if (largest > 0) device_workspace(WorkspaceSlot::kAttentionSplits, largest, "paged_attention");
+  device_workspace(WorkspaceSlot::kAttentionTiles, (limits.max_seqs + 1) * sizeof(int32_t), "paged_attention");
+}
 
 void paged_attention(const PagedAttentionParams& p) {
   if (p.num_tokens == 0) return;

@@ -9,6 +9,7 @@
 #pragma once
 
 #include "host_device.h"
+#include "octavo/cuda_info.h"  // CudaStepLimits
 #include "octavo/ops.h"
 #include "params.h"
 
@@ -39,6 +40,9 @@ OCTAVO_HOST_DEVICE inline int32_t prefill_tiles(int32_t n, int32_t group) {
   return n > 0 ? (n + tokens_per_tile - 1) / tokens_per_tile : 0;
 }
 void sample(const SampleParams& p);
+// Each op's share of reserve_cuda_workspaces: its workspaces at their largest size within limits.
+void reserve_paged_attention_workspaces(const CudaStepLimits& limits);
+void reserve_sample_workspaces(int64_t max_rows, int64_t vocab_size);
 // Every WeightFormat; the weight and input rows aligned as their loads need (a contiguous tensor
 // from torch is), and dense weights in rows of a multiple of 32 inputs. dequantize: out in any
 // float dtype (p.dtype).

@@ -93,8 +93,9 @@ __global__ void __launch_bounds__(Shape<kD, kKeys>::kThreads) prefill_kernel(Pag
   T* v_s = q_s + S::kV;                 // [2][kKeys][kLd]
 
   // Blocks run roughly in index order; the last tiles of a sequence see the most keys, so they
-  // go first, and the short ones fill in at the end.
-  const int tile = gridDim.x - 1 - blockIdx.x, kv_head = blockIdx.y;
+  // go first, and the short ones fill in at the end. Tiles are numbered from tile_offsets[0]: 0,
+  // or where a batch's leading decodes end when they run apart (attention.cu).
+  const int tile = tile_offsets[0] + static_cast<int>(gridDim.x - 1 - blockIdx.x), kv_head = blockIdx.y;
   if (tile >= tile_offsets[p.num_seqs]) return;
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const PrefillTile t = prefill_tile(p, tile_offsets, tile, group);

@@ -361,4 +361,10 @@ void sample(const SampleParams& p) {
   check_launch("sample");
 }
 
+void reserve_sample_workspaces(int64_t max_rows, int64_t vocab_size) {
+  const size_t row_elems = static_cast<size_t>(max_rows) * vocab_size;
+  device_workspace(WorkspaceSlot::kSampleWeights, row_elems * sizeof(float), "sample");
+  device_workspace(WorkspaceSlot::kSampleCounts, row_elems * sizeof(int), "sample");
+}
+
 }  // namespace octavo::cuda

@@ -1,6 +1,8 @@
 // paged_attention: argument checks, then the CPU or CUDA launcher. For CPU tensors the batch
 // metadata is validated on the host, so a bad block table is an error rather than a stray read;
 // the CUDA kernel masks what it cannot use instead (see cuda_kernels.h).
+#include <algorithm>
+
 #include "cpu/isa_kernels.h"
 #include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
@@ -23,6 +25,8 @@ void check_batch(const PagedAttentionParams& p) {
     const int64_t n_q = p.query_start_loc[b + 1] - p.query_start_loc[b];
     const int64_t len = p.seq_lens[b];
     OCTAVO_CHECK(n_q >= 0, "query_start_loc must be non-decreasing (at sequence " << b << ")");
+    OCTAVO_CHECK(b >= p.num_decodes || n_q == 1, "num_decodes is " << p.num_decodes << ", but sequence " << b
+                                                                   << " has " << n_q << " query tokens, not 1");
     OCTAVO_CHECK(len >= n_q && len <= capacity, "seq_lens[" << b << "] = " << len << " must be at least its "
                                                             << n_q << " query tokens and at most the block table's "
                                                             << capacity << " slots");
@@ -40,7 +44,7 @@ void check_batch(const PagedAttentionParams& p) {
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
                      const TensorView& block_tables, double scale, int64_t sliding_window, double softcap,
-                     const TensorView* plan) {
+                     const TensorView* plan, int64_t num_decodes) {
   ops::check_float(query, "query");
   check_ndim(query, "query", 3);
   const ops::Rows q = ops::as_rows(query, "query");
@@ -73,6 +77,9 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   OCTAVO_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0 = off), got " << sliding_window);
   OCTAVO_CHECK(softcap >= 0, "softcap must be >= 0 (0 = off), got " << softcap);
   if (plan != nullptr) ops::check_vector(*plan, "plan", DType::kInt32, num_seqs + 1, query, "query");
+  OCTAVO_CHECK(num_decodes >= 0 && num_decodes <= num_seqs && num_decodes <= query.shape[0],
+               "num_decodes must be in [0, " << std::min(num_seqs, query.shape[0]) << "] (sequences with one query "
+                                             << "token each, at the batch's start), got " << num_decodes);
 
   PagedAttentionParams p{};
   p.out = out.data;
@@ -98,6 +105,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.softcap = static_cast<float>(softcap);
   p.dtype = query.dtype;
   p.tile_offsets = plan != nullptr ? plan->data_as<int32_t>() : nullptr;
+  p.num_decodes = num_decodes;
   if (ops::runs_on_cuda(query, "query")) {
     cuda::paged_attention(p);
   } else {

@@ -18,8 +18,8 @@ from .. import FINISH_REASONS, Scheduler, SchedulerConfig
 from ..device import cpu_only_reason, resolve_device
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from ..runner.cuda_graphs import graph_pool_bytes
-from ..runner.model_runner import PROMPT_LOGITS_ROWS, ModelRunner, kv_cache_block_bytes, profile_activation_bytes
+from ..runner.gpu_memory import GpuMemoryPlan
+from ..runner.model_runner import ModelRunner, kv_cache_block_bytes
 from ..runner.sampler import SamplingState, sample
 from ..runner.staging import Staging
 from ..sampling_params import RequestOutputKind, SamplingParams
@@ -96,8 +96,10 @@ class LLMEngine:
         self.max_model_len = max_model_len or config.max_position_embeddings
         budget_tokens = max_num_batched_tokens or self._default_budget(enable_chunked_prefill)
         graphs = self.device.type == "cuda" and not enforce_eager
-        budget = kv_cache_memory_bytes or self._kv_cache_bytes(gpu_memory_utilization, budget_tokens, max_num_seqs,
-                                                               block_size, graphs)
+        memory = GpuMemoryPlan(self.model, budget_tokens, max_num_seqs, self.max_model_len, block_size, graphs) \
+            if self.device.type == "cuda" else None
+        budget = kv_cache_memory_bytes or (memory.kv_cache_bytes(gpu_memory_utilization) if memory
+                                           else DEFAULT_KV_CACHE_BYTES)
         num_blocks = budget // kv_cache_block_bytes(self.model, block_size)
         if num_blocks < 2:
             raise ValueError(f"kv_cache_memory_bytes={budget} holds no KV block; give at least "
@@ -113,6 +115,9 @@ class LLMEngine:
             seconds = self.runner.capture_cuda_graphs(max_num_seqs, -(-self.max_model_len // block_size))
             print(f"octavo: captured CUDA graphs for decode batches of {self.runner.cuda_graphs.sizes} "
                   f"in {seconds:.1f} s")
+        if memory:
+            memory.warm_up(self.runner)
+            print(f"octavo: {memory.report()}")
         tokens = (num_blocks - 1) * block_size
         gib = num_blocks * kv_cache_block_bytes(self.model, block_size) / 2**30
         print(f"octavo: KV cache of {num_blocks} blocks = {tokens} tokens ({gib:.2f} GiB on {self.device}); "
@@ -121,30 +126,6 @@ class LLMEngine:
         self._requests: dict[str, _Request] = {}
         self._by_handle: dict[int, tuple[_Request, _Sample]] = {}
         self._num_wanting_prompt_logprobs = 0  # live requests with prompt_logprobs (read every step)
-
-    def _kv_cache_bytes(self, gpu_memory_utilization: float, step_tokens: int, max_num_seqs: int,
-                        block_size: int, graphs: bool) -> int:
-        """The KV cache's bytes when the user gives none. On a GPU, as vLLM sizes it: this engine
-        may use ``gpu_memory_utilization`` of the device's memory; what is in use already (the
-        weights, other processes) comes off it, and so does what the steps will take beside the
-        cache, measured by running them: a step's activation peak (a full token budget, with the
-        logits of its sampled rows and of one batch of prompt-logprob rows), the sampler's
-        workspaces (allocated outside torch, float32 weights and counts per row of the vocabulary)
-        and the decode graphs' pool."""
-        if self.device.type == "cpu":
-            return DEFAULT_KV_CACHE_BYTES
-        vocab = self.model.config.vocab_size
-        activations = profile_activation_bytes(self.model, step_tokens, max_num_seqs + PROMPT_LOGITS_ROWS, block_size)
-        activations += 2 * max_num_seqs * vocab * 4
-        if graphs:
-            activations += graph_pool_bytes(self.model, max_num_seqs, block_size)
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * gpu_memory_utilization) - (total - free) - activations
-        if budget <= 0:
-            raise ValueError(f"no GPU memory is left for the KV cache: {total - free} of {total} bytes are in use and "
-                             f"the steps need {activations} more; raise gpu_memory_utilization "
-                             f"({gpu_memory_utilization}) or lower max_num_batched_tokens")
-        return budget
 
     def _default_budget(self, enable_chunked_prefill: bool) -> int:
         if enable_chunked_prefill:

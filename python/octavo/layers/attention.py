@@ -15,7 +15,9 @@ class AttentionMetadata:
 
     slot_mapping [T]; query_start_loc [R + 1]; seq_lens [R]; block_tables [R, max_blocks];
     plan [R + 1]: ``plan_paged_attention``'s, made on the host once per step for the CUDA kernels
-    (None: they lay the batch out themselves, per layer).
+    (None: they lay the batch out themselves, per layer). num_decodes: how many of the first
+    requests have one query token each (on CUDA a step with prompt chunks runs those in the
+    decode kernels, which split long contexts over the GPU).
     """
 
     slot_mapping: torch.Tensor
@@ -23,6 +25,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor
     block_tables: torch.Tensor
     plan: torch.Tensor | None = None
+    num_decodes: int = 0
 
 
 class Attention(torch.nn.Module):
@@ -48,5 +51,5 @@ class Attention(torch.nn.Module):
         out = torch.empty(tokens, self.num_heads, self.head_size, dtype=q.dtype, device=q.device)
         _C.ops.paged_attention(out, q.view(tokens, self.num_heads, self.head_size), key_cache, value_cache,
                                meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-                               self.sliding_window, plan=meta.plan)
+                               self.sliding_window, plan=meta.plan, num_decodes=meta.num_decodes)
         return out.view(tokens, self.num_heads * self.head_size)

@@ -19,14 +19,14 @@ weights it is 12-18x faster at M = 1 and 1.3-2.5x from M = 64 to 8192: from 8 ro
 decodes each weight tile once and runs the float32 path over it, so every format computes at
 float32's speed for prefill (bench/RESULTS.md).
 
-On a GPU, dense weights always take torch's cuBLAS. Quantized weights take Octavo's CUDA kernel
-(a GEMV that decodes in registers) up to ``CUDA_KERNEL_MAX_ROWS`` rows, and above it cuBLAS on the
-weights dequantized to the activations' dtype, a slab of rows at a time. The crossover is an
-estimate from the H100's peak figures, not a measurement yet: the kernel's time grows with M
-(per weight and row, an FMA and its share of the decode, about 4 operations at 67 TFLOP/s of
-FP32), while the dequantizing path costs about 4.5 bytes of memory traffic per int4 weight
-whatever M is (3.35 TB/s); the two meet near M = 20 (near 45 if the decode were free).
-Either side of it a row's bits differ: the kernel multiplies the float32 weights, the GEMM
+On a GPU, dense weights take Octavo's CUDA kernel up to ``CUDA_DENSE_KERNEL_MAX_ROWS`` rows, where
+it reads the weight faster than cuBLAS does (bench/python/bench_cuda.py's dense table), and cuBLAS
+above. Quantized weights take Octavo's CUDA kernel (a GEMV that decodes in registers) up to
+``CUDA_KERNEL_MAX_ROWS`` rows, and above it cuBLAS on the weights dequantized to the activations'
+dtype, a slab of rows at a time. The kernel's time grows with M (it reads the weight once per 4
+rows and decodes it each time), the dequantizing path's hardly does; on an H200 they meet near
+M = 8 for int4 and Q4_0 (bench_cuda.py's table, bench/RESULTS.md). Either side of it a row's bits
+differ: the kernel multiplies the float32 weights, the GEMM
 them rounded to the activations' dtype, as a bfloat16 checkpoint's weights would be. On a GPU
 rows are not batch-invariant anyway (cuBLAS picks its algorithm by shape).
 """
@@ -44,7 +44,11 @@ from .. import _C
 TORCH_FROM_ROWS = {torch.float32: math.inf, torch.float16: math.inf, torch.bfloat16: 32}
 # On CUDA, the most rows a quantized weight's product runs in Octavo's kernel (see above), and the
 # weights dequantized at a time above it (64 MiB in 16 bits: a slab, not the LM head whole).
-CUDA_KERNEL_MAX_ROWS = 16
+CUDA_KERNEL_MAX_ROWS = 8
+# On CUDA, the most rows a dense weight's product runs in Octavo's kernel, per dtype: where it
+# beat cuBLAS on Llama-3-8B's projections (H200, bench_cuda.py's dense table; float32 takes the
+# quantized formats' kernel, which cuBLAS's float32 GEMM trails up to M = 8 at least).
+CUDA_DENSE_KERNEL_MAX_ROWS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
 DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
 
 
@@ -125,11 +129,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size)
         return out
-    if x.device.type != "cpu" or x.shape[0] >= TORCH_FROM_ROWS.get(x.dtype, 0):
+    if not _dense_kernel_takes(x, weight):
         return F.linear(x, weight, bias)
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _C.ops.linear(out, x, weight, bias)
     return out
+
+
+def _dense_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether Octavo's kernel is the faster product of x and a dense weight (on CUDA it reads rows
+    of 32 inputs, from input rows that start at 4-element boundaries)."""
+    if x.device.type == "cpu":
+        return x.shape[0] < TORCH_FROM_ROWS.get(x.dtype, 0)
+    return (x.device.type == "cuda" and x.shape[0] <= CUDA_DENSE_KERNEL_MAX_ROWS.get(x.dtype, 0)
+            and weight.shape[1] % 32 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % (4 * x.element_size()) == 0)
 
 
 def _gemm_on_dequantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

@@ -85,7 +85,8 @@ class ModelRunner:
         input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, indices, *plan = \
             self.staging.to_device(*arrays)
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                                 block_tables=block_tables, plan=plan[0] if plan else None)
+                                 block_tables=block_tables, plan=plan[0] if plan else None,
+                                 num_decodes=leading_decodes(out.query_start_loc))
         hidden = self.model(input_ids, positions, meta)
         n = len(out.logits_indices)
         logits = self.model.compute_logits(hidden, indices[:n])
@@ -95,25 +96,56 @@ class ModelRunner:
         return logits, torch.cat([self.model.compute_logits(hidden, extra[i:i + PROMPT_LOGITS_ROWS]).cpu()
                                   for i in range(0, len(extra), PROMPT_LOGITS_ROWS)])
 
+    @torch.inference_mode()
+    def warm_up(self, num_tokens: int, num_logits: int) -> None:
+        """Runs the largest step once over the real cache (blocks 1.., unused at startup), so that
+        torch's allocator holds what such a step needs before any request arrives, and a GPU that
+        cannot fit it fails here rather than mid-run."""
+        self.execute(dummy_step(num_tokens, num_logits, self.block_size))
+
     def release(self) -> None:
         """Drops the KV cache (a profiling runner's, before the real one is allocated)."""
         for attn in self.model.attention_layers():
             attn.kv_cache = None
 
 
+def leading_decodes(query_start_loc: np.ndarray) -> int:
+    """How many requests at the start of a step have one query token each."""
+    not_one = np.flatnonzero(np.diff(query_start_loc) != 1)
+    return int(not_one[0]) if len(not_one) else len(query_start_loc) - 1
+
+
+def dummy_step(num_tokens: int, num_logits: int, block_size: int) -> SimpleNamespace:
+    """A step of one prompt of ``num_tokens`` tokens in blocks 1.. (in order) and ``num_logits``
+    sampled rows: the scheduler's output arrays, for profiling and warming up."""
+    num_blocks = -(-num_tokens // block_size)
+    positions = np.arange(num_tokens, dtype=np.int32)
+    return SimpleNamespace(
+        num_reqs=1, total_num_scheduled_tokens=num_tokens,
+        input_ids=np.zeros(num_tokens, dtype=np.int32), positions=positions, slot_mapping=positions + block_size,
+        query_start_loc=np.array([0, num_tokens], dtype=np.int32), seq_lens=np.array([num_tokens], dtype=np.int32),
+        block_table=np.arange(1, num_blocks + 1, dtype=np.int32)[None, :],
+        logits_indices=np.full(num_logits, num_tokens - 1, dtype=np.int32))
+
+
+def reserve_workspaces(model, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> int:
+    """Allocates every CUDA kernel workspace that a step of at most ``max_tokens`` tokens over at
+    most ``max_seqs`` requests can need, at its largest size, on the model's device (so that the
+    KV cache is sized around them and no step allocates them later); returns the bytes held."""
+    c = model.config
+    torch.cuda.set_device(model.embed_tokens.device)
+    return _C.reserve_cuda_workspaces(max_tokens=max_tokens, max_seqs=max_seqs,
+                                      num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                      head_size=c.head_dim, max_blocks_per_seq=max_blocks_per_seq,
+                                      block_size=block_size, vocab_size=c.vocab_size)
+
+
 def profile_activation_bytes(model, num_tokens: int, num_logits: int, block_size: int) -> int:
     """Peak GPU memory a step of ``num_tokens`` tokens (one prompt) and ``num_logits`` sampled rows
     takes beyond the weights and the KV cache, measured by running one."""
     device = model.embed_tokens.device
-    num_blocks = -(-num_tokens // block_size) + 1
-    runner = ModelRunner(model, num_blocks, block_size)
-    positions = np.arange(num_tokens, dtype=np.int32)
-    step = SimpleNamespace(
-        input_ids=np.zeros(num_tokens, dtype=np.int32), positions=positions,
-        slot_mapping=positions + block_size,  # blocks 1.. in order
-        query_start_loc=np.array([0, num_tokens], dtype=np.int32), seq_lens=np.array([num_tokens], dtype=np.int32),
-        block_table=np.arange(1, num_blocks, dtype=np.int32)[None, :],
-        logits_indices=np.full(num_logits, num_tokens - 1, dtype=np.int32))
+    step = dummy_step(num_tokens, num_logits, block_size)
+    runner = ModelRunner(model, step.block_table.shape[1] + 1, block_size)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     before = torch.cuda.memory_allocated(device)
