@@ -231,6 +231,29 @@ def test_layer_takes_the_kernel_for_few_rows_and_dequantized_gemm_for_many(fmt, 
                                    atol=tolerance * expected.abs().max().item())
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_layer_takes_the_kernel_for_dense_weights_up_to_its_crossover(dtype, monkeypatch):
+    """Dense weights on the GPU: Octavo's kernel up to CUDA_DENSE_KERNEL_MAX_ROWS rows, cuBLAS
+    above and for input rows the kernel cannot read in its packs; every path against float64."""
+    from octavo.layers import linear as layer
+
+    calls = []
+    linear_op = _C.ops.linear
+    monkeypatch.setattr(layer._C.ops, "linear", lambda *args: calls.append(args) or linear_op(*args))
+    weight = (torch.randn(300, 576) * 0.05).to(dtype).cuda()
+    bias = torch.randn(300).to(dtype).cuda()
+    limit = layer.CUDA_DENSE_KERNEL_MAX_ROWS[dtype]
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    padded = torch.randn(1, 577).to(dtype).cuda()
+    for x, kernel in [(torch.randn(m, 576).to(dtype).cuda(), m <= limit) for m in (1, limit, limit + 1, 40)] + \
+                     [(padded[:, 1:], False)]:  # rows 577 elements apart: not at 4-element boundaries
+        calls.clear()
+        expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        got = layer.linear(x, weight, bias)
+        assert len(calls) == kernel and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance, atol=tolerance * expected.abs().max().item())
+
+
 # ----------------------------------------------------------------------------- streams and devices
 
 def test_ops_are_captured_in_a_cuda_graph_on_the_stream_they_are_given():

@@ -46,9 +46,9 @@ TORCH_FROM_ROWS = {torch.float32: math.inf, torch.float16: math.inf, torch.bfloa
 # weights dequantized at a time above it (64 MiB in 16 bits: a slab, not the LM head whole).
 CUDA_KERNEL_MAX_ROWS = 8
 # On CUDA, the most rows a dense weight's product runs in Octavo's kernel, per dtype: where it
-# beat cuBLAS on Llama-3-8B's projections (H200, bench_cuda.py's dense table; float32 takes the
-# quantized formats' kernel, which cuBLAS's float32 GEMM trails up to M = 8 at least).
-CUDA_DENSE_KERNEL_MAX_ROWS = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
+# beat cuBLAS on Llama-3-8B's projections (H200, bench_cuda.py's dense table: 16-bit M = 1 only;
+# float32 takes the quantized formats' kernel, even with cuBLAS at M = 1 and ahead to M = 8).
+CUDA_DENSE_KERNEL_MAX_ROWS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1}
 DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
 
 
