@@ -116,8 +116,6 @@ struct Batch {
     return out;
   }
 
-  // Query rows `pad` elements further apart than their heads: with an odd pad no row is
-  // 16-byte aligned, so no tensor-core kernel can read them in packs.
   // How many sequences at the batch's start are decodes (one query token each).
   int leading_decodes() const {
     int n = 0;
@@ -125,6 +123,8 @@ struct Batch {
     return n;
   }
 
+  // Query rows `pad` elements further apart than their heads: with an odd pad no row is
+  // 16-byte aligned, so no tensor-core kernel can read them in packs. num_decodes: passed on.
   Tensor run(double scale, int window, double softcap, const Tensor* plan, int pad = 0, int num_decodes = 0) const {
     Tensor out(query.shape(), dtype);
     const sim_test::TensorView plan_view = plan ? plan->cuda() : sim_test::TensorView{};
@@ -152,8 +152,8 @@ void expect_close(const Tensor& out, const std::vector<double>& ref, DType dtype
   EXPECT_LT(std::sqrt(err / norm), tolerance(dtype));
 }
 
-// Elements [from, numel) of a and b hold the same bytes.
-bool same_bytes_from(const Tensor& a, const Tensor& b, int64_t from) {
+// Elements [from, numel) of a and b are the same values (or both NaN).
+bool same_from(const Tensor& a, const Tensor& b, int64_t from) {
   for (int64_t i = from; i < a.numel(); ++i)
     if (a.get(i) != b.get(i) && !(std::isnan(a.get(i)) && std::isnan(b.get(i)))) return false;
   return true;
@@ -179,7 +179,7 @@ void check(const Batch& batch, int window = 0, double softcap = 0, int pad = 0) 
   const Tensor apart_unplanned = batch.run(scale, window, softcap, nullptr, pad, decodes);
   expect_close(apart, ref, batch.dtype);
   EXPECT_TRUE(apart_unplanned.same_bytes(apart)) << "with decodes apart, plan and device layout differ";
-  EXPECT_TRUE(same_bytes_from(apart, out, int64_t{decodes} * batch.heads * batch.head_size))
+  EXPECT_TRUE(same_from(apart, out, int64_t{decodes} * batch.heads * batch.head_size))
       << "running the decodes apart changed the other sequences' rows";
 }
 
@@ -408,11 +408,14 @@ void sample_with_penalties(const Tensor& logits, std::mt19937& gen) {
   octavo::sample(a);
 }
 
-// reserve_cuda_workspaces, then every kind of step within its limits (decodes of every batch
-// size at the widest table, mixed steps with their decodes run apart, float32 prompts through
-// the split-KV kernel, sampling at the most rows): no workspace allocation after the
-// reservation. One step past the limits does allocate, so the count is watched. On a device of
-// its own (20 SMs: splits until 40 (token, KV head) pairs), whose workspaces start empty.
+// reserve_cuda_workspaces, then every kind of step within its limits: decodes of every batch
+// size at the widest table (a context of 1007 + 1 tokens is 63 blocks; the test's tables add a
+// spare column), mixed steps with their decodes run apart, a float32 prompt of 19 tokens through
+// the split-KV kernel (19 tokens x 2 KV heads, under twice the 20 SMs: 2 splits of 8 heads each,
+// the largest split workspace within the limits, which no batch of max_seqs decodes reaches), and
+// sampling at the most rows: no workspace allocation after the reservation. One step past the
+// limits does allocate, so the count is watched. On a device of its own, whose workspaces start
+// empty.
 TEST(SimWorkspaces, ReservationCoversEveryStepWithinItsLimits) {
   OnDevice device({20});
   const octavo::CudaStepLimits limits{/*max_tokens=*/40, /*max_seqs=*/6, /*num_heads=*/8, /*num_kv_heads=*/2,
@@ -424,12 +427,12 @@ TEST(SimWorkspaces, ReservationCoversEveryStepWithinItsLimits) {
   EXPECT_GT(reserved, size_t{6 * 500 * 8});  // the sampler's two [rows, vocab] buffers at least
 
   std::mt19937 gen(11);
-  const int full = 64 * 16 - 1;  // a context that fills the widest table
+  const int full = 1007;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
     SCOPED_TRACE(name(dtype));
     for (int n = 1; n <= 6; ++n) check(Batch(Seqs(n, {full, 1}), 8, 2, 64, 16, dtype, gen));
     check(Batch({{full, 1}, {full, 1}, {full, 1}, {full, 1}, {full, 1}, {100, 35}}, 8, 2, 64, 16, dtype, gen));
-    check(Batch({{300, 19}, {0, 2}}, 8, 2, 64, 16, dtype, gen));  // float32: 21 tokens x 2 heads, 2 splits
+    check(Batch({{full + 1 - 19, 19}}, 8, 2, 64, 16, dtype, gen));
   }
   sample_with_penalties(sim_test::randn({6, 500}, DType::kFloat32, gen), gen);
   const octavo::CudaWorkspaceStats after = octavo::cuda_workspace_stats();

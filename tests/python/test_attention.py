@@ -144,7 +144,8 @@ def test_long_single_decode_is_split_and_merged(isa, num_kv_heads):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_counted_decodes_give_the_same_attention(isa, dtype):
     # A chunked prefill's step: decodes of long contexts, then prompt chunks. Counted, the decodes
-    # run in the decode kernels on CUDA (split over the keys) and the chunks in the prefill kernel.
+    # run in the decode kernels on CUDA (split over the keys) and the chunks in the prefill kernel
+    # (test_cuda_attention.py runs this there); the CPU checks the count and computes the same.
     gen = torch.Generator().manual_seed(19)
     batch = Batch([(2500, 1), (600, 1), (3, 1), (40, 70), (0, 9)], 8, 2, 64, 16, dtype, gen)
     for num_decodes in (0, 1, 3):

@@ -186,13 +186,15 @@ def test_kv_cache_is_sized_from_gpu_memory(tmp_path, capsys):
 
 @pytest.mark.cuda
 @needs_cuda_build
-def test_no_step_allocates_a_kernel_workspace_after_startup(tmp_path, capsys):
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_no_step_allocates_a_kernel_workspace_after_startup(enforce_eager, tmp_path, capsys):
     """The engine reserves the kernels' workspaces for its largest step before it sizes the KV
     cache: a workload of every kind of step (prompts chunked beside decodes of long contexts,
-    the most requests at once, penalties, logprobs, prompt logprobs) allocates none afterwards."""
+    the most requests at once, penalties, logprobs, prompt logprobs) allocates none afterwards.
+    Eager too: there no graph capture runs the decode shapes before the workload does."""
     tiny_model_dir(tmp_path, max_position_embeddings=1024)
     llm = LLM(model=str(tmp_path), dtype="bfloat16", device="cuda", gpu_memory_utilization=0.5, max_num_seqs=12,
-              max_num_batched_tokens=96)
+              max_num_batched_tokens=96, enforce_eager=enforce_eager)
     printed = capsys.readouterr().out
     assert "kernel workspaces" in printed and "free after a warm-up step of 96 tokens" in printed
     before = _C.cuda_workspace_stats()

@@ -2,13 +2,16 @@
 
 usage: check_module.py PATH_TO_C_MODULE   (exit 0: passed, 1: failed, 77: torch is missing)
 
-torch loads the system's libstdc++ first. A module that carries its own copy must keep to it:
-where it did not, an error message formatted with an ostream lost its numbers on the CPU and
-crashed on a GPU. Each check below formats numbers into a message, or runs an op; the CUDA ones
-run where a GPU is present.
+torch loads the system's libstdc++ first (here it is also put in the global scope, where any
+module's unresolved or exported symbols would be bound to it). A module that carries its own copy
+must keep to it: where it did not, an error message formatted with an ostream lost its numbers on
+the CPU and crashed on a GPU. The module must export its entry point alone; each check below
+formats numbers into a message, or runs an op; the CUDA ones run where a GPU is present.
 """
 
+import ctypes
 import importlib.util
+import shutil
 import subprocess
 import sys
 
@@ -69,9 +72,23 @@ def check_cuda(ops, module) -> None:
     assert torch.equal(tokens.long().cpu(), logits.argmax(-1).cpu()), "greedy tokens differ from argmax"
 
 
+def tool_output(*command: str) -> str | None:
+    """A binutils / libc tool's output, or None where the tool is not installed."""
+    if shutil.which(command[0]) is None:
+        print(f"{command[0]} is not installed: its check is skipped")
+        return None
+    return subprocess.run(command, capture_output=True, text=True, check=True).stdout
+
+
 def main(path: str) -> None:
-    linked = subprocess.run(["ldd", path], capture_output=True, text=True).stdout
-    assert "libstdc++" not in linked, f"the module links libstdc++ dynamically; the case is not set up:\n{linked}"
+    linked = tool_output("ldd", path)
+    assert linked is None or "libstdc++" not in linked, \
+        f"the module links libstdc++ dynamically; the case is not set up:\n{linked}"
+    exported = tool_output("nm", "-D", "--defined-only", path)
+    if exported is not None:
+        names = {line.split()[-1] for line in exported.splitlines() if line.strip()}
+        assert names == {"PyInit__C"}, f"the module exports more than its entry point: {sorted(names)[:20]}"
+    ctypes.CDLL("libstdc++.so.6", mode=ctypes.RTLD_GLOBAL)
     module = load(path)
     check_cpu(module.ops)
     print("CPU: error messages whole, ops correct")

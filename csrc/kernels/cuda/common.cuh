@@ -21,8 +21,10 @@ cudaStream_t current_stream();
 
 // A scratch buffer of at least `bytes` on the current device, one per slot, kept between calls and
 // zero-filled (in stream order) when allocated. Growing allocates, which a CUDA graph capture
-// cannot do; outgrown buffers stay allocated, since a captured graph may hold them. One buffer
-// per slot and device: kernels of one slot must not run concurrently on two streams.
+// cannot do, and frees the outgrown buffer after a device sync, unless a captured graph holds it
+// (then it stays allocated). reserve_cuda_workspaces sizes every slot once, so an engine never
+// grows one. One buffer per slot and device, so one host thread at a time may launch a device's
+// kernels: another thread's growth could free a buffer this one was handed and not yet used.
 enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kSampleCounts, kCount };
 void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op);
 // Throws octavo::Error naming `what` if the last launch (or an earlier asynchronous error) failed.

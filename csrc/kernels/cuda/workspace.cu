@@ -67,8 +67,11 @@ void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op) {
   retire(w, device, b);
   b = Buffer{};
   void* fresh = nullptr;
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, cudaMalloc(&fresh, bytes) == cudaSuccess,
-                    op << ": cannot allocate a " << bytes << "-byte workspace on CUDA device " << device);
+  if (cudaMalloc(&fresh, bytes) != cudaSuccess) {
+    cudaGetLastError();  // clear it, or the next launch check would report it as its own
+    OCTAVO_CHECK_KIND(ErrorKind::kRuntime, false,
+                      op << ": cannot allocate a " << bytes << "-byte workspace on CUDA device " << device);
+  }
   ++w.allocations;
   b = Buffer{fresh, bytes, false};
   // Zeroed in stream order, before the kernel that asked (sampling's token counts need zeros,

@@ -66,7 +66,7 @@ class CudaGraphs:
         pool = None
         try:
             for size in reversed(self.sizes):  # the largest first: later ones reuse its memory pool
-                self._forward(size)  # warm-up: kernels load, workspaces grow, outside the capture
+                self._forward(size)  # warm-up outside the capture: kernels load, lazy handles are made
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     logits = self._forward(size)

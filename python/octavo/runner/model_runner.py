@@ -21,7 +21,7 @@ def kv_cache_block_bytes(model, block_size: int) -> int:
 
 
 # Prompt-logprob rows whose logits are made on the device at once: with a step's sampled rows,
-# what the KV budget leaves room for (engine/llm_engine.py, _kv_cache_bytes).
+# what the KV budget leaves room for (runner/gpu_memory.py).
 PROMPT_LOGITS_ROWS = 256
 
 
@@ -133,7 +133,9 @@ def reserve_workspaces(model, max_tokens: int, max_seqs: int, max_blocks_per_seq
     most ``max_seqs`` requests can need, at its largest size, on the model's device (so that the
     KV cache is sized around them and no step allocates them later); returns the bytes held."""
     c = model.config
-    torch.cuda.set_device(model.embed_tokens.device)
+    device = model.embed_tokens.device
+    torch.cuda.set_device(device)
+    _C.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)  # new buffers are cleared on it
     return _C.reserve_cuda_workspaces(max_tokens=max_tokens, max_seqs=max_seqs,
                                       num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                       head_size=c.head_dim, max_blocks_per_seq=max_blocks_per_seq,
