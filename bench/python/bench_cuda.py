@@ -36,6 +36,17 @@ import torch.nn.functional as F
 from octavo import _C
 
 
+def _run_ms(fn, runs: int) -> float:
+    """Device time of `runs` back-to-back fn() between one pair of events, in ms."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(runs):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def cuda_ms(fn, repeats: int = 20) -> float:
     """Median device time of one fn() in ms. Short calls are timed in runs of back-to-back launches
     between one pair of events (about 200 us of work a run), so that the host's launch cost, which
@@ -43,26 +54,9 @@ def cuda_ms(fn, repeats: int = 20) -> float:
     for _ in range(3):
         fn()
     runs = 1
-    while True:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(runs):
-            fn()
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) >= 0.2 or runs >= 64:
-            break
+    while runs < 64 and _run_ms(fn, runs) < 0.2:
         runs *= 2
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(runs):
-            fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / runs)
-    return statistics.median(times)
+    return statistics.median(_run_ms(fn, runs) / runs for _ in range(repeats))
 
 
 def device_limits(dtype) -> tuple[float, float]:
