@@ -34,19 +34,12 @@ class ModelRunner:
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
         self.staging = Staging(self.device)
-        self._use_device()
+        use_device(self.device)
         c = model.config
         shape = (num_blocks, c.num_key_value_heads, block_size, c.head_dim)
         for attn in model.attention_layers():
             attn.kv_cache = (empty_kv_cache(shape, model.dtype, self.device),
                              empty_kv_cache(shape, model.dtype, self.device))
-
-    def _use_device(self) -> None:
-        """Octavo's CUDA kernels launch on this thread's current device and stream: the model's
-        device and torch's current stream there (the engine may step from another thread)."""
-        if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
-            _C.set_cuda_stream(torch.cuda.current_stream(self.device).cuda_stream)
 
     def _plan(self, out) -> np.ndarray:
         """The CUDA attention kernels' batch layout (plan_paged_attention)."""
@@ -60,7 +53,7 @@ class ModelRunner:
         """Captures the decode graphs (runner/cuda_graphs.py); returns the seconds it took."""
         from .cuda_graphs import CudaGraphs
 
-        self._use_device()
+        use_device(self.device)
         self.cuda_graphs = CudaGraphs(self.model, max_num_seqs, max_blocks_per_seq)
         return self.cuda_graphs.capture_seconds
 
@@ -70,7 +63,7 @@ class ModelRunner:
         model's device), and those of the flat token rows ``extra_rows`` when given (prompt
         logprobs; on the CPU, made PROMPT_LOGITS_ROWS rows at a time so that a long prompt's
         logits never sit on the device at once)."""
-        self._use_device()
+        use_device(self.device)
         if self.cuda_graphs is not None and extra_rows is None:
             logits = self.cuda_graphs.run(out)
             if logits is not None:
@@ -109,6 +102,15 @@ class ModelRunner:
             attn.kv_cache = None
 
 
+def use_device(device: torch.device) -> None:
+    """Octavo's CUDA kernels launch on this thread's current device and stream: makes them
+    ``device`` and torch's current stream there (the engine may step from another thread). A
+    no-op for the CPU."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        _C.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)
+
+
 def leading_decodes(query_start_loc: np.ndarray) -> int:
     """How many requests at the start of a step have one query token each."""
     not_one = np.flatnonzero(np.diff(query_start_loc) != 1)
@@ -133,9 +135,7 @@ def reserve_workspaces(model, max_tokens: int, max_seqs: int, max_blocks_per_seq
     most ``max_seqs`` requests can need, at its largest size, on the model's device (so that the
     KV cache is sized around them and no step allocates them later); returns the bytes held."""
     c = model.config
-    device = model.embed_tokens.device
-    torch.cuda.set_device(device)
-    _C.set_cuda_stream(torch.cuda.current_stream(device).cuda_stream)  # new buffers are cleared on it
+    use_device(model.embed_tokens.device)  # new buffers are cleared on Octavo's stream
     return _C.reserve_cuda_workspaces(max_tokens=max_tokens, max_seqs=max_seqs,
                                       num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                                       head_size=c.head_dim, max_blocks_per_seq=max_blocks_per_seq,
