@@ -324,6 +324,24 @@ const UpdateOutput& Scheduler::update_from_output(const int32_t* sampled, const 
   return up;
 }
 
+std::vector<int64_t> Scheduler::fail_step() {
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, in_step_, "fail_step() called without a schedule() before it");
+  in_step_ = false;
+  output_.finished_handles.clear();
+  std::vector<int64_t> aborted;
+  for (const Scheduled& s : scheduled_) {
+    Request* r = s.request;
+    aborted.push_back(r->handle());
+    running_.erase(std::find(running_.begin(), running_.end(), r));
+    // schedule() advanced num_computed_tokens past this step's tokens; only those before are in the cache.
+    kv_.free(*r, r->num_computed_tokens - s.num_tokens);
+    finish(r, FinishReason::kAbort);
+  }
+  scheduled_.clear();
+  apply_pending_aborts();
+  return aborted;
+}
+
 void Scheduler::apply_pending_aborts() {
   if (pending_aborts_.empty()) return;
   std::vector<std::string> ids;

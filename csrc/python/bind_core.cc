@@ -235,10 +235,14 @@ void bind_scheduler(py::module_& m) {
              return s.update_from_output(tok, off);
            },
            py::arg("sampled_token_ids"), py::arg("offsets") = py::none(), py::return_value_policy::reference_internal)
+      .def("fail_step", &Scheduler::fail_step,
+           "Ends a failed step instead of update_from_output(): aborts the requests it scheduled and "
+           "drops their unwritten blocks from the prefix cache. Returns their handles.")
       .def_property_readonly("config", &Scheduler::config)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
+      .def_property_readonly("in_step", &Scheduler::in_step)
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
       .def("running_handles", [](const Scheduler& s) { return handles_of(s.running()); })
       .def("waiting_handles", [](const Scheduler& s) {

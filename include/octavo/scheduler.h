@@ -85,6 +85,10 @@ class Scheduler {
   // schedule(); offsets may be null (exactly one token per request). Tokens of a request still
   // in its prefill are ignored.
   const UpdateOutput& update_from_output(const int32_t* sampled, const int32_t* offsets = nullptr);
+  // Ends a step whose forward pass failed, in place of update_from_output(): every request the
+  // step scheduled finishes with reason "abort", and the blocks it was to fill leave the prefix
+  // cache (their KV may never have been written). Returns the handles it aborted, in batch order.
+  std::vector<int64_t> fail_step();
 
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   int num_running() const { return static_cast<int>(running_.size()); }

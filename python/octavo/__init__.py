@@ -22,7 +22,7 @@ from ._C import BlockPool, Scheduler, SchedulerConfig, SchedulerOutput, UpdateOu
 from ._C import cpu_isa, get_num_threads, ops, set_num_threads
 
 # UpdateOutput.finish_reasons holds indices into this tuple (vLLM's finish_reason strings).
-FINISH_REASONS = (None, "stop", "length", "abort")
+FINISH_REASONS = (None, "stop", "length", "abort")  # the scheduler's; the engine adds "error"
 
 # vLLM's offline API: code written for vLLM runs by changing the import.
 from .llm import LLM  # noqa: E402  (the engine reads FINISH_REASONS from this module)

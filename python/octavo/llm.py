@@ -34,21 +34,30 @@ class LLM:
         return self._tokenizer
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
-        dicts with "prompt" / "prompt_token_ids". Returns one RequestOutput per prompt, in order."""
+        dicts with "prompt" / "prompt_token_ids". priority: one per prompt (lower runs first; needs
+        scheduling_policy="priority"). Returns one RequestOutput per prompt, in order. A request
+        the engine refuses raises ValueError, and none of the prompts runs."""
         items = self._normalize(prompts)
         params = sampling_params if sampling_params is not None else SamplingParams()
         if isinstance(params, SamplingParams):
             params = [params] * len(items)
         if len(params) != len(items):
             raise ValueError(f"got {len(params)} SamplingParams for {len(items)} prompts")
+        if priority is not None and len(priority) != len(items):
+            raise ValueError(f"got {len(priority)} priorities for {len(items)} prompts")
         ids = []
-        for (text, token_ids), p in zip(items, params):
-            ids.append(str(next(self._ids)))
-            final_only = p.clone()  # as vLLM: generate() returns only final outputs, so ask for nothing else
-            final_only.output_kind = RequestOutputKind.FINAL_ONLY
-            self.llm_engine.add_request(ids[-1], token_ids, final_only, prompt=text)
+        try:
+            for i, ((text, token_ids), p) in enumerate(zip(items, params)):
+                ids.append(str(next(self._ids)))
+                final_only = p.clone()  # as vLLM: generate() returns only final outputs, so ask for nothing else
+                final_only.output_kind = RequestOutputKind.FINAL_ONLY
+                self.llm_engine.add_request(ids[-1], token_ids, final_only, prompt=text,
+                                            priority=0 if priority is None else priority[i])
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
         return self._run(ids, use_tqdm)
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

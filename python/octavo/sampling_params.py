@@ -17,6 +17,8 @@ _SAMPLING_EPS = 1e-5
 _MIN_TEMPERATURE = 1e-2
 # vLLM clamps each logit bias to this magnitude.
 _MAX_LOGIT_BIAS = 100.0
+# Seeds are 64-bit signed integers, as torch's generators and vLLM's API take them.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
 
 
 class SamplingType(IntEnum):
@@ -66,6 +68,7 @@ class SamplingParams:
     - include_stop_str_in_output: keep the matched stop string at the end of the text.
     - output_kind: what streamed outputs carry (see RequestOutputKind).
     - logit_bias: {token_id: bias} added to the logits; each bias is clamped to [-100, 100].
+    - best_of: vLLM's field; only None or 1 are accepted (vLLM V1 dropped best_of > 1 as well).
 
     Invalid values raise ValueError with a message naming the field.
     """
@@ -92,6 +95,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
+    best_of: int | None = None  # accepted as vLLM's field; V1 engines (vLLM's and Octavo) refuse > 1
 
     # Derived in __post_init__ / by the engine, not arguments (same names as vLLM).
     output_text_buffer_length: int = field(default=0, init=False, repr=False)
@@ -146,6 +150,9 @@ class SamplingParams:
         self._all_stop_token_ids = set(self.stop_token_ids)
 
     def _verify_args(self) -> None:
+        if self.best_of is not None and (not _is_int(self.best_of) or self.best_of > 1):
+            raise ValueError(f"best_of is not supported (it is {self.best_of!r}); like vLLM V1, Octavo returns "
+                             "the n samples it generates. Use n instead.")
         if not _is_int(self.n):
             raise ValueError(f"n must be an int, but is of type {type(self.n)}")
         if self.n < 1:
@@ -177,6 +184,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an int or None, got {self.seed!r}.")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}] (a 64-bit integer), got {self.seed}.")
         if self.max_tokens is not None:
             if not _is_int(self.max_tokens):
                 raise ValueError(f"max_tokens must be an int or None, got {self.max_tokens!r}.")
@@ -195,6 +204,8 @@ class SamplingParams:
                 raise ValueError(f"{name} must be non-negative or -1, got {value}.")
         if not all(_is_int(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must contain only integers, got {self.stop_token_ids}.")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative, got {min(self.stop_token_ids)}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
         if self.stop and not self.detokenize:
@@ -237,6 +248,13 @@ class SamplingParams:
             self._all_stop_token_ids.update(eos_ids)
             if not self.ignore_eos:
                 self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of the index-th of the n samples: seed + index (as vLLM's child requests),
+        wrapped into 64 bits."""
+        if self.seed is None:
+            return None
+        return (self.seed + index - SEED_MIN) % (1 << 64) + SEED_MIN
 
     def clone(self) -> SamplingParams:
         """A deep copy: the engine may mutate its copy (EOS ids) without touching the caller's."""

@@ -161,6 +161,21 @@ class Harness {
     update_from_model();
   }
 
+  // The step's forward pass failed: its KV writes never happened, and fail_step() ends the step.
+  void fail() {
+    EXPECT_TRUE(in_step_);
+    for (int32_t slot : last_slots_) kv_[static_cast<size_t>(slot)] = 0;
+    const std::vector<int64_t> failed = sched.fail_step();
+    in_step_ = false;
+    EXPECT_EQ(failed, last_handles_);
+    for (int64_t h : failed) {
+      EXPECT_EQ(sched.find(h), nullptr) << "request " << h << " of a failed step is still unfinished";
+      if (aborted.insert(h).second) expect_finished_.insert(h);
+    }
+    deferred_aborts_.clear();
+    check_invariants();
+  }
+
   void abort(const std::vector<std::string>& ids) {
     std::vector<int64_t> handles;
     for (const std::string& id : ids) {
@@ -257,6 +272,7 @@ class Harness {
     EXPECT_EQ(out.query_start_loc[R1], T);
 
     last_.clear();
+    last_slots_.assign(out.slot_mapping.begin(), out.slot_mapping.end());
     last_handles_.assign(out.req_handles.begin(), out.req_handles.end());
     std::set<int64_t> handles;
     std::set<int32_t> slots;
@@ -376,6 +392,7 @@ class Harness {
   std::vector<uint64_t> kv_;  // [num_blocks * block_size] fingerprint of the prefix each slot holds
   std::vector<Scheduled> last_;
   std::vector<int64_t> last_handles_;
+  std::vector<int32_t> last_slots_;
   std::set<int64_t> expect_finished_;
   std::vector<int64_t> deferred_aborts_;
   bool in_step_ = false;
@@ -1216,6 +1233,36 @@ TEST(Scheduler, AbortMidPrefillKeepsPoolConsistent) {
   h.update_from_model();
   h.run();
   h.expect_reference_outputs();
+}
+
+TEST(Scheduler, FailedStepAbortsItsRequestsAndCachesNothingItWasToWrite) {
+  Harness h(make_config(32, 4, 64, /*budget=*/13));
+  const int64_t a = h.add(params("a", 12, 3, 1000));
+  h.step();  // a's prompt: 3 blocks of written KV
+  const int64_t c = h.add(params("c", 12, 3, 5000));
+  const int64_t f = h.add(params("f", 12, 3, 7000));  // no budget left for f in the next step
+  const SchedulerOutput& o = h.schedule();
+  ASSERT_EQ(o.req_handles, (std::vector<int64_t>{a, c}));
+  h.fail();
+  EXPECT_EQ(h.sched.num_running(), 0);
+  EXPECT_EQ(h.sched.num_waiting(), 1);
+  // c's blocks were registered when the step was scheduled; the failure takes them out again.
+  Request same_as_c(make_params("probe-c", token_range(12, 5000), 1), 998, 998);
+  EXPECT_EQ(h.sched.kv_cache_manager().get_computed_blocks(same_as_c).num_computed_tokens, 0);
+  // a's prompt was written by the step before: it stays a valid prefix.
+  Request same_as_a(make_params("probe-a", token_range(12, 1000), 1), 999, 999);
+  EXPECT_EQ(h.sched.kv_cache_manager().get_computed_blocks(same_as_a).num_computed_tokens, 8);
+  h.add(params("c2", 12, 3, 5000));
+  h.add(params("a2", 12, 3, 1000));
+  h.run();  // the Harness checks that no request reads KV the failed step never wrote
+  h.expect_reference_outputs();
+  EXPECT_EQ(h.finished.count(f), 1u);
+  expect_all_blocks_free(h.sched.kv_cache_manager().pool());
+}
+
+TEST(Scheduler, FailStepNeedsAStep) {
+  Scheduler s(make_config(8));
+  EXPECT_OCTAVO_ERROR(s.fail_step(), ErrorKind::kRuntime);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -200,8 +200,24 @@ def test_chat_uses_the_template(tiny):
 
 def test_bad_requests_raise_and_leave_the_engine_clean(tiny):
     llm, _, _ = tiny
-    with pytest.raises(ValueError, match="max_model_len"):
-        llm.generate("Hello", SamplingParams(max_tokens=500), use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested sample logprobs of 21, which is greater than max allowed: 20"):
+        llm.generate(["Hello", "World"], [SamplingParams(), SamplingParams(logprobs=21)], use_tqdm=False)
+    with pytest.raises(ValueError, match="Requested prompt logprobs of"):
+        llm.generate("Hello", SamplingParams(prompt_logprobs=-1), use_tqdm=False)
+    with pytest.raises(ValueError, match="out of vocabulary"):
+        llm.generate("Hello", SamplingParams(stop_token_ids=[2**31]), use_tqdm=False)
+    with pytest.raises(ValueError, match="Token id 100000 is out of vocabulary"):
+        llm.generate([[1, 100000]], use_tqdm=False)
+    with pytest.raises(ValueError, match="The decoder prompt cannot be empty"):
+        llm.generate([[]], use_tqdm=False)
+    with pytest.raises(ValueError, match="min_tokens"):
+        llm.generate("Hello", SamplingParams(min_tokens=2**31, max_tokens=None), use_tqdm=False)
+    with pytest.raises(ValueError, match="Priority scheduling is not enabled"):
+        llm.generate("Hello", use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="seed must be in"):
+        SamplingParams(seed=2**63)
+    with pytest.raises(ValueError, match="best_of is not supported"):
+        SamplingParams(n=1, best_of=2)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="logit_bias is not supported"):
@@ -210,6 +226,42 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny):
         llm.generate([3.5], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
     assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
+
+
+def test_output_that_would_pass_max_model_len_ends_there(tiny):
+    """As vLLM's offline LLM: max_tokens beyond what max_model_len leaves is capped ("length")."""
+    llm, _, _ = tiny
+    out = llm.generate("Hello", SamplingParams(max_tokens=500, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 128
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_detokenize_false_returns_token_ids_only(tiny):
+    llm, _, _ = tiny
+    greedy = dict(temperature=0, max_tokens=5, ignore_eos=True, logprobs=2)
+    plain = llm.generate("Hello", SamplingParams(**greedy), use_tqdm=False)[0].outputs[0]
+    raw = llm.generate("Hello", SamplingParams(**greedy, detokenize=False), use_tqdm=False)[0].outputs[0]
+    assert raw.token_ids == plain.token_ids and plain.text and raw.text == ""
+    assert all(lp.decoded_token is None for entry in raw.logprobs for lp in entry.values())
+    assert [{t: lp.logprob for t, lp in e.items()} for e in raw.logprobs] == \
+        [{t: lp.logprob for t, lp in e.items()} for e in plain.logprobs]
+
+
+def test_priority_orders_the_requests(tiny_path):
+    llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+              max_num_seqs=1, scheduling_policy="priority")
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outputs = llm.generate(["a", "b", "c"], params, use_tqdm=False, priority=[2, 0, 1])
+    order = sorted(range(3), key=lambda i: outputs[i].metrics.first_token_time)
+    assert order == [1, 2, 0]
+
+
+def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_path):
+    llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+              max_logprobs=-1)
+    out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2, logprobs=-1), use_tqdm=False)[0]
+    vocab = llm.llm_engine.model.config.vocab_size
+    assert all(len(entry) == vocab for entry in out.outputs[0].logprobs)
 
 
 def test_cli_generate_streams_the_greedy_text(tiny, tiny_path, capsys):

@@ -70,6 +70,47 @@ BAD_REQUESTS = [
      404),
     ("detokenize outside the vocabulary", "/detokenize", {"tokens": [-1]}, 400),
     ("unknown route", "/v1/embeddings", {"input": "hi"}, 404),
+    # Each of these once gave a 500, and most left every later request failing.
+    ("chat seed of 2**63", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": 2**63},
+     400),
+    ("seed of 2**64", "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "seed": 2**64}, 400),
+    ("seed below -2**63", "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "seed": -2**63 - 1}, 400),
+    ("seed of 1e30", "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "seed": 1e30}, 400),
+    ("stop token id beyond int32", "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "stop_token_ids": [2**31]},
+     400),
+    ("stop token id outside the vocabulary", "/v1/completions",
+     {"prompt": "Hello", "max_tokens": 8, "stop_token_ids": [49152]}, 400),
+    ("negative stop token id", "/v1/completions", {"prompt": "Hello", "max_tokens": 8, "stop_token_ids": [-1]}, 400),
+    ("chat min_tokens beyond int32 without max_tokens", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "min_tokens": 2**31}, 400),
+    ("lone surrogate in the prompt", "/v1/completions", '{"prompt": "a\\ud800b", "max_tokens": 8}', 400),
+    ("lone surrogate in a message", "/v1/chat/completions",
+     '{"messages": [{"role": "user", "content": "a\\udc00b"}], "max_tokens": 8}', 400),
+    ("JSON nested 100000 deep", "/v1/completions", '{"prompt": ' + "[" * 100000 + "]" * 100000 + "}", 400),
+    ("unknown field nested 5000 deep", "/v1/completions",
+     '{"prompt": "hi", "extra": ' + '{"a": ' * 5000 + "1" + "}" * 5000 + "}", 400),
+    ("max_tokens of 5000 digits", "/v1/completions", '{"prompt": "hi", "max_tokens": ' + "9" * 5000 + "}", 400),
+    ("n beyond --max-n", "/v1/completions", {"prompt": "hi", "n": 1000}, 400),
+    ("chat n beyond --max-n", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 129},
+     400),
+    ("top_logprobs beyond --max-logprobs", "/v1/chat/completions",
+     {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 21}, 400),
+    ("best_of", "/v1/completions", {"prompt": "hi", "n": 1, "best_of": 3}, 400),
+    ("top_k of 1e20 (not an int64, as pydantic reads it)", "/v1/completions",
+     {"prompt": "Hello", "max_tokens": 8, "temperature": 1.0, "top_k": 1e20}, 400),
+]
+
+# Values at the edge of their type that vLLM accepts: each must give a normal answer.
+EXTREME_BUT_VALID = [
+    {"temperature": 1.0, "top_p": 1e-300},
+    {"temperature": 0, "repetition_penalty": 1e-300},
+    {"temperature": 1.0, "repetition_penalty": 1e300},
+    {"temperature": 1.0, "top_k": 2**31},
+    {"temperature": 1e300},
+    {"temperature": 1.0, "seed": 2**63 - 1, "n": 2},
+    {"temperature": 1.0, "seed": -2**63},
+    {"temperature": 1.0, "min_p": 1.0},
+    {"temperature": 0, "presence_penalty": -2, "frequency_penalty": 2},
 ]
 
 
@@ -84,6 +125,18 @@ def test_bad_input_gets_an_openai_error(server, name, path, body, status):
         assert r.status_code == status, r.text
         error = r.json()["error"]
         assert error["message"] and error["code"] == status and error["type"]
+
+
+@pytest.mark.parametrize("fields", EXTREME_BUT_VALID, ids=[json.dumps(f) for f in EXTREME_BUT_VALID])
+def test_values_at_their_limits_get_an_answer(server, fields):
+    body = {"prompt": "Hello", "max_tokens": 8, **fields}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert all(c["finish_reason"] in ("length", "stop") for c in r.json()["choices"])
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]" and '"error"' not in "".join(lines)
+    assert httpx.get(f"{server.url}/health").status_code == 200
 
 
 def test_server_is_healthy_after_bad_input(server):

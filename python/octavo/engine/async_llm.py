@@ -33,6 +33,15 @@ class EngineDeadError(RuntimeError):
     """The engine thread has stopped (shutdown or a fatal error)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine failed while running this request and aborted it (details in the server log)."""
+
+
+# Steps that raise in a row before /health reports the engine unhealthy: one bad step is a
+# request's problem (its requests are aborted), several in a row are the engine's.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+
+
 @dataclass
 class _Stream:
     """One request as the event loop sees it: a queue of delta outputs."""
@@ -69,6 +78,7 @@ class AsyncLLM:
         self._num_submitted = 0
         self._num_taken = 0
         self._stopping = False
+        self._failed_steps_in_a_row = 0  # written by the engine thread only
         self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
         self._thread.start()
 
@@ -78,12 +88,23 @@ class AsyncLLM:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
+    @property
+    def is_healthy(self) -> bool:
+        """Running, and its steps are not failing one after another."""
+        return self.is_running and self._failed_steps_in_a_row < MAX_FAILED_STEPS_IN_A_ROW
+
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises ValueError for a request the engine would refuse, before any response starts."""
         return self.engine.check_request(prompt_token_ids, params)
 
     def num_waiting(self) -> int:
-        return self.stats.num_waiting + self._num_submitted - self._num_taken
+        """Requests that cannot start at the next step: the scheduler's waiting queue after the
+        last step, plus those handed to the engine thread since then beyond the free running
+        slots (a request that arrives mid-step and will start at the next one is not waiting)."""
+        stats = self.stats
+        pending = self._num_submitted - self._num_taken
+        free = 0 if stats.num_waiting else max(0, self.engine.scheduler.config.max_num_seqs - stats.num_running)
+        return stats.num_waiting + max(0, pending - free)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -136,10 +157,16 @@ class AsyncLLM:
             try:
                 outputs = engine.step()
                 self.stats.snapshot()
-            except Exception as e:  # a bug, not bad input: fail the batch, keep serving the rest
+            except Exception:  # noqa: BLE001 - the engine's own per-request handling missed it
                 logger.exception("engine step failed; aborting its requests")
-                self._fail_all(RuntimeError(f"engine step failed: {e}"))
+                self._failed_steps_in_a_row += 1
+                failed = engine.end_failed_step()
+                for output in failed:
+                    self._deliver(output)
+                if not failed:  # not attributable to a step's requests: none of them can be trusted
+                    self._fail_all(RequestFailedError("an engine step failed"))
                 continue
+            self._failed_steps_in_a_row = 0
             for output in outputs:
                 self._deliver(output)
         self._fail_all(EngineDeadError("the server is shutting down"), include_pending=True)
@@ -162,6 +189,10 @@ class AsyncLLM:
             self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
         except ValueError as e:
             stream.put(e)
+            return
+        except Exception:  # noqa: BLE001 - a check the front end missed: this request fails alone
+            logger.exception("could not add request %s", request_id)
+            stream.put(RequestFailedError("the engine could not take it"))
             return
         self._live.add(request_id)
         self.stats.record_arrival(request_id, len(prompt_token_ids), arrival)
@@ -190,5 +221,9 @@ class AsyncLLM:
             self._live.discard(output.request_id)
         self.stats.record_output(output)
         stream = self._streams.get(output.request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        if output.finished and any(o.finish_reason == "error" for o in output.outputs):
+            stream.put(RequestFailedError("the engine failed while running it"))
+        else:
             stream.put(output)

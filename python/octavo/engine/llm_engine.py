@@ -7,6 +7,7 @@ detokenize and check stop strings -> outputs. A request with n > 1 runs as n sch
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +21,13 @@ from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.gpu_memory import GpuMemoryPlan
 from ..runner.model_runner import ModelRunner, kv_cache_block_bytes
-from ..runner.sampler import SamplingState, sample
+from ..runner.sampler import SamplerOutput, SamplingState, sample, scatter_rows
 from ..runner.staging import Staging
 from ..sampling_params import RequestOutputKind, SamplingParams
 from .detokenizer import IncrementalDetokenizer, check_stop_strings
 from .prompt_logprobs import prompt_chunks, record_prompt_logprobs
+
+logger = logging.getLogger("octavo.engine")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
 # Tokens per step when chunked prefill is on. Measured on the default model, 2 cores (tables in
@@ -78,8 +81,13 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors",
                  quantization: str | None = None, device: str = "auto", gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False):
+                 enforce_eager: bool = False, max_logprobs: int = 20, scheduling_policy: str = "fcfs"):
+        """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
+        scheduling_policy: "fcfs" or "priority" (lower priority values first); both as vLLM's."""
         self.model_path = Path(model)
+        if max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got {max_logprobs}")
+        self.max_logprobs = max_logprobs
         if not 0 < gpu_memory_utilization <= 1:  # checked on any device: a bad value is a bad value
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.device = resolve_device(device)
@@ -110,7 +118,8 @@ class LLMEngine:
             num_blocks=num_blocks, block_size=block_size, max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=budget_tokens,
-            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching))
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+            policy=scheduling_policy))
         if graphs:
             seconds = self.runner.capture_cuda_graphs(max_num_seqs, -(-self.max_model_len // block_size))
             print(f"octavo: captured CUDA graphs for decode batches of {self.runner.cuda_graphs.sizes} "
@@ -135,9 +144,11 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    prompt: str | None = None) -> None:
+                    prompt: str | None = None, priority: int = 0) -> None:
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        if priority != 0 and self.scheduler.config.policy != "priority":
+            raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
         params = self.check_request(prompt_token_ids, params)
         now = time.time()
         metrics = RequestMetrics(arrival_time=now, last_token_time=now, first_scheduled_time=None,
@@ -150,12 +161,13 @@ class LLMEngine:
         eos = -1 if self.tokenizer is None or self.tokenizer.eos_token_id is None else self.tokenizer.eos_token_id
         stop_ids = list(params.stop_token_ids or []) + ([] if params.ignore_eos or eos < 0 else [eos])
         for i in range(params.n):
-            seed = (params.seed + i) if params.seed is not None else int(self._rng.integers(1 << 62))
+            seed = params.sample_seed(i) if params.seed is not None else int(self._rng.integers(1 << 62))
             state = SamplingState(params, request.prompt_token_ids, seed, stop_ids)
             handle = self.scheduler.add_request(
                 f"{request_id}#{i}", request.prompt_token_ids, max_tokens=params.max_tokens,
                 min_tokens=params.min_tokens, eos_token_id=eos, stop_token_ids=list(params.stop_token_ids or []),
-                ignore_eos=params.ignore_eos, skip_reading_prefix_cache=wants_prompt_logprobs and i == 0)
+                ignore_eos=params.ignore_eos, priority=priority,
+                skip_reading_prefix_cache=wants_prompt_logprobs and i == 0)
             sample_ = _Sample(i, handle, state, self._detokenizer(request),
                               logprobs=[] if params.logprobs is not None else None)
             request.samples.append(sample_)
@@ -164,29 +176,52 @@ class LLMEngine:
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises ValueError for a request the engine cannot run; returns the params it will use
-        (max_tokens=None filled in). Reads only the engine's configuration, so any thread may call it."""
+        (max_tokens filled in, or capped to what max_model_len leaves: the server refuses such a
+        request before it gets here). Reads only the engine's configuration, so any thread may call it."""
         if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
+            raise ValueError("The decoder prompt cannot be empty")
+        vocab = self.model.config.vocab_size
+        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
+            raise ValueError(f"Token id {bad} is out of vocabulary (the vocabulary has {vocab} tokens)")
         if params.logit_bias is not None:
             raise ValueError("logit_bias is not supported yet")
         if len(prompt_token_ids) >= self.max_model_len:
-            raise ValueError(f"the prompt ({len(prompt_token_ids)} tokens) leaves no room to generate within "
-                             f"max_model_len ({self.max_model_len})")
+            raise ValueError(f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
+                             f"model length of {self.max_model_len}: it leaves no room to generate")
+        room = self.max_model_len - len(prompt_token_ids)
         if params.max_tokens is None:  # vLLM: up to the model's context length
             params = params.clone()
-            params.max_tokens = self.max_model_len - len(prompt_token_ids)
-        if len(prompt_token_ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds "
-                             f"max_model_len ({self.max_model_len})")
-        vocab = self.model.config.vocab_size
-        if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            params.max_tokens = room
+            if params.min_tokens > room:
+                raise ValueError(f"min_tokens ({params.min_tokens}) is more than the {room} tokens the prompt leaves "
+                                 f"within max_model_len ({self.max_model_len})")
+        elif params.max_tokens > room:  # as vLLM offline: the output ends at max_model_len ("length")
+            params = params.clone()
+            params.max_tokens = room
+            params.min_tokens = min(params.min_tokens, room)
+        for token in params.stop_token_ids or []:
+            if token >= vocab:
+                raise ValueError(f"stop_token_ids contains token id {token}, which is out of vocabulary "
+                                 f"(the vocabulary has {vocab} tokens)")
+        self._check_logprobs(params.logprobs, "sample")
+        self._check_logprobs(params.prompt_logprobs, "prompt")
         return params
 
+    def _check_logprobs(self, num: int | None, kind: str) -> None:
+        """vLLM's rule and message: -1 means the whole vocabulary; at most max_logprobs."""
+        if num is None:
+            return
+        vocab = self.model.config.vocab_size
+        limit = vocab if self.max_logprobs == -1 else self.max_logprobs
+        if (vocab if num == -1 else num) > limit:
+            raise ValueError(f"Requested {kind} logprobs of {vocab if num == -1 else num}, which is greater "
+                             f"than max allowed: {limit}")
+
     def _detokenizer(self, request: _Request) -> IncrementalDetokenizer | None:
-        if self.tokenizer is None:
-            return None
         p = request.params
+        if self.tokenizer is None or not p.detokenize:
+            return None
         return IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids, p.skip_special_tokens,
                                       p.spaces_between_special_tokens)
 
@@ -197,6 +232,18 @@ class LLMEngine:
                 self.scheduler.abort_requests([f"{rid}#{s.index}" for s in request.samples])
                 self._forget(request)
 
+    def end_failed_step(self) -> list[RequestOutput]:
+        """After step() raised: ends the scheduler's step if it is still open, failing the
+        requests it scheduled (their last outputs are returned), so that the next step can run."""
+        if not self.scheduler.in_step:
+            return []
+        failed = {}
+        for handle in self.scheduler.fail_step():
+            entry = self._by_handle.get(handle)
+            if entry is not None:
+                failed[entry[0].request_id] = entry[0]
+        return self._fail(failed)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
@@ -204,21 +251,31 @@ class LLMEngine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """One scheduler step; returns the outputs of the requests that changed."""
+        """One scheduler step; returns the outputs of the requests that changed.
+
+        A failure inside the step ends only the requests it concerns, with finish_reason "error"
+        (the exception goes to the log): all of the step's requests when the forward pass fails,
+        the request alone when its sampling, detokenizing or stop check fails."""
         out = self.scheduler.schedule()
+        if not out.num_reqs:
+            self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
+            return []
+        batch = [self._by_handle[h] for h in out.req_handles]
+        try:
+            logits = self._forward(out, batch)
+        except Exception as e:  # noqa: BLE001 - whatever broke, the other requests keep running
+            self.scheduler.fail_step()  # the step's KV may be half written: none of it is kept
+            return self._fail({r.request_id: r for r, _ in batch}, e, "the forward pass")
+        sampled, failed = self._sample(logits, batch)
+        update = self.scheduler.update_from_output(sampled.token_ids)
         touched: dict[str, _Request] = {}
-        if out.num_reqs:
-            batch = [self._by_handle[h] for h in out.req_handles]
-            chunks = prompt_chunks(out, batch) if self._wants_prompt_logprobs() else []
-            logits, prompt_logits = self.runner.execute(out, np.concatenate([c.rows() for c in chunks]) if chunks
-                                                        else None)
-            if chunks:  # prompt_logits are on the CPU, where the Python that reads them runs
-                record_prompt_logprobs(chunks, prompt_logits, self._decode)
-            sampled = sample(logits, [s.state for _, s in batch], self._sampling_staging)
-            update = self.scheduler.update_from_output(sampled.token_ids)
-            offsets = update.new_token_offsets
-            for i, handle in enumerate(update.req_handles):
-                request, sample_ = self._by_handle[handle]
+        failures: dict[str, _Request] = {batch[i][0].request_id: batch[i][0] for i, _ in failed}
+        offsets = update.new_token_offsets
+        for i, handle in enumerate(update.req_handles):
+            request, sample_ = self._by_handle[handle]
+            if request.request_id in failures:
+                continue
+            try:
                 new = update.new_token_ids[offsets[i]:offsets[i + 1]].tolist()
                 if new:
                     self._append(request, sample_, new, sampled, i)
@@ -228,10 +285,64 @@ class LLMEngine:
                     stop = int(update.stop_reasons[i])
                     sample_.stop_reason = stop if stop >= 0 else None
                     touched[request.request_id] = request
-        else:
-            self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
-        outputs = [self._output(r) for r in touched.values()]
-        return [o for o in outputs if o is not None]
+            except Exception as e:  # noqa: BLE001 - a detokenizer or stop-check failure is this request's
+                self._log_failure(e, "its outputs", [request.request_id])
+                failures[request.request_id] = request
+                touched.pop(request.request_id, None)
+        outputs = [self._output(r) for r in touched.values() if r.request_id not in failures]
+        outputs = [o for o in outputs if o is not None]
+        if failed:
+            self._log_failure(failed[0][1], "sampling", [batch[i][0].request_id for i, _ in failed])
+        return outputs + self._fail(failures)
+
+    def _forward(self, out, batch) -> torch.Tensor:
+        """The step's logits [R, vocab]; prompt logprobs are recorded on the way."""
+        chunks = prompt_chunks(out, batch) if self._wants_prompt_logprobs() else []
+        logits, prompt_logits = self.runner.execute(out, np.concatenate([c.rows() for c in chunks]) if chunks
+                                                    else None)
+        if chunks:  # prompt_logits are on the CPU, where the Python that reads them runs
+            record_prompt_logprobs(chunks, prompt_logits, self._decode)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, batch) -> tuple[SamplerOutput, list[tuple[int, Exception]]]:
+        """Samples every row; when that fails, finds the rows that fail alone and samples the
+        others without them. Returns the output (token 0 in a failed row) and the failed rows."""
+        states = [s.state for _, s in batch]
+        try:
+            return sample(logits, states, self._sampling_staging), []
+        except Exception:  # noqa: BLE001 - isolate the culprit below
+            pass
+        failed = []
+        for i, state in enumerate(states):
+            try:
+                sample(logits[i:i + 1], [state], self._sampling_staging)
+            except Exception as e:  # noqa: BLE001
+                failed.append((i, e))
+        bad = {i for i, _ in failed}
+        good = [i for i in range(len(states)) if i not in bad]
+        sampled = sample(logits[good], [states[i] for i in good], self._sampling_staging) if good else None
+        return scatter_rows(sampled, good, len(states)), failed
+
+    def _fail(self, failures: dict[str, _Request], error: Exception | None = None,
+              where: str | None = None) -> list[RequestOutput]:
+        """Finishes each request with finish_reason "error" and returns its last outputs."""
+        if error is not None and failures:
+            self._log_failure(error, where, list(failures))
+        outputs = []
+        for request in failures.values():
+            unfinished = [s for s in request.samples if s.finish_reason is None]
+            self.scheduler.abort_requests([f"{request.request_id}#{s.index}" for s in unfinished])
+            for s in unfinished:
+                s.finish_reason = "error"
+            output = self._output(request)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    @staticmethod
+    def _log_failure(error: Exception, where: str, request_ids: list[str]) -> None:
+        logger.error("%s failed; aborting request(s) %s", where, ", ".join(request_ids),
+                     exc_info=(type(error), error, error.__traceback__))
 
     def _wants_prompt_logprobs(self) -> bool:
         return self._num_wanting_prompt_logprobs > 0
@@ -254,7 +365,7 @@ class LLMEngine:
         sample_.state.output_token_ids.extend(new)
         if sample_.logprobs is not None and sampled.logprobs is not None:
             sample_.cumulative_logprob += float(sampled.logprobs[i])
-            sample_.logprobs.append(self._logprob_entry(request.params.logprobs, sampled, i))
+            sample_.logprobs.append(self._logprob_entry(request.params, sampled, i))
         if sample_.detokenizer is None:
             return
         delta = sample_.detokenizer.add_tokens(new)
@@ -267,12 +378,14 @@ class LLMEngine:
                 sample_.finish_reason, sample_.stop_reason = "stop", hit
                 self.scheduler.abort_requests([f"{request.request_id}#{sample_.index}"])
 
-    def _logprob_entry(self, num: int, sampled, i: int) -> dict[int, Logprob]:
+    def _logprob_entry(self, params: SamplingParams, sampled, i: int) -> dict[int, Logprob]:
+        decode = self._decode if params.detokenize else (lambda _: None)
         token = int(sampled.token_ids[i])
-        entry = {token: Logprob(float(sampled.logprobs[i]), int(sampled.ranks[i]), self._decode(token))}
+        entry = {token: Logprob(float(sampled.logprobs[i]), int(sampled.ranks[i]), decode(token))}
+        num = sampled.top_token_ids.shape[1] if params.logprobs == -1 else params.logprobs  # -1: every token
         for j in range(num):
             t = int(sampled.top_token_ids[i, j])
-            entry.setdefault(t, Logprob(float(sampled.top_logprobs[i, j]), j + 1, self._decode(t)))
+            entry.setdefault(t, Logprob(float(sampled.top_logprobs[i, j]), j + 1, decode(t)))
         return entry
 
     def _decode(self, token: int) -> str | None:

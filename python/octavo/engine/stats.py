@@ -64,7 +64,7 @@ class EngineStats:
         self._model_name = model_name
         self._timings: dict[str, _Timing] = {}
         self._native_seen = {"queries": 0, "hits": 0, "preemptions": 0}
-        self.num_waiting = 0
+        self.num_waiting = self.num_running = 0
         self.snapshot()
 
     # Called by the engine thread.
@@ -104,7 +104,8 @@ class EngineStats:
         scheduler = self._engine.scheduler
         pool = scheduler.block_pool
         self.num_waiting = scheduler.num_waiting
-        self.running.set(scheduler.num_running)
+        self.num_running = scheduler.num_running
+        self.running.set(self.num_running)
         self.waiting.set(self.num_waiting)
         self.kv_usage.set(pool.usage)
         self.kv_used_blocks.set(pool.num_used_blocks)

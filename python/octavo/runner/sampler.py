@@ -38,8 +38,18 @@ def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     return offsets, flat
 
 
-def _column(states, name: str, dtype) -> np.ndarray:
-    return np.array([getattr(s.params, name) for s in states], dtype=dtype)
+def _column(states, name: str, dtype, low=None, high=None) -> np.ndarray:
+    """One parameter of every request; ``low`` / ``high`` clamp values that the dtype cannot
+    hold as they are (a top_p of 1e-300 is 0 in float32, a top_k of 2**40 overflows int32)."""
+    values = [getattr(s.params, name) for s in states]
+    if low is not None or high is not None:
+        values = [min(max(v, low), high) for v in values]
+    return np.array(values, dtype=dtype)
+
+
+_F32 = np.finfo(np.float32)
+# Penalties and temperatures beyond these would turn finite logits into inf or 0 in float32.
+_MIN_FACTOR, _MAX_FACTOR = 1e-30, 1e30
 
 
 def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging | None = None) -> SamplerOutput:
@@ -47,13 +57,15 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
     Sampling runs where the logits are; the results come back as NumPy arrays. The per-request
     inputs are built on the host and moved in one copy through ``staging`` (a new one if None)."""
     n, device = len(states), logits.device
-    inputs = dict(temperature=_column(states, "temperature", np.float32),
+    vocab = logits.shape[-1]
+    inputs = dict(temperature=_column(states, "temperature", np.float32, 0.0, _MAX_FACTOR),
                   seeds=np.array([s.seed for s in states], dtype=np.int64),
                   counters=np.array([len(s.output_token_ids) for s in states], dtype=np.int64),
-                  top_k=_column(states, "top_k", np.int32), top_p=_column(states, "top_p", np.float32),
+                  top_k=_column(states, "top_k", np.int32, -1, vocab),
+                  top_p=_column(states, "top_p", np.float32, float(_F32.tiny), 1.0),
                   min_p=_column(states, "min_p", np.float32))
-    rep, freq, pres = (_column(states, k, np.float32)
-                       for k in ("repetition_penalty", "frequency_penalty", "presence_penalty"))
+    rep = _column(states, "repetition_penalty", np.float32, _MIN_FACTOR, _MAX_FACTOR)
+    freq, pres = (_column(states, k, np.float32) for k in ("frequency_penalty", "presence_penalty"))
     if (rep != 1).any() or (freq != 0).any() or (pres != 0).any():
         inputs.update(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
         inputs["prompt_offsets"], inputs["prompt_token_ids"] = _csr([s.prompt_token_ids for s in states])
@@ -64,7 +76,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
         inputs["banned_offsets"], inputs["banned_token_ids"] = _csr(banned)
     kwargs = dict(zip(inputs, (staging or Staging(device)).to_device(*inputs.values())))
     temperature, seeds, counters = kwargs.pop("temperature"), kwargs.pop("seeds"), kwargs.pop("counters")
-    num_top = max((s.params.logprobs or 0) for s in states)
+    num_top = max(vocab if s.params.logprobs == -1 else (s.params.logprobs or 0) for s in states)
     specs = {"token_ids": ((n,), torch.int32)}
     if any(s.params.logprobs is not None for s in states):
         specs.update(logprobs=((n,), torch.float32), ranks=((n,), torch.int32))
@@ -77,3 +89,18 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
                                                     ("top_logprobs", "top_logprobs")) if name in out})
     _C.ops.sample(logits, temperature, seeds, counters, out["token_ids"], **kwargs)
     return SamplerOutput(**outputs.to_host())
+
+
+def scatter_rows(sampled: SamplerOutput | None, rows: list[int], n: int) -> SamplerOutput:
+    """``sampled`` (outputs for ``rows`` of a batch of ``n``) spread back to all n rows; the
+    rows left out get token 0 and zero logprobs (their requests are being aborted)."""
+    def spread(values: np.ndarray | None) -> np.ndarray | None:
+        if values is None:
+            return None
+        full = np.zeros((n, *values.shape[1:]), dtype=values.dtype)
+        full[rows] = values
+        return full
+
+    if sampled is None:
+        return SamplerOutput(token_ids=np.zeros(n, dtype=np.int32))
+    return SamplerOutput(**{name: spread(getattr(sampled, name)) for name in SamplerOutput.__dataclass_fields__})

@@ -1,19 +1,24 @@
 """``octavo serve``: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over ``AsyncLLM``.
 
 Routes: /v1/completions, /v1/chat/completions, /v1/models, /health, /version, /tokenize,
-/detokenize, /metrics. With an API key, every /v1 route needs ``Authorization: Bearer KEY``;
-the others stay open (load balancers and Prometheus scrape them), as in vLLM.
+/detokenize, /metrics. With an API key, every route but /health, /version and /metrics needs
+``Authorization: Bearer KEY`` (load balancers and Prometheus scrape those three). vLLM guards
+only the /v1 routes; Octavo guards /tokenize and /detokenize too, since they run the tokenizer
+and chat templates for anyone who asks.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import os
+import reprlib
 from collections.abc import Awaitable
 from http import HTTPStatus
+from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -29,15 +34,26 @@ from .serving import ServedModel
 logger = logging.getLogger("octavo.server")
 
 
-def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
+# Request bodies beyond this get a 413 (--max-request-bytes).
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
+# Routes that answer without an API key.
+OPEN_ROUTES = frozenset({"/health", "/version", "/metrics"})
+
+
+def build_app(served: ServedModel, api_key: str | None = None,
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     app = FastAPI(title="Octavo", version=__version__, lifespan=_lifespan(served))
     _add_error_handlers(app)
     if api_key:
         _add_api_key_check(app, api_key)
 
+    async def parse(raw: Request, model):
+        return await _parse(raw, model, max_request_bytes)
+
     @app.get("/health")
     async def health() -> Response:
-        ok = served.engine.is_running
+        """200 while the engine runs and its steps succeed; 503 otherwise."""
+        ok = served.engine.is_healthy
         return Response(status_code=HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE)
 
     @app.get("/version")
@@ -56,60 +72,89 @@ def build_app(served: ServedModel, api_key: str | None = None) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> dict:
-        request = await _parse(raw, TokenizeRequest)
+        request = await parse(raw, TokenizeRequest)
         served.check_model(request.model)
         if (request.prompt is None) == (request.messages is None):
             raise APIError("Give exactly one of prompt and messages.", param="prompt")
         if request.messages is not None:
-            text = served.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                      request.chat_template, request.chat_template_kwargs)
-            tokens = served.encode(text, add_special_tokens=False)
+            text = await served.render_chat(request.messages, request.add_generation_prompt,
+                                            request.continue_final_message, request.chat_template,
+                                            request.chat_template_kwargs)
+            tokens = await served.encode(text, add_special_tokens=False, param="messages")
         else:
-            tokens = served.encode(request.prompt, request.add_special_tokens)
+            tokens = await served.encode(request.prompt, request.add_special_tokens)
         return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:
-        request = await _parse(raw, DetokenizeRequest)
+        request = await parse(raw, DetokenizeRequest)
         served.check_model(request.model)
         vocab = len(served.tokenizer)
         if any(t < 0 or t >= vocab for t in request.tokens):
             raise APIError(f"Token ids must be in [0, {vocab}).", param="tokens")
-        return {"prompt": served.tokenizer.decode(request.tokens)}
+        return {"prompt": await served.decode(request.tokens)}
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
-        run = CompletionRun(served, await _parse(raw, CompletionRequest))
+        run = CompletionRun(served, await parse(raw, CompletionRequest))
+        await run.prepare()
         return await _respond(raw, run)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request) -> Response:
-        run = ChatRun(served, await _parse(raw, ChatCompletionRequest))
+        run = ChatRun(served, await parse(raw, ChatCompletionRequest))
+        await run.prepare()
         return await _respond(raw, run)
 
     return app
 
 
-async def _parse(raw: Request, model):
-    """The body as ``model``, or a 400 naming the first bad field (vLLM answers 400, not 422)."""
+async def _parse(raw: Request, model, max_bytes: int):
+    """The body as ``model``, or a 400 naming the first bad field (vLLM answers 400, not 422);
+    413 for a body over ``max_bytes``."""
+    body = await _read_body(raw, max_bytes)
     try:
-        body = await raw.json()
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        body = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as e:  # ValueError: bad JSON, or an integer of 5000 digits
         raise APIError(f"The body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise APIError("The body is not valid JSON: it is nested too deeply.") from None
     if not isinstance(body, dict):
         raise APIError("The body must be a JSON object.")
     try:
         return model.model_validate(body)
     except ValidationError as e:
         raise _validation_error(e.errors()) from None
+    except RecursionError:
+        raise APIError("The body is nested too deeply.") from None
+
+
+async def _read_body(raw: Request, max_bytes: int) -> bytes:
+    declared = raw.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(f"The request body is larger than the server's limit of {max_bytes} bytes.",
+                    HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+
+
+_SHORT = reprlib.Repr()  # a bounded repr of what the client sent: never deep, never long
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother = 3, 60, 60
 
 
 def _validation_error(errors) -> APIError:
     first = errors[0]
     param = ".".join(str(part) for part in first.get("loc", ()) if part != "body")
-    got = repr(first.get("input"))
-    got = got if len(got) <= 80 else got[:77] + "..."
-    return APIError(f"{param}: {first.get('msg')} (got {got})", param=param or None)
+    return APIError(f"{param}: {first.get('msg')} (got {_SHORT.repr(first.get('input'))})", param=param or None)
 
 
 async def _respond(raw: Request, run) -> Response:
@@ -165,8 +210,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def internal_error(_: Request, e: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return JSONResponse(error_body(f"Internal error: {e}", 500), status_code=500)
+        logger.exception("request failed")  # the details stay in the log
+        return JSONResponse(error_body("Internal server error.", 500), status_code=500)
 
 
 def _add_api_key_check(app: FastAPI, api_key: str) -> None:
@@ -181,8 +226,8 @@ class _APIKeyCheck:
         self.app, self.expected = app, expected
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1") \
-                and dict(scope["headers"]).get(b"authorization") != self.expected:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"] not in OPEN_ROUTES \
+                and not hmac.compare_digest(dict(scope["headers"]).get(b"authorization", b""), self.expected):
             response = JSONResponse(error_body("Invalid or missing API key.", 401), status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
             await response(scope, receive, send)
@@ -197,6 +242,7 @@ def _lifespan(served: ServedModel):
         # uvicorn has stopped taking requests and waited (up to its graceful timeout) for the
         # in-flight ones; whatever is still running is aborted here, then the engine stops.
         served.engine.shutdown()
+        served.close()
     return lifespan
 
 
@@ -214,14 +260,28 @@ def served_model(args) -> ServedModel:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager)
+              enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs)
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),
                        tokenizer=load_tokenizer(engine.model_path), names=names,
                        root=str(engine.model_path), max_model_len=engine.max_model_len,
                        sampling_defaults=sampling_defaults(engine.model_path), max_logprobs=args.max_logprobs,
-                       request_timeout=args.request_timeout)
+                       max_n=args.max_n, request_timeout=args.request_timeout,
+                       chat_template=load_chat_template(args.chat_template))
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file, or the template itself. As in vLLM, a value without any of the
+    characters a template needs ({, }, newline) is a path, and must exist."""
+    if value is None:
+        return None
+    if any(c in value for c in "{}\n"):
+        return value
+    path = Path(value)
+    if not path.is_file():
+        raise ValueError(f"--chat-template {value!r} looks like a path, but there is no such file")
+    return path.read_text()
 
 
 def sampling_defaults(model_path) -> dict:
@@ -240,7 +300,7 @@ def run(args) -> None:
     import uvicorn
 
     served = served_model(args)
-    app = build_app(served, api_key_from(args.api_key))
+    app = build_app(served, api_key_from(args.api_key), args.max_request_bytes)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     try:
@@ -249,3 +309,4 @@ def run(args) -> None:
         pass
     finally:
         served.engine.shutdown()
+        served.close()

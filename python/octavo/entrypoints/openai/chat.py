@@ -12,7 +12,8 @@ from .serving import ServedModel, random_id, sse, usage
 
 
 class ChatRun:
-    """One /v1/chat/completions request: checks, then the response built from the engine's deltas."""
+    """One /v1/chat/completions request: checks (``prepare``), then the response built from the
+    engine's deltas."""
 
     def __init__(self, served: ServedModel, request: ChatCompletionRequest):
         served.check_model(request.model)
@@ -24,16 +25,23 @@ class ChatRun:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         self.top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         served.check_logprobs(self.top_logprobs, "top_logprobs")
+        served.check_n(request.n)
         self.served, self.request = served, request
-        text = served.render_chat(request.messages, request.add_generation_prompt, request.continue_final_message,
-                                  request.chat_template, request.chat_template_kwargs)
-        self.prompts = [(text, served.encode(text, request.add_special_tokens))]
+        self.id = random_id("chatcmpl")
+        self.created = int(time.time())
+
+    async def prepare(self) -> None:
+        """Renders the chat and tokenizes it (off the event loop), then checks it against the
+        engine's limits."""
+        served, request = self.served, self.request
+        text = await served.render_chat(request.messages, request.add_generation_prompt,
+                                        request.continue_final_message, request.chat_template,
+                                        request.chat_template_kwargs)
+        self.prompts = [(text, await served.encode(text, request.add_special_tokens, param="messages"))]
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.params = request.sampling_params(served.sampling_defaults, max_tokens, self.top_logprobs)
         served.check_prompt(self.prompts[0][1], self.params)
         served.check_capacity()
-        self.id = random_id("chatcmpl")
-        self.created = int(time.time())
 
     def _logprobs(self, o: CompletionOutput) -> dict[str, list] | None:
         if self.top_logprobs is None:

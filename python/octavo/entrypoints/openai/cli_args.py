@@ -30,7 +30,14 @@ def add_arguments(parser) -> None:
                         help="on a GPU, the fraction of its memory this server may use (weights, activations "
                              "and the KV cache) when --kv-cache-memory-bytes is not given")
     parser.add_argument("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--max-logprobs", type=int, default=20)
+    parser.add_argument("--max-logprobs", type=int, default=20,
+                        help="the most logprobs a request may ask for per token (-1: the whole vocabulary)")
+    parser.add_argument("--max-n", type=int, default=128,
+                        help="the most samples (n) one request may ask for; more get a 400 (Octavo's own limit)")
+    parser.add_argument("--max-request-bytes", type=int, default=16 << 20,
+                        help="request bodies larger than this get a 413 (Octavo's own limit)")
+    parser.add_argument("--chat-template", default=None,
+                        help="a chat template file, or the template itself, used instead of the model's")
     parser.add_argument("--request-timeout", type=float, default=None,
                         help="abort a request that has not finished after this many seconds (504)")
     parser.add_argument("--shutdown-timeout", type=float, default=10.0,

@@ -11,19 +11,20 @@ from .protocol import MIN_LOGPROB, APIError, CompletionRequest
 from .serving import ServedModel, random_id, sse, usage
 
 
-def completion_prompts(served: ServedModel, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+async def completion_prompts(served: ServedModel, request: CompletionRequest) -> list[tuple[str | None, list[int]]]:
     """(text or None, token ids) per prompt; a string, strings, token ids or token-id lists."""
     prompt = request.prompt
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
         raise APIError("The prompt must not be empty.", param="prompt")
-    return [(p, served.encode(p, request.add_special_tokens)) if isinstance(p, str) else (None, list(p))
+    return [(p, await served.encode(p, request.add_special_tokens)) if isinstance(p, str) else (None, list(p))
             for p in prompt]
 
 
 class CompletionRun:
-    """One /v1/completions request: checks, then the response built from the engine's deltas."""
+    """One /v1/completions request: checks (``prepare``), then the response built from the
+    engine's deltas."""
 
     def __init__(self, served: ServedModel, request: CompletionRequest):
         served.check_model(request.model)
@@ -32,17 +33,22 @@ class CompletionRun:
         if request.best_of is not None and request.best_of != request.n:
             raise APIError("best_of is not supported (it must equal n when given).", param="best_of")
         served.check_logprobs(request.logprobs, "logprobs")
+        served.check_n(request.n)
         self.served, self.request = served, request
-        self.prompts = completion_prompts(served, request)
+        self.id = random_id("cmpl")
+        self.created = int(time.time())
+        self.n = request.n
+
+    async def prepare(self) -> None:
+        """Tokenizes (off the event loop) and checks every prompt against the engine's limits."""
+        served, request = self.served, self.request
+        self.prompts = await completion_prompts(served, request)
         echo_logprobs = request.logprobs if request.echo and request.logprobs is not None else None
         self.params = request.sampling_params(served.sampling_defaults, request.max_tokens, request.logprobs,
                                               prompt_logprobs=echo_logprobs)
         for _, ids in self.prompts:
             served.check_prompt(ids, self.params)
         served.check_capacity()
-        self.id = random_id("cmpl")
-        self.created = int(time.time())
-        self.n = self.params.n
 
     def _choice(self, i: int, output: RequestOutput, o: CompletionOutput, first: bool, offset: int) -> dict:
         """A choice holding this delta; the echoed prompt goes in front of the first one."""

@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...sampling_params import SamplingParams
+from ...sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 # Past this, JSON cannot carry the value (-inf); vLLM reports -9999.0 the same way.
 MIN_LOGPROB = -9999.0
@@ -54,7 +54,7 @@ class _SamplingFields(BaseModel):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # vLLM's bounds: torch's int64
     stop: str | list[str] | None = None
     temperature: float | None = None
     top_p: float | None = None

@@ -8,14 +8,16 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
-from ...engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError
+from ...engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
 from .protocol import APIError
+from .template_sandbox import TemplateError, TemplateSandbox
 
 # generation_config.json fields that become sampling defaults (vLLM's --generation-config auto).
 SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -30,27 +32,58 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+# A token's text has at most this many characters times the longest token string in the
+# vocabulary (byte-level tokens spell each byte with one character; the margin covers
+# normalizers that merge characters). Longer text cannot fit max_model_len, so it is refused
+# before the tokenizer spends seconds on it.
+_CHARS_PER_TOKEN_MARGIN = 4
+
+
+def longest_token_chars(tokenizer) -> int:
+    return max(len(token) for token in tokenizer.get_vocab())
+
+
 @dataclass
 class ServedModel:
-    """The model the server answers for, and the limits it enforces on each request."""
+    """The model the server answers for, the limits it enforces on each request, and the
+    threads that tokenize and render chat templates off the event loop."""
 
     engine: AsyncLLM
-    tokenizer: Any  # the event loop's own copy: HF tokenizers must not be shared across threads
+    tokenizer: Any  # the front end's own copy: HF tokenizers must not be shared across threads
     names: list[str]
     root: str
     max_model_len: int
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     max_logprobs: int = 20
+    max_n: int = 128
     request_timeout: float | None = None
+    chat_template: str | None = None  # the operator's --chat-template (None: the model's own)
+    templates: TemplateSandbox = field(default_factory=TemplateSandbox)  # request-supplied templates
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        # One thread each: the tokenizer is used by one thread at a time, and a template that
+        # runs until its timeout holds up only other request-supplied templates.
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="octavo-tokenizer")
+        self._template_thread = ThreadPoolExecutor(1, thread_name_prefix="octavo-chat-template")
+        self.max_prompt_chars = self.max_model_len * longest_token_chars(self.tokenizer) * _CHARS_PER_TOKEN_MARGIN
 
     @property
     def name(self) -> str:
         return self.names[0]
 
+    def close(self) -> None:
+        self.templates.close()
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self._template_thread.shutdown(wait=False, cancel_futures=True)
+
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
             raise APIError(f"The model `{name}` does not exist.", HTTPStatus.NOT_FOUND, param="model")
+
+    def check_n(self, n: int) -> None:
+        if n > self.max_n:
+            raise APIError(f"n={n} is more than the server's limit of {self.max_n} (--max-n)", param="n")
 
     def check_capacity(self) -> None:
         """503 + Retry-After when the waiting queue is full, before any response starts."""
@@ -80,24 +113,57 @@ class ServedModel:
         except ValueError as e:
             raise APIError(str(e), param="prompt") from None
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+    def check_text(self, text: str, param: str) -> None:
+        """Text the tokenizer can take and that can fit the model: a 400 otherwise."""
+        if len(text) > self.max_prompt_chars:
+            raise APIError(f"The {param} has {len(text)} characters, more than {self.max_model_len} tokens "
+                           f"(this model's maximum context length) can hold.", param=param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(f"The {param} is not valid Unicode text: {e.reason} at character {e.start}.",
+                           param=param) from None
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool, continue_final_message: bool,
-                    chat_template: str | None, chat_template_kwargs: dict[str, Any] | None) -> str:
+    async def encode(self, text: str, add_special_tokens: bool, param: str = "prompt") -> list[int]:
+        self.check_text(text, param)
+        return await asyncio.get_running_loop().run_in_executor(
+            self._tokenizer_thread, lambda: list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens)))
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, self.tokenizer.decode,
+                                                                token_ids)
+
+    async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                          continue_final_message: bool, chat_template: str | None,
+                          chat_template_kwargs: dict[str, Any] | None) -> str:
         conversation = [_text_message(m, i) for i, m in enumerate(messages)]
         if not conversation:
             raise APIError("messages must not be empty.", param="messages")
         if add_generation_prompt and continue_final_message:
             raise APIError("add_generation_prompt and continue_final_message cannot both be true.",
                            param="continue_final_message")
+        kwargs = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
+                  "continue_final_message": continue_final_message}
+        loop = asyncio.get_running_loop()
         try:
-            return self.tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt,
-                continue_final_message=continue_final_message, chat_template=chat_template, tokenize=False,
-                **(chat_template_kwargs or {}))
-        except Exception as e:  # a template error is the request's fault (bad roles, bad template)
+            if chat_template is None:
+                text = await loop.run_in_executor(self._tokenizer_thread, self._render_trusted, conversation, kwargs)
+            else:
+                special = {k: v for k, v in self.tokenizer.special_tokens_map.items() if isinstance(v, str)}
+                text = await loop.run_in_executor(self._template_thread, self.templates.render, conversation,
+                                                  chat_template, {**special, **kwargs}, self.max_prompt_chars)
+        except TemplateError as e:
+            raise APIError(f"The chat template could not render these messages: {e}", param="chat_template") \
+                from None
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, ...)
             raise APIError(f"The chat template could not render these messages: {e}", param="messages") from None
+        self.check_text(text, "messages")
+        return text
+
+    def _render_trusted(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
+        """The operator's --chat-template or the model's own, in this process."""
+        return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
+                                                  **kwargs)
 
     async def stream(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -137,6 +203,7 @@ class ServedModel:
 
 
 def _api_error(e: Exception) -> APIError:
+    """The client's view of an engine error: internal details stay in the server log."""
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineOverloadedError):
@@ -145,7 +212,10 @@ def _api_error(e: Exception) -> APIError:
         return APIError(str(e), HTTPStatus.SERVICE_UNAVAILABLE)
     if isinstance(e, ValueError):
         return APIError(str(e))
-    return APIError(f"Internal error: {e}", HTTPStatus.INTERNAL_SERVER_ERROR)
+    if isinstance(e, RequestFailedError):
+        return APIError(f"The server aborted this request: {e}. The server log has the details.",
+                        HTTPStatus.INTERNAL_SERVER_ERROR)
+    return APIError("Internal server error.", HTTPStatus.INTERNAL_SERVER_ERROR)
 
 
 def _text_message(message: Any, i: int) -> dict[str, Any]:
