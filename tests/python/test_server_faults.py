@@ -220,8 +220,68 @@ def test_api_key(guarded):
         r = httpx.post(f"{guarded.url}/v1/completions", headers=headers, json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 401
     assert httpx.get(f"{guarded.url}/v1/models", headers=good).status_code == 200
-    assert httpx.get(f"{guarded.url}/health").status_code == 200
-    assert httpx.get(f"{guarded.url}/metrics").status_code == 200
+    for path, body in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):  # they run user input
+        assert httpx.post(f"{guarded.url}{path}", json=body).status_code == 401
+        assert httpx.post(f"{guarded.url}{path}", json=body, headers=good).status_code == 200
+    for path in ("/health", "/version", "/metrics"):
+        assert httpx.get(f"{guarded.url}{path}").status_code == 200
+
+
+SLOW_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}ok"
+
+
+def test_a_slow_user_template_stalls_nobody(server):
+    """A request's own chat template runs in a worker with a time limit; meanwhile the server
+    answers /health and finishes other requests."""
+    result = {}
+
+    def render():
+        result["r"] = httpx.post(f"{server.url}/tokenize", json={
+            "messages": [{"role": "user", "content": "hi"}], "chat_template": SLOW_TEMPLATE}, timeout=60)
+
+    thread = threading.Thread(target=render)
+    thread.start()
+    time.sleep(1.0)
+    assert httpx.get(f"{server.url}/health", timeout=3).status_code == 200
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "Hello", "max_tokens": 4}, timeout=10)
+    assert r.status_code == 200
+    assert thread.is_alive(), "the template finished before the server was probed"
+    thread.join(60)
+    assert result["r"].status_code == 400
+    assert "did not finish within" in result["r"].json()["error"]["message"]
+    # The worker was replaced: the next request's template renders.
+    r = httpx.post(f"{server.url}/tokenize", json={"messages": [{"role": "user", "content": "hi"}],
+                                                  "chat_template": "{{ messages[0]['content'] }}!"})
+    assert r.status_code == 200 and r.json()["count"] >= 1
+
+
+def test_templates_and_prompts_too_large_for_the_model_are_refused_early(server):
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "chat_template": "{{ 'ab ' * 3000000 }}"},
+                   timeout=30)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "word " * 2_000_000, "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and "characters" in r.json()["error"]["message"]
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * (17 << 20)}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_requests_arriving_mid_step_are_not_counted_as_waiting(tmp_path):
+    """With room for 256 running requests, 64 at once all start: none of them waits, so a
+    waiting limit of 4 refuses none."""
+    s = LiveServer("--max-waiting-requests", "4", "--max-model-len", "256", log=tmp_path / "serve.log")
+    try:
+        async def run_all():
+            async with httpx.AsyncClient(base_url=s.url, timeout=120,
+                                         limits=httpx.Limits(max_connections=64)) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json={
+                    "prompt": f"Item {i}", "max_tokens": 16, "ignore_eos": True}) for i in range(64)))
+
+        statuses = [r.status_code for r in asyncio.run(run_all())]
+        assert statuses == [200] * 64
+    finally:
+        s.stop_cleanly()
 
 
 def _stream_in_background(url: str, body: dict, lines: list[str]) -> threading.Thread:

@@ -77,6 +77,8 @@ class AsyncLLM:
         # writer each, so the difference (not yet seen by the engine) needs no lock.
         self._num_submitted = 0
         self._num_taken = 0
+        # (waiting, running, requests taken in) as the last step left them, set as one tuple.
+        self._after_step = (0, 0, 0)
         self._stopping = False
         self._failed_steps_in_a_row = 0  # written by the engine thread only
         self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
@@ -101,10 +103,10 @@ class AsyncLLM:
         """Requests that cannot start at the next step: the scheduler's waiting queue after the
         last step, plus those handed to the engine thread since then beyond the free running
         slots (a request that arrives mid-step and will start at the next one is not waiting)."""
-        stats = self.stats
-        pending = self._num_submitted - self._num_taken
-        free = 0 if stats.num_waiting else max(0, self.engine.scheduler.config.max_num_seqs - stats.num_running)
-        return stats.num_waiting + max(0, pending - free)
+        waiting, running, taken = self._after_step
+        pending = self._num_submitted - taken
+        free = 0 if waiting else max(0, self.engine.scheduler.config.max_num_seqs - running)
+        return waiting + max(0, pending - free)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                        prompt: str | None = None) -> AsyncIterator[RequestOutput]:
@@ -157,6 +159,7 @@ class AsyncLLM:
             try:
                 outputs = engine.step()
                 self.stats.snapshot()
+                self._after_step = (self.stats.num_waiting, self.stats.num_running, self._num_taken)
             except Exception:  # noqa: BLE001 - the engine's own per-request handling missed it
                 logger.exception("engine step failed; aborting its requests")
                 self._failed_steps_in_a_row += 1
