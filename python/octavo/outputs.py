@@ -129,6 +129,8 @@ class RequestOutput:
         without it, it is cumulative and replaces the output with the same index.
         """
         self.finished |= next_output.finished
+        if next_output.num_cached_tokens is not None:
+            self.num_cached_tokens = next_output.num_cached_tokens
         for new in next_output.outputs:
             for i, old in enumerate(self.outputs):
                 if old.index != new.index:

@@ -109,7 +109,7 @@ class AsyncLLM:
         return waiting + max(0, pending - free)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                       prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         if not self.is_running:
             raise EngineDeadError("the engine is not running")
         if self.max_waiting_requests is not None and self.num_waiting() >= self.max_waiting_requests:
@@ -122,7 +122,7 @@ class AsyncLLM:
         self._num_submitted += 1
         params = params.clone()  # the engine itself makes the deltas (stop-string hold-back included)
         params.output_kind = RequestOutputKind.DELTA
-        self._submit(("add", request_id, list(prompt_token_ids), params, prompt, time.time()))
+        self._submit(("add", request_id, list(prompt_token_ids), params, prompt, priority, time.time()))
         finished = False
         try:
             while not finished:
@@ -183,13 +183,13 @@ class AsyncLLM:
             else:
                 self._abort(command[1])
 
-    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt,
+    def _add(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt, priority: int,
              arrival: float) -> None:
         stream = self._streams.get(request_id)
         if stream is None:  # the client left before the engine saw the request
             return
         try:
-            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt)
+            self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority)
         except ValueError as e:
             stream.put(e)
             return

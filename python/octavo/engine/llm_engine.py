@@ -68,6 +68,7 @@ class _Request:
     metrics: RequestMetrics
     samples: list[_Sample] = field(default_factory=list)
     prompt_logprobs: list | None = None  # one entry per prompt token (the first stays None)
+    num_cached_tokens: int | None = None  # prompt tokens the first sample found in the prefix cache
 
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.samples)
@@ -149,6 +150,8 @@ class LLMEngine:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if priority != 0 and self.scheduler.config.policy != "priority":
             raise ValueError(f"Got priority {priority} but Priority scheduling is not enabled.")
+        if not -(1 << 31) <= priority < (1 << 31):
+            raise ValueError(f"priority must be a 32-bit integer, got {priority}")
         params = self.check_request(prompt_token_ids, params)
         now = time.time()
         metrics = RequestMetrics(arrival_time=now, last_token_time=now, first_scheduled_time=None,
@@ -261,6 +264,7 @@ class LLMEngine:
             self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
             return []
         batch = [self._by_handle[h] for h in out.req_handles]
+        self._record_cache_hits(out, batch)
         try:
             logits = self._forward(out, batch)
         except Exception as e:  # noqa: BLE001 - whatever broke, the other requests keep running
@@ -294,6 +298,14 @@ class LLMEngine:
         if failed:
             self._log_failure(failed[0][1], "sampling", [batch[i][0].request_id for i, _ in failed])
         return outputs + self._fail(failures)
+
+    @staticmethod
+    def _record_cache_hits(out, batch) -> None:
+        """A request's cached prompt tokens: what its first sample skipped when first scheduled."""
+        for i in np.flatnonzero(out.is_new):
+            request, sample_ = batch[i]
+            if request.num_cached_tokens is None and sample_.index == 0:
+                request.num_cached_tokens = int(out.num_computed_tokens[i])
 
     def _forward(self, out, batch) -> torch.Tensor:
         """The step's logits [R, vocab]; prompt logprobs are recorded on the way."""
@@ -408,7 +420,8 @@ class LLMEngine:
                                         None if s.logprobs is None else list(s.logprobs)) for s in request.samples]
         return RequestOutput(request_id=request.request_id, prompt=request.prompt,
                              prompt_token_ids=request.prompt_token_ids, prompt_logprobs=request.prompt_logprobs,
-                             outputs=outputs, finished=finished, metrics=request.metrics)
+                             outputs=outputs, finished=finished, metrics=request.metrics,
+                             num_cached_tokens=request.num_cached_tokens)
 
     def _delta(self, s: _Sample, hold_back: int) -> CompletionOutput | None:
         """What is new in sample ``s`` since its previous DELTA output. Until it finishes, the

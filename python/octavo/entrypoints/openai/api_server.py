@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import reprlib
+import uuid
 from collections.abc import Awaitable
 from http import HTTPStatus
 from pathlib import Path
@@ -40,12 +41,33 @@ DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 OPEN_ROUTES = frozenset({"/health", "/version", "/metrics"})
 
 
+# Routes whose requests GET /load counts while they run (vLLM's load-aware routes).
+GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
+
+
 def build_app(served: ServedModel, api_key: str | None = None,
-              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, tokenizer_info: bool = False,
+              load_tracking: bool = False, request_id_headers: bool = False) -> FastAPI:
+    """The routes over ``served``; the flags turn on vLLM's optional endpoints and headers
+    (--enable-tokenizer-info-endpoint, --enable-server-load-tracking, --enable-request-id-headers)."""
     app = FastAPI(title="Octavo", version=__version__, lifespan=_lifespan(served))
     _add_error_handlers(app)
+    if request_id_headers:
+        app.add_middleware(_RequestIdHeader)
     if api_key:
         _add_api_key_check(app, api_key)
+    if load_tracking:
+        load = _Load()
+        app.add_middleware(_LoadCounter, load=load)
+
+        @app.get("/load")
+        async def server_load() -> dict:
+            return {"server_load": load.in_flight}
+
+    if tokenizer_info:
+        @app.get("/tokenizer_info")
+        async def get_tokenizer_info() -> dict:
+            return served.tokenizer_info()
 
     async def parse(raw: Request, model):
         return await _parse(raw, model, max_request_bytes)
@@ -218,6 +240,45 @@ def _add_api_key_check(app: FastAPI, api_key: str) -> None:
     app.add_middleware(_APIKeyCheck, expected=f"Bearer {api_key}".encode())
 
 
+class _RequestIdHeader:
+    """X-Request-Id on every response: the client's own, or a new one (as vLLM's header)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = dict(scope["headers"]).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+class _Load:
+    in_flight = 0
+
+
+class _LoadCounter:
+    """Counts generation requests from their arrival until their response (stream included) ends."""
+
+    def __init__(self, app, load: _Load):
+        self.app, self.load = app, load
+
+    async def __call__(self, scope, receive, send) -> None:
+        counted = scope["type"] == "http" and scope["path"] in GENERATION_ROUTES
+        self.load.in_flight += counted
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.load.in_flight -= counted
+
+
 class _APIKeyCheck:
     """Plain ASGI middleware (not BaseHTTPMiddleware, which would sit between streaming
     responses and the client's disconnect)."""
@@ -256,7 +317,9 @@ def served_model(args) -> ServedModel:
     from ...llm import LLM
     from ...loader import load_tokenizer
 
-    llm = LLM(model=args.model, dtype=args.dtype, seed=args.seed, max_model_len=args.max_model_len,
+    llm = LLM(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
+              max_model_len=args.max_model_len, block_size=args.block_size,
+              enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -264,11 +327,13 @@ def served_model(args) -> ServedModel:
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),
-                       tokenizer=load_tokenizer(engine.model_path), names=names,
+                       tokenizer=load_tokenizer(args.tokenizer or engine.model_path), names=names,
                        root=str(engine.model_path), max_model_len=engine.max_model_len,
                        sampling_defaults=sampling_defaults(engine.model_path), max_logprobs=args.max_logprobs,
                        max_n=args.max_n, request_timeout=args.request_timeout,
-                       chat_template=load_chat_template(args.chat_template))
+                       chat_template=load_chat_template(args.chat_template),
+                       enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+                       return_tokens_as_token_ids=args.return_tokens_as_token_ids)
 
 
 def load_chat_template(value: str | None) -> str | None:
@@ -300,7 +365,10 @@ def run(args) -> None:
     import uvicorn
 
     served = served_model(args)
-    app = build_app(served, api_key_from(args.api_key), args.max_request_bytes)
+    app = build_app(served, api_key_from(args.api_key), args.max_request_bytes,
+                    tokenizer_info=args.enable_tokenizer_info_endpoint,
+                    load_tracking=args.enable_server_load_tracking,
+                    request_id_headers=args.enable_request_id_headers)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout)
     try:

@@ -54,19 +54,20 @@ class ChatRun:
                 "top_logprobs": [self._candidate(t, lp) for _, t, lp in top]}
 
     def _candidate(self, token_id: int, lp: Logprob) -> dict[str, Any]:
-        token = lp.decoded_token if lp.decoded_token is not None else self.served.tokenizer.decode([token_id])
+        token = self.served.token_name(token_id, lp.decoded_token, self.request.return_tokens_as_token_ids)
         return {"token": token, "logprob": max(lp.logprob, MIN_LOGPROB), "bytes": list(token.encode("utf-8"))}
 
     def _chunk(self, choices: list[dict], **extra) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
                 "model": self.served.name, "choices": choices, **extra}
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
-        return usage(len(self.prompts[0][1]), completion_tokens)
+    def _usage(self, completion_tokens: int, output: RequestOutput | None) -> dict[str, Any]:
+        return usage(len(self.prompts[0][1]), completion_tokens,
+                     self.served.cached_tokens([output] if output is not None else []))
 
     async def response(self) -> dict[str, Any]:
         final: RequestOutput | None = None
-        async for _, delta in self.served.stream(self.id, self.prompts, self.params):
+        async for _, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
             if final is None:
                 final = delta
             else:
@@ -75,7 +76,7 @@ class ChatRun:
                     "logprobs": self._logprobs(o), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                    for o in final.outputs]
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
-                "choices": choices, "usage": self._usage(sum(len(o.token_ids) for o in final.outputs))}
+                "choices": choices, "usage": self._usage(sum(len(o.token_ids) for o in final.outputs), final)}
 
     async def stream(self) -> AsyncIterator[str]:
         options = self.request.stream_options
@@ -85,8 +86,10 @@ class ChatRun:
         yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                 "finish_reason": None} for i in range(self.params.n)], **extra))
         completion_tokens = 0
+        last = None
         try:
-            async for _, delta in self.served.stream(self.id, self.prompts, self.params):
+            async for _, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
+                last = delta
                 choices = []
                 for o in delta.outputs:
                     if not (o.text or o.token_ids or o.finish_reason):
@@ -101,5 +104,5 @@ class ChatRun:
             yield sse(e.body())
         else:
             if include_usage:
-                yield sse(self._chunk([], usage=self._usage(completion_tokens)))
+                yield sse(self._chunk([], usage=self._usage(completion_tokens, last)))
         yield sse("[DONE]")

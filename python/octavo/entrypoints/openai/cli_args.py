@@ -1,6 +1,37 @@
 """``octavo serve``'s options, apart from the server so that ``octavo --help`` stays light."""
 
+import argparse
+
 from ..device_arg import add_device_argument
+
+# `vllm serve` options for features Octavo does not have yet: refused with the feature's name
+# rather than argparse's bare "unrecognized arguments".
+UNSUPPORTED_VLLM_OPTIONS = {
+    ("--tensor-parallel-size", "-tp"): "tensor parallelism",
+    ("--pipeline-parallel-size", "-pp"): "pipeline parallelism",
+    ("--data-parallel-size", "-dp"): "data parallelism",
+    ("--distributed-executor-backend",): "multi-process and Ray executors",
+    ("--enable-expert-parallel",): "expert parallelism",
+    ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
+    ("--speculative-config",): "speculative decoding",
+    ("--enable-auto-tool-choice", "--tool-call-parser"): "tool calling",
+    ("--reasoning-parser",): "reasoning outputs",
+    ("--structured-outputs-config", "--guided-decoding-backend"): "structured output",
+    ("--kv-transfer-config",): "KV cache transfer (disaggregated prefill)",
+    ("--cpu-offload-gb", "--kv-offloading-size"): "CPU offload",
+    ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs",
+    ("--kv-cache-dtype",): "quantized KV caches",
+    ("--enable-sleep-mode",): "sleep mode",
+}
+
+
+class _Unsupported(argparse.Action):
+    def __init__(self, option_strings, dest, feature: str, **kwargs):
+        super().__init__(option_strings, dest, nargs="?", help=argparse.SUPPRESS, **kwargs)
+        self.feature = feature
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        parser.error(f"{option_string}: {self.feature} is not supported by Octavo yet")
 
 
 def add_arguments(parser) -> None:
@@ -45,3 +76,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
+    parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],
+                        help="priority: requests with a lower `priority` field run first")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="accepted for vLLM's command lines; Octavo never runs a model's own code")
+    parser.add_argument("--enable-prompt-tokens-details", action="store_true",
+                        help="usage.prompt_tokens_details.cached_tokens: prompt tokens read from the prefix cache")
+    parser.add_argument("--enable-tokenizer-info-endpoint", action="store_true", help="serve GET /tokenizer_info")
+    parser.add_argument("--enable-server-load-tracking", action="store_true",
+                        help="serve GET /load: the generation requests in flight")
+    parser.add_argument("--enable-request-id-headers", action="store_true",
+                        help="answer with an X-Request-Id header (the client's, or a new one)")
+    parser.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="logprobs name tokens as 'token_id:N' instead of their text")
+    for options, feature in UNSUPPORTED_VLLM_OPTIONS.items():
+        parser.add_argument(*options, action=_Unsupported, feature=feature)

@@ -85,16 +85,16 @@ class CompletionRun:
         return result
 
     def _token_text(self, token_id: int, entry: dict[int, Logprob] | None) -> str:
-        if entry is not None and entry.get(token_id) is not None and entry[token_id].decoded_token is not None:
-            return entry[token_id].decoded_token
-        return self.served.tokenizer.decode([token_id])
+        lp = entry.get(token_id) if entry is not None else None
+        return self.served.token_name(token_id, lp.decoded_token if lp is not None else None,
+                                      self.request.return_tokens_as_token_ids)
 
-    def _usage(self, completion_tokens: int) -> dict[str, int]:
-        return usage(sum(len(ids) for _, ids in self.prompts), completion_tokens)
+    def _usage(self, completion_tokens: int, outputs) -> dict[str, Any]:
+        return usage(sum(len(ids) for _, ids in self.prompts), completion_tokens, self.served.cached_tokens(outputs))
 
     async def response(self) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}
-        async for i, delta in self.served.stream(self.id, self.prompts, self.params):
+        async for i, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
             if i in finals:
                 finals[i].add(delta, aggregate=True)
             else:
@@ -102,7 +102,7 @@ class CompletionRun:
         choices = [self._choice(i, finals[i], o, True, 0) for i in sorted(finals) for o in finals[i].outputs]
         completion_tokens = sum(len(o.token_ids) for out in finals.values() for o in out.outputs)
         return {"id": self.id, "object": "text_completion", "created": self.created, "model": self.served.name,
-                "choices": choices, "usage": self._usage(completion_tokens)}
+                "choices": choices, "usage": self._usage(completion_tokens, finals.values())}
 
     async def stream(self) -> AsyncIterator[str]:
         options = self.request.stream_options
@@ -110,8 +110,10 @@ class CompletionRun:
         sent_any: set[int] = set()
         offsets: dict[int, int] = {}
         completion_tokens = 0
+        cached: dict[int, RequestOutput] = {}  # the latest delta of each prompt, for its cache hits
         try:
-            async for i, delta in self.served.stream(self.id, self.prompts, self.params):
+            async for i, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
+                cached[i] = delta
                 choices = []
                 for o in delta.outputs:
                     index = i * self.n + o.index
@@ -133,5 +135,6 @@ class CompletionRun:
         else:
             if include_usage:
                 yield sse({"id": self.id, "object": "text_completion", "created": self.created,
-                           "model": self.served.name, "choices": [], "usage": self._usage(completion_tokens)})
+                           "model": self.served.name, "choices": [],
+                           "usage": self._usage(completion_tokens, cached.values())})
         yield sse("[DONE]")

@@ -72,6 +72,8 @@ class _SamplingFields(BaseModel):
     min_tokens: int = 0
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    priority: int = 0  # lower runs first, with --scheduling-policy priority
+    return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:

@@ -57,6 +57,8 @@ class ServedModel:
     max_logprobs: int = 20
     max_n: int = 128
     request_timeout: float | None = None
+    enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     chat_template: str | None = None  # the operator's --chat-template (None: the model's own)
     templates: TemplateSandbox = field(default_factory=TemplateSandbox)  # request-supplied templates
     created: int = field(default_factory=lambda: int(time.time()))
@@ -160,20 +162,46 @@ class ServedModel:
         self.check_text(text, "messages")
         return text
 
+    def tokenizer_info(self) -> dict[str, Any]:
+        """GET /tokenizer_info: the tokenizer's class and its JSON-representable settings."""
+        info = {"tokenizer_class": type(self.tokenizer).__name__}
+        for key, value in self.tokenizer.init_kwargs.items():
+            try:
+                json.dumps(value)
+            except (TypeError, ValueError):
+                continue
+            info[key] = value
+        info["chat_template"] = self.chat_template or self.tokenizer.chat_template
+        return info
+
     def _render_trusted(self, conversation: list[dict[str, Any]], kwargs: dict[str, Any]) -> str:
         """The operator's --chat-template or the model's own, in this process."""
         return self.tokenizer.apply_chat_template(conversation, chat_template=self.chat_template, tokenize=False,
                                                   **kwargs)
 
+    def cached_tokens(self, outputs) -> int | None:
+        """Prompt tokens read from the prefix cache over ``outputs``, when the server reports them."""
+        if not self.enable_prompt_tokens_details:
+            return None
+        return sum(o.num_cached_tokens or 0 for o in outputs)
+
+    def token_name(self, token_id: int, text: str | None, as_token_ids: bool | None = None) -> str:
+        """A token in logprobs: its text, or "token_id:N" (--return-tokens-as-token-ids, or the
+        request's return_tokens_as_token_ids)."""
+        if self.return_tokens_as_token_ids if as_token_ids is None else as_token_ids:
+            return f"token_id:{token_id}"
+        return text if text is not None else self.tokenizer.decode([token_id])
+
     async def stream(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
-                     params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+                     params: SamplingParams, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Runs every prompt and yields (prompt index, delta output) as outputs arrive, until all
         have finished. Leaving early aborts the ones still running."""
         queue: asyncio.Queue = asyncio.Queue()
 
         async def pump(i: int, text: str | None, token_ids: list[int]) -> None:
             try:
-                async for output in self.engine.generate(f"{request_id}-{i}", token_ids, params, prompt=text):
+                async for output in self.engine.generate(f"{request_id}-{i}", token_ids, params, prompt=text,
+                                                         priority=priority):
                     queue.put_nowait((i, output))
             except Exception as e:
                 queue.put_nowait((i, e))
@@ -237,6 +265,10 @@ def _text_message(message: Any, i: int) -> dict[str, Any]:
     return {**message, "content": content}
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage object; ``cached_tokens`` (prefix-cache hits) only when the server reports them."""
+    result: dict[str, Any] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                              "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:
+        result["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return result
