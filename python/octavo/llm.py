@@ -33,6 +33,11 @@ class LLM:
     def get_tokenizer(self):
         return self._tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the model's generation_config defaults (LLM(generation_config=...)),
+        used when generate() or chat() get none."""
+        return SamplingParams(**self.llm_engine.generation_config.sampling_defaults)
+
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """prompts: a string, a list of strings, a list of token ids, a list of token-id lists, or
@@ -40,7 +45,7 @@ class LLM:
         scheduling_policy="priority"). Returns one RequestOutput per prompt, in order. A request
         the engine refuses raises ValueError, and none of the prompts runs."""
         items = self._normalize(prompts)
-        params = sampling_params if sampling_params is not None else SamplingParams()
+        params = sampling_params if sampling_params is not None else self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             params = [params] * len(items)
         if len(params) != len(items):

@@ -1,7 +1,9 @@
 """LLM.generate / LLM.chat end to end on a tiny random Llama with a real (small, offline-trained)
 byte-level BPE tokenizer: tokens match transformers' greedy decoding, and the vLLM-facing
 behaviour (n, seeds, stop strings, finish reasons, logprobs, chat template, errors) holds."""
+import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -262,6 +264,39 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_path):
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2, logprobs=-1), use_tqdm=False)[0]
     vocab = llm.llm_engine.model.config.vocab_size
     assert all(len(entry) == vocab for entry in out.outputs[0].logprobs)
+
+
+def test_generation_config_sets_defaults_and_eos_ids(tiny, tiny_path, tmp_path):
+    """generate() without SamplingParams samples with the generation config's defaults ("auto":
+    the model's, "vllm": none, a folder: its file), and the model's EOS ids end the output."""
+    llm, _, _ = tiny
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    first_token = llm.generate("Hello", greedy, use_tqdm=False)[0].outputs[0].token_ids[0]
+    model = tmp_path / "model"
+    shutil.copytree(tiny_path, model)
+    config = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**config, "eos_token_id": [first_token],
+                                                              "temperature": 0.0, "max_new_tokens": 50}))
+    settings = tmp_path / "settings"
+    settings.mkdir()
+    (settings / "generation_config.json").write_text(json.dumps({"temperature": 0.7, "max_new_tokens": 3}))
+
+    def make(option):
+        return LLM(model=str(model), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+                   generation_config=option)
+
+    auto = make("auto")
+    defaults = auto.get_default_sampling_params()
+    assert (defaults.temperature, defaults.max_tokens) == (0.0, 50)
+    out = auto.generate("Hello", SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [first_token]
+    assert (out.finish_reason, out.stop_reason) == ("stop", first_token)
+    assert make("vllm").get_default_sampling_params().temperature == 1.0
+    from_folder = make(str(settings))
+    assert from_folder.get_default_sampling_params().temperature == 0.7
+    assert len(from_folder.generate("Hello", use_tqdm=False)[0].outputs[0].token_ids) <= 3
+    with pytest.raises(ValueError, match="generation_config"):
+        make(str(tmp_path / "nowhere"))
 
 
 def test_cli_generate_streams_the_greedy_text(tiny, tiny_path, capsys):

@@ -114,6 +114,19 @@ def test_n_and_seed(client):
     assert [c.message.content for c in chat[0]] == [c.message.content for c in chat[1]]
 
 
+def test_sampling_defaults_come_from_the_models_generation_config(client):
+    """--generation-config auto: the default model's folder recommends temperature 0.2 and top_p
+    0.9 (its model card's), and a request that sets neither samples with them."""
+    def chat(**fields):
+        out = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name three rivers."}],
+                                             max_tokens=24, seed=11, **fields)
+        return out.choices[0].message.content
+
+    plain = chat()
+    assert plain == chat(temperature=0.2, top_p=0.9)
+    assert plain != chat(temperature=1.0, top_p=1.0)
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_stop_string_cuts_the_text(client, stream):
     prompt = "Count: 1, 2, 3, 4,"

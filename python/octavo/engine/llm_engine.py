@@ -17,6 +17,7 @@ import torch
 
 from .. import FINISH_REASONS, Scheduler, SchedulerConfig
 from ..device import cpu_only_reason, resolve_device
+from ..generation_config import load_generation_config
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.gpu_memory import GpuMemoryPlan
@@ -82,10 +83,13 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, enable_chunked_prefill: bool = True, block_size: int = 16,
                  kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors",
                  quantization: str | None = None, device: str = "auto", gpu_memory_utilization: float = 0.9,
-                 enforce_eager: bool = False, max_logprobs: int = 20, scheduling_policy: str = "fcfs"):
+                 enforce_eager: bool = False, max_logprobs: int = 20, scheduling_policy: str = "fcfs",
+                 generation_config: str = "auto"):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
-        scheduling_policy: "fcfs" or "priority" (lower priority values first); both as vLLM's."""
+        scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
+        where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's."""
         self.model_path = Path(model)
+        self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
             raise ValueError(f"max_logprobs must be -1 (no limit) or non-negative, got {max_logprobs}")
         self.max_logprobs = max_logprobs
@@ -162,13 +166,14 @@ class LLMEngine:
             request.prompt_logprobs = [None] * len(prompt_token_ids)
             self._num_wanting_prompt_logprobs += 1
         eos = -1 if self.tokenizer is None or self.tokenizer.eos_token_id is None else self.tokenizer.eos_token_id
-        stop_ids = list(params.stop_token_ids or []) + ([] if params.ignore_eos or eos < 0 else [eos])
+        stop_token_ids = self._stop_token_ids(params, eos)
+        stop_ids = stop_token_ids + ([] if params.ignore_eos or eos < 0 else [eos])
         for i in range(params.n):
             seed = params.sample_seed(i) if params.seed is not None else int(self._rng.integers(1 << 62))
             state = SamplingState(params, request.prompt_token_ids, seed, stop_ids)
             handle = self.scheduler.add_request(
                 f"{request_id}#{i}", request.prompt_token_ids, max_tokens=params.max_tokens,
-                min_tokens=params.min_tokens, eos_token_id=eos, stop_token_ids=list(params.stop_token_ids or []),
+                min_tokens=params.min_tokens, eos_token_id=eos, stop_token_ids=stop_token_ids,
                 ignore_eos=params.ignore_eos, priority=priority,
                 skip_reading_prefix_cache=wants_prompt_logprobs and i == 0)
             sample_ = _Sample(i, handle, state, self._detokenizer(request),
@@ -176,6 +181,14 @@ class LLMEngine:
             request.samples.append(sample_)
             self._by_handle[handle] = (request, sample_)
         self._requests[request_id] = request
+
+    def _stop_token_ids(self, params: SamplingParams, eos: int) -> list[int]:
+        """The request's stop tokens plus the model's other EOS ids (generation_config.json's), as vLLM."""
+        own = list(params.stop_token_ids or [])
+        if params.ignore_eos:
+            return own
+        vocab = self.model.config.vocab_size
+        return own + [t for t in self.generation_config.eos_token_ids if t != eos and 0 <= t < vocab and t not in own]
 
     def check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         """Raises ValueError for a request the engine cannot run; returns the params it will use

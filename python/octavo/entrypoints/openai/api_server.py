@@ -320,6 +320,7 @@ def served_model(args) -> ServedModel:
     llm = LLM(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
               max_model_len=args.max_model_len, block_size=args.block_size,
               enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
+              generation_config=args.generation_config,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -329,7 +330,7 @@ def served_model(args) -> ServedModel:
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),
                        tokenizer=load_tokenizer(args.tokenizer or engine.model_path), names=names,
                        root=str(engine.model_path), max_model_len=engine.max_model_len,
-                       sampling_defaults=sampling_defaults(engine.model_path), max_logprobs=args.max_logprobs,
+                       sampling_defaults=engine.generation_config.sampling_defaults, max_logprobs=args.max_logprobs,
                        max_n=args.max_n, request_timeout=args.request_timeout,
                        chat_template=load_chat_template(args.chat_template),
                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
@@ -347,17 +348,6 @@ def load_chat_template(value: str | None) -> str | None:
     if not path.is_file():
         raise ValueError(f"--chat-template {value!r} looks like a path, but there is no such file")
     return path.read_text()
-
-
-def sampling_defaults(model_path) -> dict:
-    """The sampling fields of the model's generation_config.json (vLLM's --generation-config auto)."""
-    from .serving import SAMPLING_DEFAULT_FIELDS
-
-    path = model_path / "generation_config.json"
-    if not model_path.is_dir() or not path.is_file():
-        return {}
-    config = json.loads(path.read_text())
-    return {k: config[k] for k in SAMPLING_DEFAULT_FIELDS if config.get(k) is not None}
 
 
 def run(args) -> None:

@@ -77,6 +77,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--uvicorn-log-level", default="info",
                         choices=["critical", "error", "warning", "info", "debug", "trace"])
     parser.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    parser.add_argument("--generation-config", default="auto",
+                        help="sampling defaults for fields a request leaves out: 'auto' (the model's "
+                             "generation_config.json), 'vllm' (none: vLLM's defaults) or a folder with one")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     parser.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"],

@@ -91,6 +91,9 @@ class _SamplingFields(BaseModel):
             value = getattr(self, name)
             return value if value is not None else defaults.get(name, fallback)
 
+        if defaults.get("max_tokens") is not None:  # the model's max_new_tokens bounds every request, as in vLLM
+            max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
+
         try:
             return SamplingParams(
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,

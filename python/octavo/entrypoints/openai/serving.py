@@ -19,8 +19,6 @@ from ...sampling_params import SamplingParams
 from .protocol import APIError
 from .template_sandbox import TemplateError, TemplateSandbox
 
-# generation_config.json fields that become sampling defaults (vLLM's --generation-config auto).
-SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 def random_id(prefix: str) -> str:
@@ -53,7 +51,7 @@ class ServedModel:
     names: list[str]
     root: str
     max_model_len: int
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # from the model's generation config
     max_logprobs: int = 20
     max_n: int = 128
     request_timeout: float | None = None
