@@ -263,3 +263,47 @@ def test_leading_decodes_counts_the_single_token_requests_a_step_starts_with():
     assert leading_decodes(np.array([0, 1, 2, 50, 51], dtype=np.int32)) == 2  # then a chunk, then a decode
     assert leading_decodes(np.array([0, 7, 8], dtype=np.int32)) == 0
     assert leading_decodes(np.array([0], dtype=np.int32)) == 0
+
+
+@pytest.mark.parametrize("device,enforce_eager", [
+    ("cpu", True),
+    pytest.param("cuda", False, marks=[pytest.mark.cuda, needs_cuda_build], id="cuda-graphs")])
+def test_a_failed_step_ends_its_requests_and_the_engine_runs_on(device, enforce_eager, tmp_path, monkeypatch):
+    """A forward pass that raises fails the requests of its step (finish_reason "error"), drops
+    the KV it was to write from the prefix cache, and later requests, including one with the same
+    prompt, get the greedy tokens they get on a fresh engine. Sampling values at their type's
+    limits run on the device's sampler."""
+    tokenizer, _ = tiny_model_dir(tmp_path)
+    llm = LLM(model=str(tmp_path), dtype="float32", device=device, kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+              enforce_eager=enforce_eager)
+    engine = llm.llm_engine
+    greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    prompts = ["poison: " + "a fairly long prompt " * 3, "an innocent prompt " * 3]
+
+    def tokens_and_logprobs(outputs):  # logprobs show KV damage that leaves the argmax alone
+        return [[(t, round(e[t].logprob, 4)) for t, e in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)]
+                for o in outputs]
+
+    expected = tokens_and_logprobs(llm.generate(prompts, greedy, use_tqdm=False))
+    engine.scheduler.reset_prefix_cache()
+    execute = engine.runner.execute
+
+    def failing_execute(out, rows):
+        if any((engine._by_handle[h][0].prompt or "").startswith("poison") for h in out.req_handles):
+            for attn in engine.model.attention_layers():  # a step that dies having written garbage
+                for cache in attn.kv_cache:
+                    cache.normal_(0.0, 3.0)
+            raise RuntimeError("injected")
+        return execute(out, rows)
+
+    monkeypatch.setattr(engine.runner, "execute", failing_execute)
+    failed = llm.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].finish_reason for o in failed] == ["error", "error"]  # one step held both
+    assert engine.scheduler.block_pool.num_used_blocks == 0
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    assert tokens_and_logprobs(llm.generate(prompts, greedy, use_tqdm=False)) == expected
+    extremes = [SamplingParams(max_tokens=4, **f) for f in (
+        dict(top_p=1e-300), dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300), dict(top_k=2**31),
+        dict(temperature=1e300), dict(seed=2**63 - 1, n=2), dict(min_p=1.0, seed=-2**63))]
+    for out in llm.generate([prompts[1]] * len(extremes), extremes, use_tqdm=False):
+        assert all(o.finish_reason == "length" and len(o.token_ids) == 4 for o in out.outputs)
