@@ -105,7 +105,10 @@ def build_app(served: ServedModel, api_key: str | None = None,
             tokens = await served.encode(text, add_special_tokens=False, param="messages")
         else:
             tokens = await served.encode(request.prompt, request.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+        result = {"count": len(tokens), "max_model_len": served.max_model_len, "tokens": tokens}
+        if request.return_token_strs:
+            result["token_strs"] = served.tokenizer.convert_ids_to_tokens(tokens)
+        return result
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> dict:

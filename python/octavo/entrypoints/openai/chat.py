@@ -24,7 +24,10 @@ class ChatRun:
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         self.top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        if self.top_logprobs == -1:  # the whole vocabulary, as in vLLM
+            self.top_logprobs = len(served.tokenizer)
         served.check_logprobs(self.top_logprobs, "top_logprobs")
+        served.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         served.check_n(request.n)
         self.served, self.request = served, request
         self.id = random_id("chatcmpl")
@@ -37,7 +40,13 @@ class ChatRun:
         text = await served.render_chat(request.messages, request.add_generation_prompt,
                                         request.continue_final_message, request.chat_template,
                                         request.chat_template_kwargs)
-        self.prompts = [(text, await served.encode(text, request.add_special_tokens, param="messages"))]
+        token_ids = await served.encode(text, request.add_special_tokens, param="messages")
+        self.prompts = [(text, request.truncate(token_ids, served.max_model_len))]
+        last = request.messages[-1] if request.messages else {}
+        # echo: the reply continues the last message when it is the assistant's (vLLM's rule).
+        self.echo = last.get("content") or "" if request.echo and last.get("role") == "assistant" else ""
+        if not isinstance(self.echo, str):
+            self.echo = "".join(part.get("text", "") for part in self.echo if isinstance(part, dict))
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.params = request.sampling_params(served.sampling_defaults, max_tokens, self.top_logprobs)
         served.check_prompt(self.prompts[0][1], self.params)
@@ -65,6 +74,16 @@ class ChatRun:
         return usage(len(self.prompts[0][1]), completion_tokens,
                      self.served.cached_tokens([output] if output is not None else []))
 
+    def _extras(self, output: RequestOutput) -> dict[str, Any]:
+        """The response's top-level prompt fields a request may ask for."""
+        extras = {}
+        if self.request.prompt_logprobs is not None:
+            extras["prompt_logprobs"] = self.served.prompt_logprobs(output.prompt_logprobs,
+                                                                    self.request.return_tokens_as_token_ids)
+        if self.request.return_token_ids:
+            extras["prompt_token_ids"] = output.prompt_token_ids
+        return extras
+
     async def response(self) -> dict[str, Any]:
         final: RequestOutput | None = None
         async for _, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
@@ -72,34 +91,50 @@ class ChatRun:
                 final = delta
             else:
                 final.add(delta, aggregate=True)
-        choices = [{"index": o.index, "message": {"role": "assistant", "content": o.text},
-                    "logprobs": self._logprobs(o), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-                   for o in final.outputs]
+        choices = []
+        for o in final.outputs:
+            choice = {"index": o.index, "message": {"role": "assistant", "content": self.echo + o.text},
+                      "logprobs": self._logprobs(o), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            if self.request.return_token_ids:
+                choice["token_ids"] = list(o.token_ids)
+            choices.append(choice)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
-                "choices": choices, "usage": self._usage(sum(len(o.token_ids) for o in final.outputs), final)}
+                "choices": choices, "usage": self._usage(sum(len(o.token_ids) for o in final.outputs), final),
+                **self._extras(final)}
 
     async def stream(self) -> AsyncIterator[str]:
+        """The role first, then one chunk per choice delta, as vLLM streams them; with
+        stream_options.include_usage a last chunk with the usage (and with continuous_usage_stats,
+        the usage so far in every chunk)."""
         options = self.request.stream_options
         include_usage = options is not None and options.include_usage
-        extra = {"usage": None} if include_usage else {}
-        # The role comes first, in a chunk of its own per choice, as OpenAI and vLLM send it.
-        yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                "finish_reason": None} for i in range(self.params.n)], **extra))
+        continuous = include_usage and options.continuous_usage_stats
         completion_tokens = 0
         last = None
+
+        def usage_so_far() -> dict[str, Any]:
+            return {"usage": self._usage(completion_tokens, last) if continuous else None} if include_usage else {}
+
+        extras = {"prompt_token_ids": self.prompts[0][1]} if self.request.return_token_ids else {}
+        for i in range(self.params.n):
+            yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                    "finish_reason": None}], **extras, **usage_so_far()))
+            if self.echo:
+                yield sse(self._chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
+                                        "finish_reason": None}], **usage_so_far()))
         try:
             async for _, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
                 last = delta
-                choices = []
                 for o in delta.outputs:
                     if not (o.text or o.token_ids or o.finish_reason):
                         continue
                     completion_tokens += len(o.token_ids)
-                    choices.append({"index": o.index, "delta": {"content": o.text} if o.text else {},
-                                    "logprobs": self._logprobs(o), "finish_reason": o.finish_reason,
-                                    "stop_reason": o.stop_reason})
-                if choices:
-                    yield sse(self._chunk(choices, **extra))
+                    choice = {"index": o.index, "delta": {"content": o.text} if o.text else {},
+                              "logprobs": self._logprobs(o), "finish_reason": o.finish_reason,
+                              "stop_reason": o.stop_reason}
+                    if self.request.return_token_ids:
+                        choice["token_ids"] = list(o.token_ids)
+                    yield sse(self._chunk([choice], **usage_so_far()))
         except APIError as e:
             yield sse(e.body())
         else:

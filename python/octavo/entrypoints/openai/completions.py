@@ -17,9 +17,10 @@ async def completion_prompts(served: ServedModel, request: CompletionRequest) ->
     if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
         prompt = [prompt]
     if not prompt:
-        raise APIError("The prompt must not be empty.", param="prompt")
-    return [(p, await served.encode(p, request.add_special_tokens)) if isinstance(p, str) else (None, list(p))
-            for p in prompt]
+        raise APIError("The decoder prompt cannot be empty.", param="prompt")
+    prompts = [(p, await served.encode(p, request.add_special_tokens)) if isinstance(p, str) else (None, list(p))
+               for p in prompt]
+    return [(text, request.truncate(ids, served.max_model_len)) for text, ids in prompts]
 
 
 class CompletionRun:
@@ -33,6 +34,7 @@ class CompletionRun:
         if request.best_of is not None and request.best_of != request.n:
             raise APIError("best_of is not supported (it must equal n when given).", param="best_of")
         served.check_logprobs(request.logprobs, "logprobs")
+        served.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         served.check_n(request.n)
         self.served, self.request = served, request
         self.id = random_id("cmpl")
@@ -59,6 +61,13 @@ class CompletionRun:
             text = prompt_text + text
         choice = {"index": i * self.n + o.index, "text": text, "logprobs": None,
                   "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        request = self.request
+        if request.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = self.served.prompt_logprobs(output.prompt_logprobs,
+                                                                    request.return_tokens_as_token_ids)
+        if request.return_token_ids:
+            choice["prompt_token_ids"] = output.prompt_token_ids if first else None
+            choice["token_ids"] = list(token_ids)
         if self.request.logprobs is not None:
             entries = list(zip(token_ids, logprobs or []))
             if prompt_part:
@@ -105,8 +114,11 @@ class CompletionRun:
                 "choices": choices, "usage": self._usage(completion_tokens, finals.values())}
 
     async def stream(self) -> AsyncIterator[str]:
+        """One chunk per choice delta, as vLLM streams them; with stream_options.include_usage a
+        last chunk with the usage (and with continuous_usage_stats, the usage so far in every chunk)."""
         options = self.request.stream_options
         include_usage = options is not None and options.include_usage
+        continuous = include_usage and options.continuous_usage_stats
         sent_any: set[int] = set()
         offsets: dict[int, int] = {}
         completion_tokens = 0
@@ -114,7 +126,6 @@ class CompletionRun:
         try:
             async for i, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
                 cached[i] = delta
-                choices = []
                 for o in delta.outputs:
                     index = i * self.n + o.index
                     if not (o.text or o.token_ids or o.finish_reason) and index in sent_any:
@@ -123,12 +134,10 @@ class CompletionRun:
                     sent_any.add(index)
                     offsets[index] = offsets.get(index, 0) + len(choice["text"])
                     completion_tokens += len(o.token_ids)
-                    choices.append(choice)
-                if choices:
                     chunk = {"id": self.id, "object": "text_completion", "created": self.created,
-                             "model": self.served.name, "choices": choices}
+                             "model": self.served.name, "choices": [choice]}
                     if include_usage:
-                        chunk["usage"] = None
+                        chunk["usage"] = self._usage(completion_tokens, cached.values()) if continuous else None
                     yield sse(chunk)
         except APIError as e:
             yield sse(e.body())

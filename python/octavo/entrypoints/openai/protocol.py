@@ -8,7 +8,7 @@ keep working; a field Octavo cannot honour (logit_bias, tools, ...) is refused w
 from __future__ import annotations
 
 from http import HTTPStatus
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -74,16 +74,43 @@ class _SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     priority: int = 0  # lower runs first, with --scheduling-policy priority
     return_tokens_as_token_ids: bool | None = None  # None: the server's --return-tokens-as-token-ids
+    prompt_logprobs: int | None = None
+    return_token_ids: bool = False  # prompt_token_ids and token_ids in the response
+    truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep this many (-1: max_model_len)
+    truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
             raise APIError("Stream options can only be defined when `stream=True`.", param="stream_options")
+
+    def check_prompt_logprobs(self) -> None:
+        """vLLM's rules and messages."""
+        if self.prompt_logprobs is None:
+            return
+        if self.prompt_logprobs < 0:
+            raise APIError("`prompt_logprobs` must be a positive value.", param="prompt_logprobs")
+        if self.stream:
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+
+    def truncate(self, token_ids: list[int], max_model_len: int) -> list[int]:
+        """The prompt cut to truncate_prompt_tokens tokens, from truncation_side (vLLM's rule)."""
+        keep = self.truncate_prompt_tokens
+        if keep is None:
+            return token_ids
+        keep = max_model_len if keep == -1 else keep
+        if keep > max_model_len:
+            raise APIError(f"truncate_prompt_tokens value ({keep}) is greater than max_model_len ({max_model_len})."
+                           " Please, select a smaller truncation size.", param="truncate_prompt_tokens")
+        if len(token_ids) <= keep:
+            return token_ids
+        return token_ids[-keep:] if self.truncation_side == "left" else token_ids[:keep]
 
     def sampling_params(self, defaults: dict[str, Any], max_tokens: int | None, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
         """``defaults``: the model's generation_config sampling defaults, used for fields the
         request leaves out (vLLM's --generation-config auto)."""
         self.check_stream_options()
+        self.check_prompt_logprobs()
         if self.logit_bias:
             raise APIError("logit_bias is not supported by this server yet", param="logit_bias")
 
@@ -94,6 +121,8 @@ class _SamplingFields(BaseModel):
         if defaults.get("max_tokens") is not None:  # the model's max_new_tokens bounds every request, as in vLLM
             max_tokens = defaults["max_tokens"] if max_tokens is None else min(max_tokens, defaults["max_tokens"])
 
+        asked = [k for k in (prompt_logprobs, self.prompt_logprobs) if k is not None]
+        prompt_logprobs = max(asked) if asked else None
         try:
             return SamplingParams(
                 n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
@@ -123,7 +152,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0)
+    top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (--max-logprobs permitting)
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     # vLLM's extra chat fields.
@@ -132,6 +161,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_special_tokens: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # put the last message's content in front of the reply when it is the assistant's
 
 
 class TokenizeRequest(BaseModel):
@@ -145,6 +175,7 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(BaseModel):

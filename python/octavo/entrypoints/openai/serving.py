@@ -16,7 +16,7 @@ from typing import Any
 from ...engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError
 from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
-from .protocol import APIError
+from .protocol import MIN_LOGPROB, APIError
 from .template_sandbox import TemplateError, TemplateSandbox
 
 
@@ -101,7 +101,7 @@ class ServedModel:
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
         if not token_ids:
-            raise APIError("The prompt must not be empty.", param="prompt")
+            raise APIError("The decoder prompt cannot be empty.", param="prompt")
         asked = len(token_ids) + (params.max_tokens or 1)
         if asked > self.max_model_len:
             raise APIError(f"This model's maximum context length is {self.max_model_len} tokens. However, you "
@@ -189,6 +189,16 @@ class ServedModel:
         if self.return_tokens_as_token_ids if as_token_ids is None else as_token_ids:
             return f"token_id:{token_id}"
         return text if text is not None else self.tokenizer.decode([token_id])
+
+    def prompt_logprobs(self, entries: list | None, as_token_ids: bool | None) -> list | None:
+        """vLLM's JSON form of prompt logprobs: None for the first token, then {token id: {logprob,
+        rank, decoded_token}} per prompt token."""
+        if entries is None:
+            return None
+        return [None if entry is None else {
+            str(t): {"logprob": max(lp.logprob, MIN_LOGPROB), "rank": lp.rank,
+                     "decoded_token": self.token_name(t, lp.decoded_token, as_token_ids)}
+            for t, lp in entry.items()} for entry in entries]
 
     async def stream(self, request_id: str, prompts: list[tuple[str | None, list[int]]],
                      params: SamplingParams, priority: int = 0) -> AsyncIterator[tuple[int, RequestOutput]]:
