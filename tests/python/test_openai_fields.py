@@ -51,6 +51,24 @@ def test_completion_prompt_logprobs(client, tokenizer, num):
         assert all(v["logprob"] <= 0 and v["rank"] >= 1 for v in entry.values())
 
 
+@pytest.mark.parametrize("prompt_logprobs", [-1, 0, 1, None])
+def test_prompt_logprobs_of_two_prompts(client, prompt_logprobs):
+    """vLLM's test_prompt_logprobs_completion, as it is written there."""
+    params = {"prompt": ["A robot may not injure another robot", "My name is"], "model": MODEL}
+    if prompt_logprobs is not None:
+        params["extra_body"] = {"prompt_logprobs": prompt_logprobs}
+    if prompt_logprobs is not None and prompt_logprobs < 0:
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**params)
+        return
+    completion = client.completions.create(**params)
+    if prompt_logprobs is not None:
+        assert completion.choices[0].prompt_logprobs is not None and len(completion.choices[0].prompt_logprobs) > 0
+        assert completion.choices[1].prompt_logprobs is not None and len(completion.choices[1].prompt_logprobs) > 0
+    else:
+        assert completion.choices[0].prompt_logprobs is None
+
+
 def test_chat_prompt_logprobs_and_their_limits(client, server):
     messages = [{"role": "user", "content": "Hi"}]
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2,
@@ -148,3 +166,35 @@ def test_vllm_messages_for_bad_prompts(client):
         client.completions.create(model=MODEL, prompt=[999999], max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="stop_token_ids contains token id 49152, which is out of vocab"):
         client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, extra_body={"stop_token_ids": [49152]})
+
+
+def test_chat_completion_stream_options(client):
+    """vLLM's test of the same name (a 400 where its older servers answered 422)."""
+    messages = [{"role": "system", "content": "You are a helpful assistant."},
+                {"role": "user", "content": "What is the capital of France?"}]
+    common = dict(model=MODEL, messages=messages, max_completion_tokens=10, temperature=0.0)
+    for chunk in client.chat.completions.create(**common, stream=True, stream_options={"include_usage": False}):
+        assert chunk.usage is None
+    stream = client.chat.completions.create(**common, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": False})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].finish_reason is not None:
+            assert chunk.usage is None
+            final = next(stream)
+            assert final.usage.prompt_tokens > 0 and final.usage.completion_tokens > 0
+            assert final.usage.total_tokens == final.usage.prompt_tokens + final.usage.completion_tokens
+            assert final.choices == []
+        else:
+            assert chunk.usage is None
+    for options in ({"include_usage": None}, {"include_usage": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(**common, stream=False, stream_options=options)
+    last = 0
+    for chunk in client.chat.completions.create(**common, extra_body=dict(min_tokens=10), stream=True,
+                                                stream_options={"include_usage": True, "continuous_usage_stats": True}):
+        assert chunk.usage.prompt_tokens >= 0
+        assert last == 0 or chunk.usage.completion_tokens > last or (
+            not chunk.choices and chunk.usage.completion_tokens == last)
+        assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
+        last = chunk.usage.completion_tokens
+    assert last == 10

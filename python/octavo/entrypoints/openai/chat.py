@@ -75,14 +75,11 @@ class ChatRun:
                      self.served.cached_tokens([output] if output is not None else []))
 
     def _extras(self, output: RequestOutput) -> dict[str, Any]:
-        """The response's top-level prompt fields a request may ask for."""
-        extras = {}
-        if self.request.prompt_logprobs is not None:
-            extras["prompt_logprobs"] = self.served.prompt_logprobs(output.prompt_logprobs,
-                                                                    self.request.return_tokens_as_token_ids)
-        if self.request.return_token_ids:
-            extras["prompt_token_ids"] = output.prompt_token_ids
-        return extras
+        """The response's top-level prompt fields (vLLM's extras), null unless asked for."""
+        request = self.request
+        return {"prompt_logprobs": None if request.prompt_logprobs is None else self.served.prompt_logprobs(
+                    output.prompt_logprobs, request.return_tokens_as_token_ids),
+                "prompt_token_ids": output.prompt_token_ids if request.return_token_ids else None}
 
     async def response(self) -> dict[str, Any]:
         final: RequestOutput | None = None
@@ -95,8 +92,7 @@ class ChatRun:
         for o in final.outputs:
             choice = {"index": o.index, "message": {"role": "assistant", "content": self.echo + o.text},
                       "logprobs": self._logprobs(o), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
-            if self.request.return_token_ids:
-                choice["token_ids"] = list(o.token_ids)
+            choice["token_ids"] = list(o.token_ids) if self.request.return_token_ids else None
             choices.append(choice)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
                 "choices": choices, "usage": self._usage(sum(len(o.token_ids) for o in final.outputs), final),

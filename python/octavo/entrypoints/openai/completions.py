@@ -61,13 +61,12 @@ class CompletionRun:
             text = prompt_text + text
         choice = {"index": i * self.n + o.index, "text": text, "logprobs": None,
                   "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+        # vLLM's extra fields, null unless asked for.
         request = self.request
-        if request.prompt_logprobs is not None:
-            choice["prompt_logprobs"] = self.served.prompt_logprobs(output.prompt_logprobs,
-                                                                    request.return_tokens_as_token_ids)
-        if request.return_token_ids:
-            choice["prompt_token_ids"] = output.prompt_token_ids if first else None
-            choice["token_ids"] = list(token_ids)
+        choice["prompt_logprobs"] = None if request.prompt_logprobs is None else self.served.prompt_logprobs(
+            output.prompt_logprobs, request.return_tokens_as_token_ids)
+        choice["prompt_token_ids"] = output.prompt_token_ids if request.return_token_ids and first else None
+        choice["token_ids"] = list(token_ids) if request.return_token_ids else None
         if self.request.logprobs is not None:
             entries = list(zip(token_ids, logprobs or []))
             if prompt_part:
