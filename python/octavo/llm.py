@@ -114,6 +114,7 @@ class LLM:
         finally:
             if bar is not None:
                 bar.close()
-            if pending:  # interrupted: leave nothing half-run in the engine
+            if pending:  # interrupted (Ctrl-C, or a step that raised): leave the engine ready to run
+                self.llm_engine.end_failed_step()
                 self.llm_engine.abort_request(list(pending))
         return [done[i] for i in ids]

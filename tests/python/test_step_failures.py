@@ -186,10 +186,24 @@ def test_a_failure_aborts_only_its_requests(server, poisoned, part, stream):
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == quiet[0]
 
 
-def test_offline_generate_reports_the_failed_request(llm, server, poisoned):
+def test_offline_generate_reports_the_failed_request(monkeypatch):
+    """Offline, a request whose detokenizer fails ends with finish_reason "error" and the others
+    get the outputs they get alone. (An engine of its own: the server's engine thread steps its
+    engine whenever that holds requests.)"""
+    llm = LLM(max_model_len=256, device="cpu")
+    engine = llm.llm_engine
+    detokenizer = engine._detokenizer
+
+    def failing_detokenizer(request):
+        inner = detokenizer(request)
+        if "POISON-DETOK" in (request.prompt or ""):
+            inner.add_tokens = lambda tokens: (_ for _ in ()).throw(RuntimeError("injected"))
+        return inner
+
+    monkeypatch.setattr(engine, "_detokenizer", failing_detokenizer)
     prompts = ["Item 1 of the list is", "POISON-DETOK story", "Item 2 of the list is"]
     outputs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length"]
     alone = llm.generate(prompts[::2], SamplingParams(**GREEDY), use_tqdm=False)
     assert [o.outputs[0].text for o in outputs[::2]] == [o.outputs[0].text for o in alone]
-    assert server.wait_idle() == 0
+    assert not engine.has_unfinished_requests() and engine.scheduler.block_pool.num_used_blocks == 0

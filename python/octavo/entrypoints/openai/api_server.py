@@ -39,8 +39,6 @@ logger = logging.getLogger("octavo.server")
 DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 # Routes that answer without an API key.
 OPEN_ROUTES = frozenset({"/health", "/version", "/metrics"})
-
-
 # Routes whose requests GET /load counts while they run (vLLM's load-aware routes).
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
 

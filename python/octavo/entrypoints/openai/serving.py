@@ -20,7 +20,6 @@ from .protocol import MIN_LOGPROB, APIError
 from .template_sandbox import TemplateError, TemplateSandbox
 
 
-
 def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
