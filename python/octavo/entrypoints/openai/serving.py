@@ -95,7 +95,7 @@ class ServedModel:
                            "Retry later.", HTTPStatus.SERVICE_UNAVAILABLE, headers={"Retry-After": "1"})
 
     def check_logprobs(self, num: int | None, param: str) -> None:
-        if num is not None and num > self.max_logprobs:
+        if num is not None and self.max_logprobs != -1 and num > self.max_logprobs:  # -1: no limit
             raise APIError(f"{param}={num} is more than the server's limit of {self.max_logprobs}", param=param)
 
     def check_prompt(self, token_ids: list[int], params: SamplingParams) -> None:
