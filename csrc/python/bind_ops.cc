@@ -31,7 +31,7 @@ CpuIsa parse_isa(const std::string& name) {
   for (CpuIsa isa : kAllCpuIsas) {
     if (name == cpu_isa_name(isa)) return isa;
   }
-  OCTAVO_CHECK(false, "CPU ISA must be 'scalar', 'avx2', 'avx512' or 'avx512_bf16', got '" << name << "'");
+  OCTAVO_CHECK(false, "CPU ISA must be 'scalar', 'avx2', 'avx512', 'avx512_bf16' or 'amx', got '" << name << "'");
   return CpuIsa::kScalar;
 }
 
@@ -227,7 +227,7 @@ void bind_ops(py::module_& m) {
   m.def("get_num_threads", &get_num_threads, "Threads used by the CPU kernels.");
   m.def("set_num_threads", &set_num_threads, py::arg("n"), "Sets the threads used by the CPU kernels (n >= 1).");
   m.def("cpu_isa", [] { return std::string(cpu_isa_name(active_cpu_isa())); },
-        "The compiled CPU kernel level in use: 'scalar', 'avx2', 'avx512' or 'avx512_bf16'.");
+        "The compiled CPU kernel level in use: 'scalar', 'avx2', 'avx512', 'avx512_bf16' or 'amx'.");
   m.def("supported_cpu_isas", [] {
     py::list out;
     for (CpuIsa isa : kAllCpuIsas) {
@@ -236,7 +236,7 @@ void bind_ops(py::module_& m) {
     return out;
   }, "CPU kernel levels this machine can run, lowest first.");
   m.def("set_cpu_isa", [](const std::string& name) { set_cpu_isa(parse_isa(name)); }, py::arg("name"),
-        "Selects the CPU kernel level ('scalar', 'avx2', 'avx512', 'avx512_bf16'); for tests and benchmarks.");
+        "Selects the CPU kernel level ('scalar', 'avx2', 'avx512', 'avx512_bf16', 'amx'); for tests and benchmarks.");
   py::module_ ops = m.def_submodule("ops", "Octavo's kernels; outputs are preallocated by the caller.");
   bind_kernels(ops);
 }

@@ -14,7 +14,7 @@ struct CpuFeatures {
   bool avx512vl = false;     // AVX-512 ops on 128/256-bit registers
   bool avx512_bf16 = false;  // bf16 dot products (vdpbf16ps)
   bool avx512_vnni = false;  // int8 dot products (vpdpbusd)
-  bool amx_bf16 = false;     // AMX tiles with bf16 (Linux also needs arch_prctl permission)
+  bool amx_bf16 = false;     // AMX tiles with bf16 (on Linux: and the process was granted tile state)
 };
 
 // Detected on first call; cheap afterwards.

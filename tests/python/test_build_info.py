@@ -55,7 +55,7 @@ def test_cpu_isa_controls():
     isas = _C.supported_cpu_isas()
     assert isas[0] == "scalar" and _C.cpu_isa() in isas
     assert octavo.cpu_isa() == _C.cpu_isa()
-    with pytest.raises(ValueError, match="'scalar', 'avx2', 'avx512' or 'avx512_bf16'"):
+    with pytest.raises(ValueError, match="'scalar', 'avx2', 'avx512', 'avx512_bf16' or 'amx'"):
         _C.set_cpu_isa("sse9")
     threads = octavo.get_num_threads()
     assert threads >= 1

@@ -50,17 +50,48 @@ def test_linear_large_enough_to_use_every_thread(dtype):
     assert_close(out, reference(x, w, None), dtype)
 
 
+# bfloat16 on the amx level takes AMX tiles from this many rows (linear.cc's kAmxFromRows), and
+# the vdpbf16ps kernel below: rows are batch invariant on each side, not across.
+AMX_FROM_ROWS = 8
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_each_row_is_the_same_whatever_the_batch(dtype):
+def test_each_row_is_the_same_whatever_the_batch(isa, dtype):
     # 300 rows of 576 span two or three of the kernel's L2-sized row chunks.
     x, w = torch.randn(300, 576).to(dtype), torch.randn(700, 576).to(dtype)
     batch = torch.empty(300, 700, dtype=dtype)
     _C.ops.linear(batch, x, w, None)
     assert_close(batch, reference(x, w, None), dtype)
+    two_paths = isa == "amx" and dtype == torch.bfloat16
     for i in (0, 5, 36, 111, 112, 299):
-        alone = torch.empty(1, 700, dtype=dtype)
-        _C.ops.linear(alone, x[i:i + 1], w, None)
-        assert torch.equal(alone[0], batch[i])
+        rows = {}
+        for size in (1, 5, AMX_FROM_ROWS + 1):  # the window of `size` rows that holds row i
+            start = min(i, 300 - size)
+            out = torch.empty(size, 700, dtype=dtype)
+            _C.ops.linear(out, x[start:start + size], w, None)
+            rows[size] = out[i - start]
+        assert torch.equal(rows[1], rows[5])
+        assert torch.equal(rows[AMX_FROM_ROWS + 1], batch[i])
+        if not two_paths:
+            assert torch.equal(rows[1], batch[i])
+
+
+# The AMX tile path's edges (and the same products on every other level): row blocks of 32 with
+# a last partial one, 32-wide weight panels with a partial one, bias, row-strided input and
+# output, and enough rows for several L2-sized row chunks.
+@pytest.mark.parametrize("m,n,k", [(16, 32, 32), (17, 33, 64), (31, 1, 96), (32, 31, 576), (33, 700, 576),
+                                   (100, 65, 1536), (2000, 40, 576)])
+def test_tiles_match_float64(isa, m, n, k):
+    dtype = torch.bfloat16
+    x = torch.randn(m, k + 64).to(dtype)[:, 32:k + 32]
+    w, b = torch.randn(n, k).to(dtype), torch.randn(n).to(dtype)
+    out = torch.full((m, n + 8), float("nan"), dtype=dtype)
+    _C.ops.linear(out[:, 8:], x, w, b)
+    assert_close(out[:, 8:], reference(x, w, b), dtype)
+    assert out[:, :8].isnan().all()  # nothing written outside the output's columns
+    out = torch.full((m, n), float("nan"), dtype=dtype)
+    _C.ops.linear(out, x, w, None)
+    assert_close(out, reference(x, w, None), dtype)
 
 
 def test_row_strided_input_and_output():

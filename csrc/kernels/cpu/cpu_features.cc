@@ -6,12 +6,27 @@
 #include <cpuid.h>
 #define OCTAVO_X86 1
 #endif
+#if defined(__linux__) && defined(__x86_64__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace octavo {
 namespace {
 
 #ifdef OCTAVO_X86
 bool bit(uint32_t reg, int n) { return (reg >> n) & 1u; }
+
+// Linux saves AMX tile data only for processes that ask for it (since 5.16): without this a tile
+// instruction faults. Asked once per process, before any thread runs tiles.
+bool os_grants_amx() {
+#if defined(__linux__) && defined(__x86_64__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
 
 // XCR0: which register states the OS saves on context switch. Inline asm so that this file
 // needs no -mxsave (the build must not assume the build machine's CPU).
@@ -45,7 +60,7 @@ CpuFeatures detect() {
     f.avx512vl = f.avx512f && bit(b, 31);
     f.avx512_vnni = f.avx512f && bit(c, 11);
   }
-  f.amx_bf16 = os_amx && bit(d, 22) && bit(d, 24);  // AMX-BF16 and AMX-TILE
+  f.amx_bf16 = os_amx && bit(d, 22) && bit(d, 24) && os_grants_amx();  // AMX-BF16 and AMX-TILE
   if (max_subleaf >= 1 && f.avx512f) {
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512_bf16 = bit(a, 5);

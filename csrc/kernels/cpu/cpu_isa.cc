@@ -32,14 +32,14 @@ const char* cpu_isa_name(CpuIsa isa) {
     case CpuIsa::kAvx2: return "avx2";
     case CpuIsa::kAvx512: return "avx512";
     case CpuIsa::kAvx512Bf16: return "avx512_bf16";
+    case CpuIsa::kAmx: return "amx";
   }
   return "unknown";
 }
 
 bool cpu_isa_compiled(CpuIsa isa) {
 #if OCTAVO_CPU_X86_ISAS
-  (void)isa;
-  return true;
+  return isa != CpuIsa::kAmx || OCTAVO_CPU_AMX;
 #else
   return isa == CpuIsa::kScalar;
 #endif
@@ -54,6 +54,8 @@ bool cpu_isa_supported(CpuIsa isa) {
     case CpuIsa::kAvx2: return avx2;
     case CpuIsa::kAvx512: return avx2 && f.avx512f && f.avx512bw && f.avx512vl;
     case CpuIsa::kAvx512Bf16: return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
+    case CpuIsa::kAmx:
+      return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.amx_bf16;
   }
   return false;
 }

@@ -25,12 +25,23 @@ OCTAVO_DECLARE_CPU_KERNELS(avx2)
 OCTAVO_DECLARE_CPU_KERNELS(avx512)
 OCTAVO_DECLARE_CPU_KERNELS(avx512_bf16)
 #endif
+#if OCTAVO_CPU_AMX
+OCTAVO_DECLARE_CPU_KERNELS(amx)
+#endif
+
+#if OCTAVO_CPU_AMX
+#define OCTAVO_AMX_CASE(fn, ...) \
+  case ::octavo::CpuIsa::kAmx: ::octavo::cpu::amx::fn(__VA_ARGS__); break;
+#else
+#define OCTAVO_AMX_CASE(fn, ...)
+#endif
 
 // cpu_dispatch(rms_norm, params) -> octavo::cpu::<active isa>::rms_norm(params)
 #if OCTAVO_CPU_X86_ISAS
 #define cpu_dispatch(fn, ...)                                                   \
   do {                                                                          \
     switch (::octavo::active_cpu_isa()) {                                       \
+      OCTAVO_AMX_CASE(fn, __VA_ARGS__)                                          \
       case ::octavo::CpuIsa::kAvx512Bf16: ::octavo::cpu::avx512_bf16::fn(__VA_ARGS__); break; \
       case ::octavo::CpuIsa::kAvx512: ::octavo::cpu::avx512::fn(__VA_ARGS__); break; \
       case ::octavo::CpuIsa::kAvx2: ::octavo::cpu::avx2::fn(__VA_ARGS__); break; \

@@ -15,6 +15,9 @@
 #include "octavo/threading.h"
 #include "parallel.h"
 #include "vec.h"
+#if defined(__AMX_BF16__)
+#include "linear_amx.h"
+#endif
 
 namespace octavo::cpu::OCTAVO_ISA {
 namespace {
@@ -403,6 +406,15 @@ struct DenseTile {
 // Both decode to the same floats and add them in the same order, so the switch changes no bit.
 constexpr int64_t kDecodeOnceRows = 2 * kCols;
 
+#if defined(__AMX_BF16__)
+// From this many input rows on, bfloat16 products run on AMX tiles (linear_amx.h). Best of 15
+// alternating calls on the default model's shapes (bench/RESULTS.md): at 8 rows the tiles took
+// 0.55-0.85x the vdpbf16ps kernel's time, at 16 rows 0.3-0.55x; at 4 rows 1.1-2.4x, at 1-2 rows
+// up to 2.5x (packing the weight tiles is paid for a few rows). Rows are batch invariant on either
+// side of the switch: every row of a tile product is summed in the same order.
+constexpr int64_t kAmxFromRows = 8;
+#endif
+
 template <typename Rows, typename T>
 struct QuantTile {
   const LinearParams& p;
@@ -480,6 +492,9 @@ void dequantize_typed(const LinearParams& p) {
 
 void linear(const LinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
+#if defined(__AMX_BF16__)
+  if (p.rows >= kAmxFromRows && tiles::takes(p)) return tiles::linear(p);
+#endif
   switch (p.dtype) {
     case DType::kFloat32: return run_typed<float>(p);
     case DType::kBFloat16: return run_typed<bf16>(p);
