@@ -18,6 +18,7 @@ import torch
 from .. import FINISH_REASONS, Scheduler, SchedulerConfig
 from ..device import cpu_only_reason, resolve_device
 from ..generation_config import load_generation_config
+from ..layers.crossover import calibrate as calibrate_linear
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from ..runner.gpu_memory import GpuMemoryPlan
@@ -104,6 +105,7 @@ class LLMEngine:
             raise ValueError(f"device={str(device)!r}: {reason}; use device='cpu'")
         # quantization "int8" / "int4": round to nearest as the weights are read (layers/quantize.py)
         self.model = load_model(model, dtype, load_format, self.device, quantization)
+        calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
         self.tokenizer = tokenizer
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings

@@ -1,7 +1,13 @@
 """Dense projections: Octavo's ``linear`` kernel where it beats torch, torch's GEMM elsewhere.
 
-Crossover measured on the development machine (AMD EPYC, AVX-512 with BF16, 2 threads, torch
-2.13 CPU) at the default model's shapes (960x576, 3072x576, 576x1536, 49152x576), rows = M:
+The crossover is measured on the machine the engine runs on (``layers/crossover.py``: at model
+load, cached per CPU), because it differs between CPUs: on an Intel Xeon with AMX, torch's MKL
+float32 GEMM overtakes Octavo's kernel at about 64 rows, while Octavo's bfloat16 kernel runs on AMX
+tiles from 8 rows (``amx`` kernel level): 1.4-3x torch's oneDNN GEMM at 16-64 rows, about even
+summed over the model's shapes at 1024 (bench/RESULTS.md), so the probe picks it at every M.
+The built-in table below (``OCTAVO_LINEAR_CROSSOVER=builtin``, and the tests) is what the
+development machine measured (AMD EPYC, AVX-512 with BF16, 2 threads, torch 2.13 CPU) at the
+default model's shapes (960x576, 3072x576, 576x1536, 49152x576), rows = M:
 - float32: Octavo's kernel is faster at every M from 1 to 8192 (M = 1: 2-3x; prefill M = 512
   to 8192: 1.4-2x; torch's MKL float32 GEMM is slow on this AMD CPU), so it is used at every M.
   (Up to M = 8192 since the kernel takes input rows in L2-sized chunks; before that, M = 8192 ran
@@ -10,8 +16,9 @@ Crossover measured on the development machine (AMD EPYC, AVX-512 with BF16, 2 th
 - float16: torch's CPU float16 GEMM is 3-6x slower at every M: always Octavo's kernel.
 - bfloat16: Octavo's kernel (vdpbf16ps) wins up to M = 16 (M = 1: 1.3-5x); from M = 32
   torch's oneDNN GEMM (packed, larger register blocks) is faster.
-Octavo's kernel computes each output row the same way for every M, so decode batches of any
-size at or below the crossover give bit-identical rows.
+Octavo's kernel computes each output row the same way for every M (on the amx level: for every
+M below 8, and for every M from 8 on), so decode batches of any size at or below the crossover
+give bit-identical rows.
 
 Quantized weights (``QuantizedWeight``: GGUF blocks, int8, int4) go through Octavo's kernel on
 the CPU at every M; no torch kernel reads those formats. Against torch on the dequantized float32
@@ -40,7 +47,8 @@ import torch.nn.functional as F
 
 from .. import _C
 
-# The smallest row count at which torch's GEMM takes over, per dtype.
+# The smallest row count at which torch's GEMM takes over, per dtype: the built-in table, which
+# crossover.calibrate() replaces with this machine's measurement when a CPU model loads.
 TORCH_FROM_ROWS = {torch.float32: math.inf, torch.float16: math.inf, torch.bfloat16: 32}
 # On CUDA, the most rows a quantized weight's product runs in Octavo's kernel (see above), and the
 # weights dequantized at a time above it (64 MiB in 16 bits: a slab, not the LM head whole).
