@@ -2,6 +2,11 @@
 
     python bench/python/bench_linear.py [--rows 1 4 16 32 64 512] [--dtypes float32 bfloat16 float16]
                                         [--formats q8_0 q4_0 q4_1 int8 int4]
+    python bench/python/bench_linear.py --levels avx512_bf16 amx [--repeats 15] [--rows ...] [--dtypes ...]
+
+--levels compares Octavo's kernel levels (octavo.cpu_isa() names) and torch on the dense dtypes:
+the best of --repeats calls of each, taken in turn (level 1, level 2, ..., torch, level 1, ...),
+so that a machine whose speed drifts between minutes still gives comparable columns.
 
 Per shape (N x K weight), row count M and dtype: microseconds per call and weight GB/s (weight
 bytes ÷ time). The small matrices stay in the L3 cache when one is called in a loop, so their
@@ -43,8 +48,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[f"{n}x{k}" for n, k in SHAPES],
                         help="N x K weight shapes (default: the default model's; Llama-3-8B's down projection "
                              "is 4096x14336)")
+    parser.add_argument("--levels", nargs="*", default=None, help="kernel levels to compare, alternating")
+    parser.add_argument("--repeats", type=int, default=15)
     args = parser.parse_args()
     shapes = [tuple(int(v) for v in s.split("x")) for s in args.shapes]
+    if args.levels:
+        return levels_table(args, shapes)
     print(f"threads {octavo.get_num_threads()} (torch {torch.get_num_threads()}), cpu isa {octavo.cpu_isa()}, "
           f"torch {torch.__version__}; read bandwidth {read_bandwidth() / 1e9:.1f} GB/s")
     print(f"{'weights':>9} {'N x K':>11} {'M':>4} {'octavo us':>10} {'GB/s':>6} {'torch us':>9} {'GB/s':>6} {'speedup':>7}")
@@ -58,6 +67,29 @@ def main() -> None:
             qw = quantized(torch.randn(n, k), fmt)
             rows(fmt, qw, qw.dequantize(), args.rows, lambda out, x: _C.ops.linear(out, x, qw.qweight, None,
                                                                                    **qw.kernel_args()))
+
+
+def levels_table(args, shapes) -> None:
+    print(f"threads {octavo.get_num_threads()}, torch {torch.__version__}; best of {args.repeats} alternating calls, "
+          f"us: {', '.join(args.levels)}, torch")
+    for name in args.dtypes:
+        dtype = getattr(torch, name)
+        for n, k in shapes:
+            w = torch.randn(n, k).to(dtype)
+            for m in args.rows:
+                x, out = torch.randn(m, k).to(dtype), torch.empty(m, n, dtype=dtype)
+                calls = [(level, lambda: _C.ops.linear(out, x, w, None)) for level in args.levels]
+                calls.append(("torch", lambda: torch.nn.functional.linear(x, w)))
+                best = dict.fromkeys([c for c, _ in calls], float("inf"))
+                for _ in range(args.repeats):
+                    for level, fn in calls:
+                        if level != "torch":
+                            _C.set_cpu_isa(level)
+                        start = time.perf_counter()
+                        fn()
+                        best[level] = min(best[level], time.perf_counter() - start)
+                cells = " ".join(f"{best[c] * 1e6:10.1f}" for c, _ in calls)
+                print(f"{name:>9} {f'{n}x{k}':>11} {m:5d} {cells}", flush=True)
 
 
 def quantized(w: torch.Tensor, fmt: str) -> QuantizedWeight:
