@@ -17,8 +17,7 @@
 
 #include <immintrin.h>
 
-#include <vector>
-
+#include "octavo/threading.h"
 #include "parallel.h"
 #include "vec.h"
 
@@ -166,11 +165,6 @@ inline void half_block_product(const uint8_t* a, const uint8_t* panel, int64_t K
   _tile_stored(1, c + 16, 128);
 }
 
-inline uint8_t* aligned_buffer(std::vector<uint8_t>& buffer, size_t bytes) {
-  if (buffer.size() < bytes + 64) buffer.resize(bytes + 64);
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(buffer.data()) + 63) & ~uintptr_t{63});
-}
-
 // The product over rows [m_begin, m_end) and panels [panel_begin, panel_end): the rows are packed
 // into input tiles once (a last partial block padded with zeros), then each panel is packed and
 // multiplied with every row block.
@@ -179,11 +173,11 @@ inline void run_part(const LinearParams& p, int64_t m_begin, int64_t m_end, int6
   const bf16* input = static_cast<const bf16*>(p.input);
   const bf16* bias = static_cast<const bf16*>(p.bias);
   bf16* out = static_cast<bf16*>(p.out);
-  thread_local std::vector<uint8_t> panel_buffer, rows_buffer;
   const int64_t block_bytes = K / kTileK * 2 * kTileBytes;  // one 32-row block, or one panel
   const int64_t blocks = (m_end - m_begin + kBlockRows - 1) / kBlockRows;
-  uint8_t* panel = aligned_buffer(panel_buffer, static_cast<size_t>(block_bytes));
-  uint8_t* rows = aligned_buffer(rows_buffer, static_cast<size_t>(blocks * block_bytes));
+  // Per-thread scratch (64-byte aligned, kept between calls), not STL containers: see vec.h.
+  auto* panel = static_cast<uint8_t*>(thread_scratch(0, static_cast<size_t>(block_bytes)));
+  auto* rows = static_cast<uint8_t*>(thread_scratch(1, static_cast<size_t>(blocks * block_bytes)));
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t m = m_begin + b * kBlockRows;
     pack_rows(input + m * p.in_stride, p.in_stride, m_end - m < kBlockRows ? m_end - m : kBlockRows, K,
