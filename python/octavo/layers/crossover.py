@@ -6,11 +6,12 @@ tiles Octavo's bfloat16 kernel is ahead of oneDNN's to large M. So on the CPU th
 it once per machine, model shapes and dtype, when it loads a model: both products on the model's
 own projection shapes (weights trimmed to at most PROBE_MAX_WEIGHTS, inputs at PROBE_ROWS rows),
 each timed as the best of PROBE_REPEATS alternating runs, summed over the model's distinct
-shapes (one decoder layer's projections and the LM head). The crossover is the smallest probed row count from which torch is faster at
-every larger probe, by PROBE_MARGIN at the first. The result is cached in Octavo's cache
-directory (``linear_crossover.json``), keyed by the CPU, its kernel level, the thread count,
-torch's and Octavo's versions, the dtype and the shapes, so later starts read it. Delete the
-file to measure again (a build from source keeps its version number when its kernels change).
+shapes (one decoder layer's projections and the LM head). The crossover is the smallest probed
+row count from which torch is faster at every larger probe, by PROBE_MARGIN at the first. The
+result is cached in Octavo's cache directory (``linear_crossover.json``), keyed by the CPU, its
+kernel level, the thread count, torch's and Octavo's versions, the dtype and the shapes, so later
+starts read it. Delete the file to measure again (a build from source keeps its version number
+when its kernels change).
 
 ``OCTAVO_LINEAR_CROSSOVER=builtin`` skips the probe and keeps the built-in table in
 ``layers/linear.py`` (the tests do, so that which product runs never depends on the machine).
