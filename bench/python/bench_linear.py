@@ -70,6 +70,14 @@ def main() -> None:
 
 
 def levels_table(args, shapes) -> None:
+    previous = _C.cpu_isa()
+    try:
+        levels_rows(args, shapes)
+    finally:
+        _C.set_cpu_isa(previous)
+
+
+def levels_rows(args, shapes) -> None:
     print(f"threads {octavo.get_num_threads()}, torch {torch.__version__}; best of {args.repeats} alternating calls, "
           f"us: {', '.join(args.levels)}, torch")
     for name in args.dtypes:

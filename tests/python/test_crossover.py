@@ -64,10 +64,12 @@ def test_a_measurement_is_cached_per_machine_dtype_and_shapes(cache, monkeypatch
 
 
 def test_a_broken_cache_file_is_measured_again(cache, monkeypatch):
-    cache.write_text("{not json")
     monkeypatch.setattr(crossover, "probe", lambda dtype, shapes: 32)
-    assert crossover.torch_from_rows(torch.float32, [(96, 64)]) == 32
-    assert list(json.loads(cache.read_text()).values()) == [32]
+    key = crossover.machine_key(torch.float32, [(96, 64)])
+    for broken in ("{not json", "[1, 2]", json.dumps({key: "fast"}), json.dumps({key: None})):
+        cache.write_text(broken)
+        assert crossover.torch_from_rows(torch.float32, [(96, 64)]) == 32
+        assert json.loads(cache.read_text()) == {key: 32}
 
 
 def test_the_engine_dispatches_from_this_machines_measurement(cache, monkeypatch, tiny_llama):

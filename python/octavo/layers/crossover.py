@@ -103,10 +103,11 @@ def torch_from_rows(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> float:
     path = cache_path()
     try:
         cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
-    if key in cached:
-        return float(cached[key])
+        cached = cached if isinstance(cached, dict) else {}
+        if key in cached:
+            return float(cached[key])
+    except (OSError, ValueError, TypeError):
+        cached = {}  # missing, unreadable or edited by hand: measure again and rewrite it
     found = probe(dtype, shapes)
     print(f"octavo: measured where torch's GEMM overtakes Octavo's linear on this CPU ({dtype}): "
           f"{'never' if math.isinf(found) else f'from {found} rows'}; cached in {path}")
