@@ -108,7 +108,7 @@ void bind_kernels(py::module_& ops) {
       "out = input @ weight.T (+ bias), for small row counts (decode). weight_format 'dense': weight [N, K] "
       "contiguous in input's dtype; 'q8_0', 'q4_0', 'q4_1': uint8 [N, K / 32 * block bytes], GGUF blocks; "
       "'int8': int8 [N, K] with float32 scales [N]; 'int4': uint8 [N, K / 2] with float32 scales and uint8 zeros "
-      "[N, K / group_size].");
+      "[N, K / group_size]; 'bf16_tiles': uint8 [N, K * 2] from pack_bf16_tiles (CPU).");
   ops.def(
       "dequantize",
       [](py::handle out, py::handle weight, const std::string& weight_format, py::handle scales, py::handle zeros,
@@ -124,6 +124,16 @@ void bind_kernels(py::module_& ops) {
       py::arg("zeros") = py::none(), py::arg("group_size") = 0,
       "out [N, K] float32, bfloat16 or float16 = the weights a quantized weight stands for (arguments as "
       "linear's); GGUF formats exactly as the gguf package dequantizes them, rounded to out's dtype.");
+  ops.def(
+      "pack_bf16_tiles",
+      [](py::handle out, py::handle weight) {
+        PyTensor o = tensor(out, "out"), w = tensor(weight, "weight");
+        py::gil_scoped_release nogil;
+        pack_bf16_tiles(o.view, w.view);
+      },
+      py::arg("out"), py::arg("weight"),
+      "out uint8 [N, K * 2] = the bfloat16 weight [N, K] (CPU, N and K multiples of 32) in weight format "
+      "'bf16_tiles': AMX weight tiles, read by linear without repacking; dequantize restores it exactly.");
   ops.def("weight_block_bytes", [](const std::string& f) { return weight_block_bytes(parse_weight_format(f.c_str())); },
           py::arg("weight_format"), "Bytes per block of 32 weights in weight_format (0 for 'dense').");
   ops.def(

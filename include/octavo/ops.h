@@ -80,9 +80,13 @@ void plan_paged_attention(const TensorView& plan, const TensorView& query_start_
 // [N, K] with one float32 scale per row (w = q * s); kInt4, weight uint8 [N, K / 2] (each 32
 // weights in 16 bytes: byte j's low nibble is weight j, its high nibble weight j + 16), float32
 // scales and uint8 zero points [N, K / group_size] (w = (q - z) * s). K must be a multiple of 32,
-// and of group_size (itself a multiple of 32) for kInt4.
-enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4 };
-const char* weight_format_name(WeightFormat format);  // "dense", "q8_0", "q4_0", "q4_1", "int8", "int4"
+// and of group_size (itself a multiple of 32) for kInt4. kBf16Tiles: a bfloat16 weight repacked
+// once (pack_bf16_tiles) into the layout of AMX weight tiles, so that products on AMX read it
+// without transposing it on every call; uint8 [N, K * 2], N a multiple of 32 (see
+// csrc/kernels/bf16_tiles.h). CPU only.
+enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4, kBf16Tiles };
+// "dense", "q8_0", "q4_0", "q4_1", "int8", "int4", "bf16_tiles"
+const char* weight_format_name(WeightFormat format);
 WeightFormat parse_weight_format(const char* name);   // the inverse; throws for an unknown name
 int64_t weight_block_bytes(WeightFormat format);      // weight bytes per 32 weights; 0 for kDense
 
@@ -109,6 +113,10 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
 // formats exactly as the gguf package dequantizes them), or those floats rounded to bfloat16 /
 // float16 (the weights torch's GEMM multiplies where M is large).
 void dequantize(const TensorView& out, const TensorView& weight, WeightFormat format, const WeightQuant& quant = {});
+
+// out uint8 [N, K * 2] = the bfloat16 weight [N, K] (contiguous, on the CPU; N and K multiples of
+// 32) in WeightFormat::kBf16Tiles; `dequantize` gives the weight back bit for bit.
+void pack_bf16_tiles(const TensorView& out, const TensorView& weight);
 
 // Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,
 // penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones

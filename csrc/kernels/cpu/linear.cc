@@ -10,6 +10,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_tiles.h"
 #include "isa_kernels.h"
 #include "octavo/status.h"
 #include "octavo/threading.h"
@@ -272,6 +273,25 @@ struct Int4Rows {
   VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return int4_decode(block(r, blk), j, sc); }
 };
 
+// kBf16Tiles read a value at a time: the portable path for levels without AMX (weights are packed
+// only where the amx level runs; this keeps them correct if the level changes afterwards).
+struct Bf16TileRows {
+  const bf16* weight;
+  int64_t n, K, row_bytes;
+  int nr;  // rows past nr repeat row n
+  Bf16TileRows(const LinearParams& p, int64_t first, int rows)
+      : weight(static_cast<const bf16*>(p.weight)), n(first), K(p.in_features), row_bytes(p.in_features * 2), nr(rows) {}
+  int64_t row(int r) const { return n + (r < nr ? r : 0); }
+  const bf16* block(int r, int64_t blk) const { return weight + bf16_tiles::element_index(row(r), blk * kBlock, K); }
+  BlockScale scale(int, int64_t) const { return {VecF::zero(), VecF::zero()}; }
+  int64_t blocks_per_scale() const { return K / kBlock; }
+  VecF decode(int r, int64_t blk, int j, const BlockScale&) const {
+    float values[kW];
+    for (int e = 0; e < kW; ++e) values[e] = to_float(weight[bf16_tiles::element_index(row(r), blk * kBlock + j + e, K)]);
+    return VecF::load(values);
+  }
+};
+
 // Row r of w as floats, out[0, blocks * kBlock): what dot_tile_quant multiplies, each scale
 // built once for the blocks that share it.
 template <typename Rows>
@@ -458,6 +478,7 @@ void run_typed(const LinearParams& p) {
     case WeightFormat::kQ4_1: return run_quant<GgufRows<WeightFormat::kQ4_1>, T>(p);
     case WeightFormat::kInt8: return run_quant<Int8Rows, T>(p);
     case WeightFormat::kInt4: return run_quant<Int4Rows, T>(p);
+    case WeightFormat::kBf16Tiles: return run_quant<Bf16TileRows, T>(p);
   }
 }
 
@@ -493,6 +514,7 @@ void dequantize_typed(const LinearParams& p) {
 void linear(const LinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
 #if defined(__AMX_BF16__)
+  if (tiles::takes_packed(p)) return p.rows < tiles::kPackedFromRows ? tiles::gemv_packed(p) : tiles::linear(p);
   if (p.rows >= kAmxFromRows && tiles::takes(p)) return tiles::linear(p);
 #endif
   switch (p.dtype) {
@@ -510,6 +532,7 @@ void dequantize(const LinearParams& p) {
     case WeightFormat::kQ4_1: return dequantize_typed<GgufRows<WeightFormat::kQ4_1>>(p);
     case WeightFormat::kInt8: return dequantize_typed<Int8Rows>(p);
     case WeightFormat::kInt4: return dequantize_typed<Int4Rows>(p);
+    case WeightFormat::kBf16Tiles: return dequantize_typed<Bf16TileRows>(p);
     default: OCTAVO_CHECK(false, "dequantize: not a quantized format");
   }
 }

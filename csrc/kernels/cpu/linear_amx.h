@@ -6,7 +6,10 @@
 // in one instruction, 8x what vdpbf16ps does per cycle. The weight tile must be in "VNNI" layout:
 // tile row r holds, for 16 output features n, the pair of weights (k = 2r, 2r + 1) of row n. A
 // weight row's 32 bf16 are 16 such pairs (dwords), so the tile is the 16 x 16 dword transpose of
-// 16 weight rows: packed once per panel of 32 weight rows, for every input row of a chunk.
+// 16 weight rows: packed once per panel of 32 weight rows, for every input row of a chunk. A
+// kBf16Tiles weight (csrc/kernels/bf16_tiles.h) is stored in that layout already, so its panels
+// are read in place; that takes 0.6-0.8x the time at 8-64 rows over a model's weights read from
+// DRAM (bench/python/bench_bf16_tiles.py), and a single row runs a vector kernel on it.
 //
 // Tiles 0-3 accumulate a 32 x 32 block of the output, tiles 4-5 hold two 16-row input tiles and
 // 6-7 the two weight tiles of a panel: each step loads 4 tiles and runs 4 multiplies. (With only
@@ -16,6 +19,8 @@
 #pragma once
 
 #include <immintrin.h>
+
+#include <cstring>
 
 #include "octavo/threading.h"
 #include "parallel.h"
@@ -94,22 +99,29 @@ inline void pack_panel(const bf16* w, int64_t K, int nr, uint8_t* panel) {
   }
 }
 
+// Bias of features [n, n + 32) as two float32 vectors (zeros without bias; lanes past the mask too).
+inline void load_bias(const bf16* bias, int64_t n, __mmask32 mask, __m512& b0, __m512& b1) {
+  b0 = b1 = _mm512_setzero_ps();
+  if (bias == nullptr) return;
+  const __m512i bits = _mm512_maskz_loadu_epi16(mask, bias + n);
+  b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+  b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+}
+
+// dst[0, 32) (the lanes in mask) = lo, hi plus bias, rounded to bf16.
+inline void store_row(__m512 lo, __m512 hi, __m512 b0, __m512 b1, __mmask32 mask, bf16* dst) {
+  const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(hi, b1), _mm512_add_ps(lo, b0));
+  _mm512_mask_storeu_epi16(dst, mask, packed);
+}
+
 // out rows [m, m + mr) (mr <= kBlockRows), features [n, n + nr): the float32 block c (32 x 32,
 // row stride 32) plus bias, rounded to bf16.
 inline void store_block(const float* c, int mr, int nr, const bf16* bias, int64_t n, bf16* out, int64_t out_stride) {
   const __mmask32 mask = nr >= 32 ? ~__mmask32{0} : static_cast<__mmask32>((uint64_t{1} << nr) - 1);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias != nullptr) {
-    const __m512i bits = _mm512_maskz_loadu_epi16(mask, bias + n);
-    b0 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
-    b1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
-  }
-  for (int r = 0; r < mr; ++r) {
-    const __m512 lo = _mm512_add_ps(_mm512_load_ps(c + r * 32), b0);
-    const __m512 hi = _mm512_add_ps(_mm512_load_ps(c + r * 32 + 16), b1);
-    const __m512i packed = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    _mm512_mask_storeu_epi16(out + r * out_stride + n, mask, packed);
-  }
+  __m512 b0, b1;
+  load_bias(bias, n, mask, b0, b1);
+  for (int r = 0; r < mr; ++r)
+    store_row(_mm512_load_ps(c + r * 32), _mm512_load_ps(c + r * 32 + 16), b0, b1, mask, out + r * out_stride + n);
 }
 
 // Input rows [m, m + mr) (mr <= kBlockRows; missing rows are zeros) as K / 32 pairs of input
@@ -131,7 +143,7 @@ inline void pack_rows(const bf16* x, int64_t x_stride, int64_t mr, int64_t K, ui
 // tile (InputTiles = 1), the first 16 rows only: two multiplies per step instead of four (blocks of
 // at most 16 rows: 0.72-0.93x the two-tile time at 8-16 rows, best of 25 alternating calls).
 template <int InputTiles>
-inline void block_product(const uint8_t* a, const uint8_t* panel, int64_t K, float* c) {
+inline void block_product(const uint8_t* a, const uint8_t* panel, int64_t K, float* c, const uint8_t* next = nullptr) {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (InputTiles == 2) {
@@ -139,6 +151,9 @@ inline void block_product(const uint8_t* a, const uint8_t* panel, int64_t K, flo
     _tile_zero(3);
   }
   for (int64_t kb = 0; kb < K / kTileK; ++kb) {
+    if (next != nullptr)  // the next panel's two tiles of this step, while this one multiplies
+      for (int line = 0; line < 2 * kTileBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(next + kb * 2 * kTileBytes + line), _MM_HINT_T0);
     _tile_loadd(4, a + kb * 2 * kTileBytes, 64);
     if constexpr (InputTiles == 2) _tile_loadd(5, a + (kb * 2 + 1) * kTileBytes, 64);
     _tile_loadd(6, panel + kb * 2 * kTileBytes, 64);
@@ -156,6 +171,14 @@ inline void block_product(const uint8_t* a, const uint8_t* panel, int64_t K, flo
     _tile_stored(2, c + 16 * 32, 128);
     _tile_stored(3, c + 16 * 32 + 16, 128);
   }
+}
+
+// Panel pi's weight tiles: where a kBf16Tiles weight keeps them, or packed from the dense rows into
+// `scratch`.
+inline const uint8_t* panel_tiles(const LinearParams& p, int64_t pi, int64_t panel_bytes, int nr, uint8_t* scratch) {
+  if (p.weight_format == WeightFormat::kBf16Tiles) return static_cast<const uint8_t*>(p.weight) + pi * panel_bytes;
+  pack_panel(static_cast<const bf16*>(p.weight) + pi * kPanel * p.in_features, p.in_features, nr, scratch);
+  return scratch;
 }
 
 // The product over rows [m_begin, m_end) and panels [panel_begin, panel_end): the rows are packed
@@ -182,11 +205,15 @@ inline void run_part(const LinearParams& p, int64_t m_begin, int64_t m_end, int6
   for (int64_t pi = panel_begin; pi < panel_end; ++pi) {
     const int64_t n = pi * kPanel;
     const int nr = static_cast<int>(p.out_features - n < kPanel ? p.out_features - n : kPanel);
-    pack_panel(static_cast<const bf16*>(p.weight) + n * K, K, nr, panel);
+    const uint8_t* tiles = panel_tiles(p, pi, block_bytes, nr, panel);
+    // Stored tiles stream from memory: the first row block asks for the next panel's ahead
+    // (0.8-0.95x the time at 32-64 rows over a model's weights from DRAM, 2 threads).
+    const bool ahead = p.weight_format == WeightFormat::kBf16Tiles && pi + 1 < panel_end;
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t m = m_begin + b * kBlockRows;
-      if (m_end - m <= kTileRows) block_product<1>(rows + b * block_bytes, panel, K, c);
-      else block_product<2>(rows + b * block_bytes, panel, K, c);
+      const uint8_t* next = ahead && b == 0 ? tiles + block_bytes : nullptr;
+      if (m_end - m <= kTileRows) block_product<1>(rows + b * block_bytes, tiles, K, c, next);
+      else block_product<2>(rows + b * block_bytes, tiles, K, c, next);
       store_block(c, static_cast<int>(m_end - m < kBlockRows ? m_end - m : kBlockRows), nr, bias, n,
                   out + m * p.out_stride, p.out_stride);
     }
@@ -200,6 +227,73 @@ inline int64_t rows_per_chunk(int64_t M, int64_t K) {
   const int64_t chunks = (M * K * 2 + kChunkBytes - 1) / kChunkBytes;
   const int64_t blocks = ((M + chunks - 1) / chunks + kBlockRows - 1) / kBlockRows;
   return blocks * kBlockRows;
+}
+
+// ---- kBf16Tiles weights (packed once at load) -------------------------------------------------
+// With the weight tiles stored, a call pays no packing, so tiles win from 2 rows on; a single row
+// takes the vector kernel below, which streams the weight at memory speed where tile loads do not.
+constexpr int64_t kPackedFromRows = 8;
+
+inline bool takes_packed(const LinearParams& p) {
+  return p.weight_format == WeightFormat::kBf16Tiles && p.dtype == DType::kBFloat16;
+}
+
+// Rows [m, m + NR) against panels [begin, end) of a kBf16Tiles weight with vdpbf16ps: a tile row
+// holds 16 features' weight pairs, multiplied by the row's input pair broadcast to every lane, so
+// the 16 lanes are 16 outputs and no horizontal sums are needed. Even and odd pairs accumulate
+// apart (two dependency chains); each row's sums run in the same order whatever NR is.
+constexpr int64_t kGemvPrefetchBytes = 8 * kTileBytes;  // as far ahead as the dense kernel's prefetch
+
+template <int NR>
+inline void gemv_rows(const LinearParams& p, int64_t m, int64_t begin, int64_t end) {
+  const int64_t K = p.in_features, panel_bytes = K / kTileK * 2 * kTileBytes;
+  const auto* x = static_cast<const bf16*>(p.input) + m * p.in_stride;
+  const auto* bias = static_cast<const bf16*>(p.bias);
+  bf16* out = static_cast<bf16*>(p.out) + m * p.out_stride;
+  for (int64_t pi = begin; pi < end; ++pi) {
+    const uint8_t* panel = static_cast<const uint8_t*>(p.weight) + pi * panel_bytes;
+    __m512 acc[NR][2][2];
+    for (int r = 0; r < NR; ++r)
+      for (int h = 0; h < 2; ++h) acc[r][h][0] = acc[r][h][1] = _mm512_setzero_ps();
+    for (int64_t kb = 0; kb < K / kTileK; ++kb) {
+      const uint8_t* tile = panel + kb * 2 * kTileBytes;
+      for (int i = 0; i < 16; ++i) {
+        _mm_prefetch(reinterpret_cast<const char*>(tile + kGemvPrefetchBytes + i * 64), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(tile + kTileBytes + kGemvPrefetchBytes + i * 64), _MM_HINT_T0);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(tile + i * 64);
+        const __m512bh w1 = (__m512bh)_mm512_loadu_si512(tile + kTileBytes + i * 64);
+        for (int r = 0; r < NR; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, x + r * p.in_stride + kb * kTileK + 2 * i, sizeof(pair));
+          const __m512bh xr = (__m512bh)_mm512_set1_epi32(pair);
+          acc[r][0][i & 1] = _mm512_dpbf16_ps(acc[r][0][i & 1], w0, xr);
+          acc[r][1][i & 1] = _mm512_dpbf16_ps(acc[r][1][i & 1], w1, xr);
+        }
+      }
+    }
+    __m512 b0, b1;
+    load_bias(bias, pi * kPanel, ~__mmask32{0}, b0, b1);
+    for (int r = 0; r < NR; ++r)
+      store_row(_mm512_add_ps(acc[r][0][0], acc[r][0][1]), _mm512_add_ps(acc[r][1][0], acc[r][1][1]), b0, b1,
+                ~__mmask32{0}, out + r * p.out_stride + pi * kPanel);
+  }
+}
+
+// Below kPackedFromRows rows: threads split the panels, each streaming its own slab of the weight.
+inline void gemv_packed(const LinearParams& p) {
+  const int64_t panels = p.out_features / kPanel;
+  const int threads = get_num_threads();
+  const bool serial = p.out_features * p.in_features * 2 < (int64_t{1} << 18);  // waking the pool costs more
+  parallel_for(panels, serial ? panels : (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    int64_t m = 0;
+    for (; m + 4 <= p.rows; m += 4) gemv_rows<4>(p, m, begin, end);
+    switch (p.rows - m) {
+      case 3: gemv_rows<3>(p, m, begin, end); break;
+      case 2: gemv_rows<2>(p, m, begin, end); break;
+      case 1: gemv_rows<1>(p, m, begin, end); break;
+      default: break;
+    }
+  });
 }
 
 // Whether the tile path takes this product (the dense bfloat16 case with whole 32-input blocks).

@@ -344,8 +344,9 @@ void dispatch_quantized(const LinearParams& p, Fn&& fn) {
     case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
     case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
     case WeightFormat::kDense: break;
+    case WeightFormat::kBf16Tiles: break;  // refused before launch (ops/linear.cc): CPU only
   }
-  OCTAVO_CHECK(false, "not a quantized weight format");
+  OCTAVO_CHECK(false, "not a quantized weight format on CUDA");
 }
 
 template <typename T>

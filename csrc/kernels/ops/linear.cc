@@ -2,6 +2,7 @@
 #include <cstring>
 #include <tuple>
 
+#include "bf16_tiles.h"
 #include "cpu/isa_kernels.h"
 #include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
@@ -34,6 +35,8 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   OCTAVO_CHECK(k % kBlockWeights == 0, "weight format " << weight_format_name(format) << " needs in_features "
                                            << "divisible by 32, got " << k);
   check_size(weight, "weight", 1, k / kBlockWeights * weight_block_bytes(format));
+  OCTAVO_CHECK(format != WeightFormat::kBf16Tiles || n % bf16_tiles::kPanelRows == 0,
+               "weight format bf16_tiles needs out_features divisible by 32, got " << n);
   if (format == WeightFormat::kInt8) {
     OCTAVO_CHECK(quant.scales != nullptr, "weight format int8 needs scales");
     ops::check_vector(*quant.scales, "scales", DType::kFloat32, n, ref, ref_arg);
@@ -74,15 +77,17 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::kQ4_1: return "q4_1";
     case WeightFormat::kInt8: return "int8";
     case WeightFormat::kInt4: return "int4";
+    case WeightFormat::kBf16Tiles: return "bf16_tiles";
   }
   return "?";
 }
 
 WeightFormat parse_weight_format(const char* name) {
   for (WeightFormat f : {WeightFormat::kDense, WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
-                         WeightFormat::kInt8, WeightFormat::kInt4})
+                         WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kBf16Tiles})
     if (std::strcmp(name, weight_format_name(f)) == 0) return f;
-  OCTAVO_CHECK(false, "unknown weight format '" << name << "' (expected dense, q8_0, q4_0, q4_1, int8 or int4)");
+  OCTAVO_CHECK(false, "unknown weight format '" << name
+                                                << "' (expected dense, q8_0, q4_0, q4_1, int8, int4 or bf16_tiles)");
   return WeightFormat::kDense;
 }
 
@@ -93,6 +98,7 @@ int64_t weight_block_bytes(WeightFormat format) {
     case WeightFormat::kQ4_1: return 2 + 2 + 16;  // float16 scale and minimum, 32 nibbles
     case WeightFormat::kInt8: return 32;          // scales kept apart
     case WeightFormat::kInt4: return 16;          // scales and zero points kept apart
+    case WeightFormat::kBf16Tiles: return 64;     // 32 bfloat16, reordered
     default: return 0;
   }
 }
@@ -116,7 +122,9 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
   p.in_stride = in.stride;
   p.out_stride = o.stride;
   p.dtype = input.dtype;
-  if (ops::runs_on_cuda(input, "input")) cuda::linear(p);
+  const bool cuda = ops::runs_on_cuda(input, "input");
+  OCTAVO_CHECK(!cuda || format != WeightFormat::kBf16Tiles, "weight format bf16_tiles is for the CPU only");
+  if (cuda) cuda::linear(p);
   else cpu_dispatch(linear, p);
 }
 
@@ -133,8 +141,31 @@ void dequantize(const TensorView& out, const TensorView& weight, WeightFormat fo
   p.out_features = n;
   p.in_features = out.shape[1];
   p.dtype = out.dtype;
-  if (ops::runs_on_cuda(out, "out")) cuda::dequantize(p);
+  const bool cuda = ops::runs_on_cuda(out, "out");
+  OCTAVO_CHECK(!cuda || format != WeightFormat::kBf16Tiles, "weight format bf16_tiles is for the CPU only");
+  if (cuda) cuda::dequantize(p);
   else cpu_dispatch(dequantize, p);
+}
+
+void pack_bf16_tiles(const TensorView& out, const TensorView& weight) {
+  check_ndim(weight, "weight", 2);
+  check_contiguous(weight, "weight");
+  OCTAVO_CHECK(weight.dtype == DType::kBFloat16, "argument 'weight' must be bfloat16, got " << dtype_name(weight.dtype));
+  OCTAVO_CHECK(!ops::runs_on_cuda(weight, "weight"), "pack_bf16_tiles runs on the CPU only");
+  const int64_t n = weight.shape[0], k = weight.shape[1];
+  OCTAVO_CHECK(n % bf16_tiles::kPanelRows == 0 && k % bf16_tiles::kTileK == 0,
+               "pack_bf16_tiles needs a weight whose both sides are multiples of 32, got [" << n << ", " << k << "]");
+  ops::check_same_device(out, "out", weight, "weight");
+  OCTAVO_CHECK(out.dtype == DType::kUInt8, "argument 'out' must be uint8, got " << dtype_name(out.dtype));
+  check_ndim(out, "out", 2);
+  check_contiguous(out, "out");
+  check_size(out, "out", 0, n);
+  check_size(out, "out", 1, k * 2);
+  // A load-time copy, a few dwords per cache line: row pairs move as one 32-bit word.
+  const auto* src = static_cast<const uint32_t*>(weight.data);
+  auto* dst = static_cast<uint32_t*>(out.data);
+  for (int64_t row = 0; row < n; ++row)
+    for (int64_t pair = 0; pair < k / 2; ++pair) dst[bf16_tiles::element_index(row, 2 * pair, k) / 2] = src[row * k / 2 + pair];
 }
 
 }  // namespace octavo

@@ -18,6 +18,7 @@ import torch
 from .. import FINISH_REASONS, Scheduler, SchedulerConfig
 from ..device import cpu_only_reason, resolve_device
 from ..generation_config import load_generation_config
+from ..layers import bf16_tiles
 from ..layers.crossover import calibrate as calibrate_linear
 from ..loader import load_model
 from ..outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
@@ -106,6 +107,8 @@ class LLMEngine:
         # quantization "int8" / "int4": round to nearest as the weights are read (layers/quantize.py)
         self.model = load_model(model, dtype, load_format, self.device, quantization)
         calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
+        if bf16_tiles.worth_packing(self.model):  # AMX: bfloat16 weights packed into tiles once
+            bf16_tiles.pack_model(self.model)
         self.tokenizer = tokenizer
         config = self.model.config
         self.max_model_len = max_model_len or config.max_position_embeddings

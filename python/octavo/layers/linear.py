@@ -20,6 +20,10 @@ Octavo's kernel computes each output row the same way for every M (on the amx le
 M below 8, and for every M from 8 on), so decode batches of any size at or below the crossover
 give bit-identical rows.
 
+Where the kernel level is ``amx`` and torch never wins for bfloat16, the engine repacks bfloat16
+weights once at load into AMX weight tiles (``layers/bf16_tiles.py``, a ``QuantizedWeight`` in
+format "bf16_tiles"), which the tile kernel then reads without transposing them on every call.
+
 Quantized weights (``QuantizedWeight``: GGUF blocks, int8, int4) go through Octavo's kernel on
 the CPU at every M; no torch kernel reads those formats. Against torch on the dequantized float32
 weights it is 12-18x faster at M = 1 and 1.3-2.5x from M = 64 to 8192: from 8 rows on, the kernel
