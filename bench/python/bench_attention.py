@@ -2,11 +2,16 @@
 torch's scaled_dot_product_attention on the same data laid out contiguously.
 
     python bench/python/bench_attention.py [--quick]
+    python bench/python/bench_attention.py --levels avx512_bf16 amx [--repeats 9]
 
 Decode reads every cached key and value once, so its speed is bytes of KV read per second,
 reported as a fraction of the bandwidth of a large copy measured in the same run (at its start,
 and again right after each row, since this machine's bandwidth drifts). Prefill is
 compute-bound: GFLOP/s of the causal attention (2 * 2 * T^2 / 2 * D * H flops) for both.
+
+--levels compares Octavo's kernel levels (octavo.cpu_isa() names) on bfloat16 prefill of whole
+prompts at the default model's attention shape (9 query / 3 KV heads, head size 64) and at
+Llama-3-8B's (32 / 8, 128): the best of --repeats calls of each level, taken in turn.
 """
 import argparse
 import math
@@ -42,9 +47,9 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * src.element_size() / seconds / 1e9
 
 
-def paged_cache(num_seqs: int, context: int, num_kv_heads: int, dtype):
+def paged_cache(num_seqs: int, context: int, num_kv_heads: int, dtype, head_size: int = HEAD_SIZE):
     blocks = math.ceil(context / BLOCK_SIZE)
-    shape = (num_seqs * blocks + 1, num_kv_heads, BLOCK_SIZE, HEAD_SIZE)
+    shape = (num_seqs * blocks + 1, num_kv_heads, BLOCK_SIZE, head_size)
     key_cache, value_cache = empty_kv_cache(shape, dtype), empty_kv_cache(shape, dtype)  # as the engine does
     key_cache.copy_(torch.randn(shape))
     value_cache.copy_(torch.randn(shape))
@@ -87,11 +92,56 @@ def bench_prefill(tokens: int, num_heads: int, num_kv_heads: int, dtype, repeats
     return ours, theirs, flops
 
 
+def compare_levels(levels: list[str], repeats: int) -> None:
+    print(f"threads {_C.get_num_threads()}; prefill of whole prompts, bfloat16, block {BLOCK_SIZE}; "
+          f"best of {repeats} alternating calls, ms (GFLOP/s)")
+    previous = _C.cpu_isa()
+    for heads, kv_heads, head_size in ((9, 3, 64), (32, 8, 128)):
+        for tokens in (64, 256, 1024):
+            key_cache, value_cache, tables = paged_cache(1, tokens, kv_heads, torch.bfloat16, head_size)
+            query = torch.randn(tokens, heads, head_size).bfloat16()
+            out = torch.empty_like(query)
+            starts, seq_lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
+            best = dict.fromkeys(levels, math.inf)
+            for _ in range(repeats):
+                for level in levels:
+                    _C.set_cpu_isa(level)
+                    start = time.perf_counter()
+                    _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens, tables,
+                                           head_size**-0.5)
+                    best[level] = min(best[level], time.perf_counter() - start)
+            flops = 2 * tokens * tokens * head_size * heads
+            cells = "  ".join(f"{level} {best[level] * 1e3:8.2f} ({flops / best[level] / 1e9:6.1f})" for level in levels)
+            print(f"{heads}:{kv_heads} d{head_size} tokens {tokens:>5}  {cells}", flush=True)
+    print(f"decode, bfloat16: best of {repeats} alternating calls, ms (KV GB/s)")
+    for num_seqs, context, heads, kv_heads, head_size in ((64, 256, 9, 3, 64), (16, 2048, 32, 8, 128)):
+        key_cache, value_cache, tables = paged_cache(num_seqs, context, kv_heads, torch.bfloat16, head_size)
+        query = torch.randn(num_seqs, heads, head_size).bfloat16()
+        out = torch.empty_like(query)
+        starts = torch.arange(num_seqs + 1, dtype=torch.int32)
+        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
+        best = dict.fromkeys(levels, math.inf)
+        for _ in range(repeats):
+            for level in levels:
+                _C.set_cpu_isa(level)
+                start = time.perf_counter()
+                _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens, tables, head_size**-0.5)
+                best[level] = min(best[level], time.perf_counter() - start)
+        kv_bytes = 2 * num_seqs * context * kv_heads * head_size * 2
+        cells = "  ".join(f"{level} {best[level] * 1e3:8.2f} ({kv_bytes / best[level] / 1e9:6.1f})" for level in levels)
+        print(f"{heads}:{kv_heads} d{head_size} batch {num_seqs} context {context}  {cells}", flush=True)
+    _C.set_cpu_isa(previous)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
+    parser.add_argument("--levels", nargs="+", help="compare these kernel levels on prefill instead")
+    parser.add_argument("--repeats", type=int, default=9, help="with --levels")
     args = parser.parse_args()
     torch.set_num_threads(_C.get_num_threads())
+    if args.levels:
+        return compare_levels(args.levels, args.repeats)
     repeats = 3 if args.quick else 7
     print(f"threads {_C.get_num_threads()}, cpu isa {_C.cpu_isa()}, torch {torch.__version__}")
     bandwidth = copy_bandwidth()

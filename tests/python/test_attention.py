@@ -142,6 +142,18 @@ def test_long_single_decode_is_split_and_merged(isa, num_kv_heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_long_prefill_chunk_is_split_and_merged(isa, dtype):
+    # A prompt chunk on a long cached prefix: its key ranges are split over jobs at block (not
+    # 64-key chunk) boundaries, so the amx level's tiles see chunks that start and end mid-way;
+    # a context that ends inside a block and a sliding window move the masked edges.
+    gen = torch.Generator().manual_seed(19)
+    for context, new in ((1000, 20), (1013, 37)):
+        batch = Batch([(context, new)], 8, 2, 64, 16, dtype, gen)
+        check(batch, dtype)
+        check(batch, dtype, sliding_window=300)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_counted_decodes_give_the_same_attention(isa, dtype):
     # A chunked prefill's step: decodes of long contexts, then prompt chunks. Counted, the decodes
     # run in the decode kernels on CUDA (split over the keys) and the chunks in the prefill kernel

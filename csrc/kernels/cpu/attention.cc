@@ -6,7 +6,9 @@
 // positions. When the batch has too few tiles to keep every thread busy (a single long decode),
 // a tile's keys are split across jobs (flash-decoding) and the partial softmax states are merged
 // afterwards. Keys are visited one cache block at a time: scores S = Q K^T for the block, the
-// causal / sliding-window mask, the running max and sum, then acc += P V.
+// causal / sliding-window mask, the running max and sum, then acc += P V. On the amx level,
+// prefill jobs over bfloat16 caches compute S and P V on AMX tiles, 64 keys at a time
+// (attention_amx.h).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -16,6 +18,9 @@
 #include "octavo/threading.h"
 #include "parallel.h"
 #include "vec.h"
+#if defined(__AMX_BF16__)
+#include "attention_amx.h"
+#endif
 
 namespace octavo::cpu::OCTAVO_ISA {
 namespace {
@@ -26,6 +31,10 @@ constexpr int64_t kTransposeRows = 16;   // from this many rows, S is computed f
 constexpr int64_t kMinSplitKeys = 256;   // shortest key range worth a job of its own
 constexpr int64_t kJobsPerThread = 4;    // jobs wanted per thread before keys get split
 constexpr int64_t kPrefetchBlocks = 1;   // how many cache blocks ahead decodes prefetch
+// On the amx level, bf16 jobs of this many rows per head run on tiles (attention_amx.h): prefill
+// 1.6-4x the vector path's speed at 64-1024 tokens; decodes (rows = the query group) on tiles
+// took 1.05-1.5x the vector path's time (bench/python/bench_attention.py --levels).
+constexpr int64_t kTileFromRows = kTransposeRows;
 
 // The query rows of tokens [q_begin, q_end) of one sequence's chunk, for the G heads of each of
 // KV heads [kv_head, kv_head + num_kv_heads), against keys at positions [k_begin, k_end).
@@ -203,21 +212,33 @@ void to_float_rows(const T* src, int64_t n, float* dst) {
 
 struct JobScratch {
   float *q, *acc, *s, *m, *l, *kt, *vf;
-  bf16* qb;  // raw query rows, for the bf16 dot products
+  bf16* qb;        // raw query rows, for the bf16 dot products
+  bf16* pb;        // probabilities as bf16 (the AMX path)
+  uint8_t* tiles;  // a block's keys and values as tiles (the AMX path)
 };
 
+// acc, s, qb and pb hold `rows` rounded up to whole 16-row tiles, and s rows of at least 64
+// scores: the AMX path reads and writes whole tiles (its pad rows are zeros or ignored) and scores
+// a chunk of 64 keys at a time.
+constexpr int64_t kChunkKeys = 64;
+
 JobScratch job_scratch(const Geometry& g, int64_t rows) {
-  const int64_t d = g.head_size, ld = g.padded_block;
-  const int64_t floats = 2 * rows * d + rows * ld + 2 * rows + d * ld + g.block_size * d + rows * d / 2;
+  const int64_t d = g.head_size, rows16 = (rows + 15) / 16 * 16;
+  const int64_t ld = std::max(g.padded_block, kChunkKeys);
+  const int64_t tile_bytes = 2 * kChunkKeys * d * 2;  // a chunk's keys and values, as tiles
+  const int64_t floats = rows * d + rows16 * d + rows16 * ld + 2 * rows + d * g.padded_block + g.block_size * d +
+                         rows16 * d / 2 + rows16 * ld / 2 + tile_bytes / 4;
   JobScratch js;
   js.q = static_cast<float*>(thread_scratch(0, sizeof(float) * floats));
   js.acc = js.q + rows * d;
-  js.s = js.acc + rows * d;
-  js.m = js.s + rows * ld;
+  js.s = js.acc + rows16 * d;
+  js.m = js.s + rows16 * ld;
   js.l = js.m + rows;
   js.kt = js.l + rows;
-  js.vf = js.kt + d * ld;
+  js.vf = js.kt + d * g.padded_block;
   js.qb = reinterpret_cast<bf16*>(js.vf + g.block_size * d);
+  js.pb = js.qb + rows16 * d;
+  js.tiles = reinterpret_cast<uint8_t*>(js.pb + rows16 * ld);
   return js;
 }
 
@@ -316,6 +337,17 @@ inline int64_t block_offset(const PagedAttentionParams& p, const Geometry& g, co
 }
 
 // One cache block of keys [kbase + j0, kbase + j1) for every row of the job.
+// Whether a job runs on AMX tiles (attention_amx.h): prefill rows of bfloat16 caches.
+template <typename T>
+bool tile_job(const Geometry& g, int64_t rows) {
+#if defined(__AMX_BF16__)
+  return std::is_same<T, bf16>::value && rows >= kTileFromRows && attention_tiles::takes(rows, g.block_size, g.head_size);
+#else
+  (void)g, (void)rows;
+  return false;
+#endif
+}
+
 template <typename T>
 void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kblock, int64_t j0,
                   int64_t j1, int64_t rows, const Prefetch& next, const JobScratch& js) {
@@ -405,9 +437,70 @@ Prefetch prefetch_for(const PagedAttentionParams& p, const Geometry& g, const Jo
   return next;
 }
 
+#if defined(__AMX_BF16__)
+// A one-head job's keys on AMX tiles, a chunk of up to four cache blocks at a time: the online
+// softmax then sees rows of 64 scores (positions kbase.. of the chunk) instead of 16.
+void run_tile_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t rows,
+                  const JobScratch& js) {
+  namespace at = attention_tiles;
+  static_assert(at::kChunkKeys == kChunkKeys, "job_scratch sizes score rows for the tiles' chunk");
+  const int64_t d = g.head_size;
+  Geometry chunk = g;
+  chunk.padded_block = at::kChunkKeys;  // online_softmax's score row stride and mask range
+  uint8_t* keys = js.tiles;
+  uint8_t* values = js.tiles + at::key_bytes(d);
+  const bf16* key_cache = static_cast<const bf16*>(p.key_cache);
+  const bf16* value_cache = static_cast<const bf16*>(p.value_cache);
+  const int64_t last_block = (job.k_end - 1) / g.block_size;
+  at::begin();
+  for (int64_t kb = job.k_begin / g.block_size; kb <= last_block; kb += at::kChunkBlocks) {
+    const int64_t blocks = std::min<int64_t>(at::kChunkBlocks, last_block - kb + 1);
+    const int64_t kbase = kb * g.block_size;
+    const int64_t j0 = std::max<int64_t>(job.k_begin - kbase, 0);
+    const int64_t j1 = std::min<int64_t>(job.k_end - kbase, blocks * g.block_size);
+    for (int64_t b = 0; b < (blocks + 1) / 2 * 2; ++b) {  // value tiles hold blocks in pairs
+      const int64_t offset = b < blocks ? block_offset(p, g, job, kb + b) : 0;
+      if (b < blocks) at::pack_keys(key_cache + offset, b, d, keys);
+      at::pack_values(b < blocks ? value_cache + offset : nullptr, b, d, j0 - b * g.block_size,
+                      j1 - b * g.block_size, values);
+    }
+    at::scores(js.qb, rows, d, keys, blocks, p.scale, js.s);
+    online_softmax(p, chunk, job, kbase, j0, j1, rows, js);
+    at::values(js.s, rows, values, blocks, d, js.pb, js.acc);
+  }
+  at::end();
+}
+#endif
+
+template <typename T>
+void finish_head(const PagedAttentionParams& p, const Geometry& g, const Job& one, int64_t rows, const JobScratch& js,
+                 float* partials) {
+  if (one.part < 0) write_output<T>(p, g, one, js.acc, js.l);
+  else save_partial(g, rows, js, partials + one.part * g.part_floats);
+}
+
+// On AMX tiles the heads of a job run one after the other, each with the whole scratch (its
+// query rows padded to a tile).
+template <typename T>
+void run_tile_heads(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t rows, float* partials) {
+#if defined(__AMX_BF16__)
+  for (int64_t h = 0; h < job.num_kv_heads; ++h) {
+    const Job one = head_job(job, h);
+    const JobScratch js = job_scratch(g, rows);
+    start_head<T>(p, g, one, rows, js);
+    std::fill(js.qb + rows * g.head_size, js.qb + (rows + 15) / 16 * 16 * g.head_size, bf16{});
+    run_tile_job(p, g, one, rows, js);
+    finish_head<T>(p, g, one, rows, js, partials);
+  }
+#else
+  (void)p, (void)g, (void)job, (void)rows, (void)partials;
+#endif
+}
+
 template <typename T>
 void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, float* partials) {
   const int64_t rows = (job.q_end - job.q_begin) * g.group;  // per KV head
+  if (tile_job<T>(g, rows)) return run_tile_heads<T>(p, g, job, rows, partials);
   const JobScratch all = job_scratch(g, rows * job.num_kv_heads);
   for (int64_t h = 0; h < job.num_kv_heads; ++h) start_head<T>(p, g, head_job(job, h), rows, head_scratch(all, g, rows, h));
   const int64_t last_block = (job.k_end - 1) / g.block_size;
@@ -421,12 +514,8 @@ void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, f
       attend_block<T>(p, g, one, kb, j0, j1, rows, next, head_scratch(all, g, rows, h));
     }
   }
-  for (int64_t h = 0; h < job.num_kv_heads; ++h) {
-    const Job one = head_job(job, h);
-    const JobScratch js = head_scratch(all, g, rows, h);
-    if (one.part < 0) write_output<T>(p, g, one, js.acc, js.l);
-    else save_partial(g, rows, js, partials + one.part * g.part_floats);
-  }
+  for (int64_t h = 0; h < job.num_kv_heads; ++h)
+    finish_head<T>(p, g, head_job(job, h), rows, head_scratch(all, g, rows, h), partials);
 }
 
 // Combines the partial states of a split tile: weights exp(m_s - M) put them on one scale.
