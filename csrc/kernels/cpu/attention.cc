@@ -107,18 +107,70 @@ inline void dot_rows_bf16(const bf16* q, int64_t d, const bf16* krow, float scal
   }
   for (int i = 0; i < N; ++i) s[i * ld] = _mm512_reduce_add_ps(a[i]) * scale;
 }
+
+// Lane i of the result = the sum of a[i]'s 16 lanes, i < 8: pairs, then quads, are added within
+// 128-bit lanes, then the 128-bit lanes (24 instructions where eight reduce_adds take about 70).
+inline __m256 reduce8(const __m512 a[8]) {
+  __m512 b[4], c[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of a[2i], a[2i + 1]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per 128-bit lane: one partial sum of each of a[4i .. 4i + 3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, _MM_SHUFFLE(2, 3, 0, 1)));  // lanes 0, 2: totals
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_castps512_ps128(e)), _mm512_extractf32x4_ps(e, 2), 1);
+}
+
+// s[i * ld + j0 .. + 8) = scale * dot(q row i, key j) for N rows and 8 keys [j0, j0 + 8): the
+// query rows stay in registers and each sum is reduced once per 8 keys (decode scores).
+template <int N>
+inline void dot_8_keys_bf16(const bf16* q, int64_t d, const bf16* kblk, int64_t j0, float scale, float* s,
+                            int64_t ld) {
+  __m512 acc[N][8];
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < 8; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 32) {
+    __m512bh qv[N];
+    for (int i = 0; i < N; ++i) qv[i] = (__m512bh)_mm512_loadu_si512(q + i * d + c);
+    for (int j = 0; j < 8; ++j) {
+      const __m512bh k = (__m512bh)_mm512_loadu_si512(kblk + (j0 + j) * d + c);
+      for (int i = 0; i < N; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], qv[i], k);
+    }
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(s + i * ld + j0, _mm256_mul_ps(reduce8(acc[i]), _mm256_set1_ps(scale)));
+}
 #else
 constexpr bool kBf16Dot = false;
 template <int N>
 inline void dot_rows_bf16(const bf16*, int64_t, const bf16*, float, float*, int64_t) {}
+template <int N>
+inline void dot_8_keys_bf16(const bf16*, int64_t, const bf16*, int64_t, float, float*, int64_t) {}
 #endif
 
 // Few rows (decodes): one dot product per row and key straight from the cache.
 // With `qb` (bfloat16 keys on the avx512_bf16 level), the bf16 dot products are used instead.
+// With bf16 keys and vdpbf16ps, 8 keys at a time in every 8-key group of the block that holds a
+// key of [j0, j1) (the others' scores are masked later; every row of a cache block is readable).
+inline void scores_by_8_keys(const bf16* qb, float scale, int64_t rows, const Geometry& g, const bf16* kblk,
+                             int64_t j0, int64_t j1, const Prefetch& next, float* s) {
+  const int64_t d = g.head_size, ld = g.padded_block;
+  for (int64_t k0 = j0 / 8 * 8; k0 < j1; k0 += 8) {
+    for (int64_t j = k0; j < k0 + 8; ++j) next.row(j);
+    int64_t r = 0;
+    for (; r + 3 <= rows; r += 3) dot_8_keys_bf16<3>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
+    if (rows - r == 2) dot_8_keys_bf16<2>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
+    if (rows - r == 1) dot_8_keys_bf16<1>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
+  }
+}
+
 template <typename T>
 void scores_by_rows(const float* q, const bf16* qb, float scale, int64_t rows, const Geometry& g, const T* kblk,
                     int64_t j0, int64_t j1, const Prefetch& next, float* s) {
   const int64_t d = g.head_size, ld = g.padded_block;
+  if constexpr (std::is_same<T, bf16>::value) {
+    if (qb && g.block_size % 8 == 0) return scores_by_8_keys(qb, scale, rows, g, kblk, j0, j1, next, s);
+  }
   for (int64_t j = j0; j < j1; ++j) {
     next.row(j);
     const T* krow = kblk + j * d;

@@ -230,9 +230,11 @@ inline int64_t rows_per_chunk(int64_t M, int64_t K) {
 }
 
 // ---- kBf16Tiles weights (packed once at load) -------------------------------------------------
-// With the weight tiles stored, a call pays no packing, so tiles win from 2 rows on; a single row
-// takes the vector kernel below, which streams the weight at memory speed where tile loads do not.
+// With the weight tiles stored, a call pays no packing. Below 8 rows the vector kernel below takes
+// them instead: it streams the weight at memory speed, where tile loads from DRAM did not (2-4
+// rows on tiles: 0.8-0.85x its speed over a model's weights, bench_bf16_tiles.py).
 constexpr int64_t kPackedFromRows = 8;
+constexpr int64_t kGemvPrefetchBytes = 8 * kTileBytes;  // as far ahead as the dense kernel's prefetch
 
 inline bool takes_packed(const LinearParams& p) {
   return p.weight_format == WeightFormat::kBf16Tiles && p.dtype == DType::kBFloat16;
@@ -242,8 +244,6 @@ inline bool takes_packed(const LinearParams& p) {
 // holds 16 features' weight pairs, multiplied by the row's input pair broadcast to every lane, so
 // the 16 lanes are 16 outputs and no horizontal sums are needed. Even and odd pairs accumulate
 // apart (two dependency chains); each row's sums run in the same order whatever NR is.
-constexpr int64_t kGemvPrefetchBytes = 8 * kTileBytes;  // as far ahead as the dense kernel's prefetch
-
 template <int NR>
 inline void gemv_rows(const LinearParams& p, int64_t m, int64_t begin, int64_t end) {
   const int64_t K = p.in_features, panel_bytes = K / kTileK * 2 * kTileBytes;
