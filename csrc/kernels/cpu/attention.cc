@@ -148,8 +148,6 @@ template <int N>
 inline void dot_8_keys_bf16(const bf16*, int64_t, const bf16*, int64_t, float, float*, int64_t) {}
 #endif
 
-// Few rows (decodes): one dot product per row and key straight from the cache.
-// With `qb` (bfloat16 keys on the avx512_bf16 level), the bf16 dot products are used instead.
 // With bf16 keys and vdpbf16ps, 8 keys at a time in every 8-key group of the block that holds a
 // key of [j0, j1) (the others' scores are masked later; every row of a cache block is readable).
 inline void scores_by_8_keys(const bf16* qb, float scale, int64_t rows, const Geometry& g, const bf16* kblk,
@@ -164,6 +162,8 @@ inline void scores_by_8_keys(const bf16* qb, float scale, int64_t rows, const Ge
   }
 }
 
+// Few rows (decodes): one dot product per row and key straight from the cache. With `qb`
+// (bfloat16 keys on the avx512_bf16 and amx levels), the bf16 dot products of 8 keys at a time.
 template <typename T>
 void scores_by_rows(const float* q, const bf16* qb, float scale, int64_t rows, const Geometry& g, const T* kblk,
                     int64_t j0, int64_t j1, const Prefetch& next, float* s) {
@@ -388,7 +388,6 @@ inline int64_t block_offset(const PagedAttentionParams& p, const Geometry& g, co
   return (static_cast<int64_t>(table[kblock]) * p.num_kv_heads + job.kv_head) * g.block_size * g.head_size;
 }
 
-// One cache block of keys [kbase + j0, kbase + j1) for every row of the job.
 // Whether a job runs on AMX tiles (attention_amx.h): prefill rows of bfloat16 caches.
 template <typename T>
 bool tile_job(const Geometry& g, int64_t rows) {
@@ -400,6 +399,7 @@ bool tile_job(const Geometry& g, int64_t rows) {
 #endif
 }
 
+// One cache block of keys [kbase + j0, kbase + j1) for every row of the job.
 template <typename T>
 void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kblock, int64_t j0,
                   int64_t j1, int64_t rows, const Prefetch& next, const JobScratch& js) {
