@@ -3,8 +3,9 @@
 On the ``amx`` kernel level, ``linear`` multiplies bfloat16 on AMX tiles, whose weight operand
 must be in "VNNI" layout (pairs of inputs interleaved per output feature). A dense weight is
 transposed into that layout on every call, which at decode batch sizes costs more than the
-multiplies; packed once at load, a call only reads it: 1.4-2.4x faster at 4-16 rows, 1.1-1.25x at
-64 on the default model's projections, the same at 1 and at 1024 (bench/RESULTS.md).
+multiplies; packed once at load, a call only reads it. Over the default model's weights read from
+DRAM as a decode step reads them (bench/python/bench_bf16_tiles.py): 1.5-1.6x as fast at 8-16
+rows, 1.25-1.35x at 32-64, the same at 1-4 rows (bench/RESULTS.md).
 
 ``pack_model`` packs a CPU bfloat16 model's projections and LM head where the kernel level is
 ``amx`` and the measured crossover (``layers/crossover.py``) has torch's GEMM win at no row
