@@ -58,26 +58,30 @@ def paged_cache(num_seqs: int, context: int, num_kv_heads: int, dtype, head_size
     return key_cache, value_cache, tables
 
 
+def attention_inputs(num_seqs: int, context: int, num_heads: int, num_kv_heads: int, dtype,
+                     head_size: int = HEAD_SIZE, prefill: bool = False) -> dict:
+    """paged_attention's arguments for num_seqs sequences of `context` cached tokens, each querying
+    its last token (a decode) or, with prefill, every one of its tokens (a whole prompt)."""
+    key_cache, value_cache, tables = paged_cache(num_seqs, context, num_kv_heads, dtype, head_size)
+    new = context if prefill else 1
+    query = torch.randn(num_seqs * new, num_heads, head_size).to(dtype)
+    return dict(out=torch.empty_like(query), query=query, key_cache=key_cache, value_cache=value_cache,
+                query_start_loc=(torch.arange(num_seqs + 1) * new).to(torch.int32),
+                seq_lens=torch.full((num_seqs,), context, dtype=torch.int32), block_tables=tables,
+                scale=head_size**-0.5)
+
+
 def bench_decode(num_seqs: int, context: int, num_heads: int, num_kv_heads: int, dtype, repeats: int):
-    key_cache, value_cache, tables = paged_cache(num_seqs, context, num_kv_heads, dtype)
-    query = torch.randn(num_seqs, num_heads, HEAD_SIZE).to(dtype)
-    out = torch.empty_like(query)
-    starts = torch.arange(num_seqs + 1, dtype=torch.int32)
-    seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-    seconds = median_seconds(lambda: _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens,
-                                                            tables, HEAD_SIZE**-0.5), repeats)
-    kv_bytes = 2 * num_seqs * context * num_kv_heads * HEAD_SIZE * key_cache.element_size()
+    args = attention_inputs(num_seqs, context, num_heads, num_kv_heads, dtype)
+    seconds = median_seconds(lambda: _C.ops.paged_attention(**args), repeats)
+    kv_bytes = 2 * num_seqs * context * num_kv_heads * HEAD_SIZE * args["key_cache"].element_size()
     return seconds, kv_bytes / seconds / 1e9
 
 
 def bench_prefill(tokens: int, num_heads: int, num_kv_heads: int, dtype, repeats: int):
-    key_cache, value_cache, tables = paged_cache(1, tokens, num_kv_heads, dtype)
-    query = torch.randn(tokens, num_heads, HEAD_SIZE).to(dtype)
-    out = torch.empty_like(query)
-    starts = torch.tensor([0, tokens], dtype=torch.int32)
-    seq_lens = torch.tensor([tokens], dtype=torch.int32)
-    ours = median_seconds(lambda: _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens,
-                                                         tables, HEAD_SIZE**-0.5), repeats)
+    args = attention_inputs(1, tokens, num_heads, num_kv_heads, dtype, prefill=True)
+    ours = median_seconds(lambda: _C.ops.paged_attention(**args), repeats)
+    query, key_cache, value_cache, tables = (args[k] for k in ("query", "key_cache", "value_cache", "block_tables"))
     # The same keys and values, gathered into contiguous [1, heads, tokens, head_size] tensors.
     pos = torch.arange(tokens)
     slots = tables[0, pos // BLOCK_SIZE].long()
@@ -92,41 +96,33 @@ def bench_prefill(tokens: int, num_heads: int, num_kv_heads: int, dtype, repeats
     return ours, theirs, flops
 
 
+def best_per_level(levels: list[str], args: dict, repeats: int) -> dict[str, float]:
+    """Seconds of the best of `repeats` paged_attention calls on each level, the levels taken in turn."""
+    best = dict.fromkeys(levels, math.inf)
+    for _ in range(repeats):
+        for level in levels:
+            _C.set_cpu_isa(level)
+            start = time.perf_counter()
+            _C.ops.paged_attention(**args)
+            best[level] = min(best[level], time.perf_counter() - start)
+    return best
+
+
 def compare_levels(levels: list[str], repeats: int) -> None:
     print(f"threads {_C.get_num_threads()}; prefill of whole prompts, bfloat16, block {BLOCK_SIZE}; "
           f"best of {repeats} alternating calls, ms (GFLOP/s)")
     previous = _C.cpu_isa()
     for heads, kv_heads, head_size in ((9, 3, 64), (32, 8, 128)):
         for tokens in (64, 256, 1024):
-            key_cache, value_cache, tables = paged_cache(1, tokens, kv_heads, torch.bfloat16, head_size)
-            query = torch.randn(tokens, heads, head_size).bfloat16()
-            out = torch.empty_like(query)
-            starts, seq_lens = torch.tensor([0, tokens], dtype=torch.int32), torch.tensor([tokens], dtype=torch.int32)
-            best = dict.fromkeys(levels, math.inf)
-            for _ in range(repeats):
-                for level in levels:
-                    _C.set_cpu_isa(level)
-                    start = time.perf_counter()
-                    _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens, tables,
-                                           head_size**-0.5)
-                    best[level] = min(best[level], time.perf_counter() - start)
+            args = attention_inputs(1, tokens, heads, kv_heads, torch.bfloat16, head_size, prefill=True)
+            best = best_per_level(levels, args, repeats)
             flops = 2 * tokens * tokens * head_size * heads
             cells = "  ".join(f"{level} {best[level] * 1e3:8.2f} ({flops / best[level] / 1e9:6.1f})" for level in levels)
             print(f"{heads}:{kv_heads} d{head_size} tokens {tokens:>5}  {cells}", flush=True)
     print(f"decode, bfloat16: best of {repeats} alternating calls, ms (KV GB/s)")
     for num_seqs, context, heads, kv_heads, head_size in ((64, 256, 9, 3, 64), (16, 2048, 32, 8, 128)):
-        key_cache, value_cache, tables = paged_cache(num_seqs, context, kv_heads, torch.bfloat16, head_size)
-        query = torch.randn(num_seqs, heads, head_size).bfloat16()
-        out = torch.empty_like(query)
-        starts = torch.arange(num_seqs + 1, dtype=torch.int32)
-        seq_lens = torch.full((num_seqs,), context, dtype=torch.int32)
-        best = dict.fromkeys(levels, math.inf)
-        for _ in range(repeats):
-            for level in levels:
-                _C.set_cpu_isa(level)
-                start = time.perf_counter()
-                _C.ops.paged_attention(out, query, key_cache, value_cache, starts, seq_lens, tables, head_size**-0.5)
-                best[level] = min(best[level], time.perf_counter() - start)
+        args = attention_inputs(num_seqs, context, heads, kv_heads, torch.bfloat16, head_size)
+        best = best_per_level(levels, args, repeats)
         kv_bytes = 2 * num_seqs * context * kv_heads * head_size * 2
         cells = "  ".join(f"{level} {best[level] * 1e3:8.2f} ({kv_bytes / best[level] / 1e9:6.1f})" for level in levels)
         print(f"{heads}:{kv_heads} d{head_size} batch {num_seqs} context {context}  {cells}", flush=True)

@@ -467,10 +467,13 @@ Job head_job(const Job& job, int64_t h) {
   return one;
 }
 
+// On tiles (`tiles`) only the bfloat16 query copy is read, its rows padded to a whole tile with zeros.
 template <typename T>
-void start_head(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t rows, const JobScratch& js) {
-  load_queries<T>(p, g, job, js.q);
+void start_head(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t rows, const JobScratch& js,
+                bool tiles = false) {
+  if (!tiles) load_queries<T>(p, g, job, js.q);
   if constexpr (kBf16Dot && std::is_same<T, bf16>::value) copy_query_rows(p, g, job, js.qb);
+  if (tiles) std::fill(js.qb + rows * g.head_size, js.qb + (rows + 15) / 16 * 16 * g.head_size, bf16{});
   std::fill(js.m, js.m + rows, kNegInf);
   std::fill(js.l, js.l + rows, 0.0f);
   std::fill(js.acc, js.acc + rows * g.head_size, 0.0f);
@@ -539,8 +542,7 @@ void run_tile_heads(const PagedAttentionParams& p, const Geometry& g, const Job&
   for (int64_t h = 0; h < job.num_kv_heads; ++h) {
     const Job one = head_job(job, h);
     const JobScratch js = job_scratch(g, rows);
-    start_head<T>(p, g, one, rows, js);
-    std::fill(js.qb + rows * g.head_size, js.qb + (rows + 15) / 16 * 16 * g.head_size, bf16{});
+    start_head<T>(p, g, one, rows, js, /*tiles=*/true);
     run_tile_job(p, g, one, rows, js);
     finish_head<T>(p, g, one, rows, js, partials);
   }
