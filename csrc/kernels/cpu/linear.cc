@@ -6,12 +6,15 @@
 // loop (the weight tile stays in L1 while the input groups of a larger M pass over it), and
 // reduces each accumulator once at the end. Threads split the output features, so every thread
 // streams its own contiguous slab of the weight. Each output element is the same sum in the same
-// order whatever M is and whichever thread computes it (batch invariant).
+// order whatever M is and whichever thread computes it (batch invariant). From 16 rows on, float32
+// runs on transposed weight panels instead (linear_panels.h) and bfloat16 on AMX tiles where the
+// CPU has them (linear_amx.h); each is batch invariant on its side of its threshold.
 #include <type_traits>
 #include <vector>
 
 #include "bf16_tiles.h"
 #include "isa_kernels.h"
+#include "linear_panels.h"
 #include "octavo/status.h"
 #include "octavo/threading.h"
 #include "parallel.h"
@@ -459,6 +462,36 @@ struct QuantTile {
   }
 };
 
+// A quantized weight's rows decoded into a float32 panel (linear_panels.h): kW rows at a time
+// into floats, as dequantize writes them, then transposed.
+template <typename Rows>
+struct QuantPanel {
+  const LinearParams& p;
+  void operator()(int64_t n, int nr, float* panel) const {
+    const int64_t K = p.in_features;
+    float* rows = panels::row_buffer(kW * K);
+    for (int j = 0; j < nr; j += kW) {
+      const int count = nr - j < kW ? nr - j : kW;
+      for (int r = 0; r < count; ++r) decode_row(Rows(p, n + j + r, 1), 0, K / kBlock, rows + r * K);
+      panels::transpose_rows(rows, K, count, K, j, panel);
+    }
+    panels::zero_columns(nr, K, panel);
+  }
+};
+
+void run_panels(const LinearParams& p) {
+  switch (p.weight_format) {
+    case WeightFormat::kDense:
+      return panels::linear(p, panels::DensePanel{static_cast<const float*>(p.weight), p.in_features});
+    case WeightFormat::kQ8_0: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ8_0>>{p});
+    case WeightFormat::kQ4_0: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_0>>{p});
+    case WeightFormat::kQ4_1: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_1>>{p});
+    case WeightFormat::kInt8: return panels::linear(p, QuantPanel<Int8Rows>{p});
+    case WeightFormat::kInt4: return panels::linear(p, QuantPanel<Int4Rows>{p});
+    case WeightFormat::kBf16Tiles: return panels::linear(p, QuantPanel<Bf16TileRows>{p});
+  }
+}
+
 template <typename T>
 void run_dense(const LinearParams& p) {
   run_linear<T, DenseTile<T>>(p, p.out_features * p.in_features * static_cast<int64_t>(sizeof(T)));
@@ -517,6 +550,7 @@ void linear(const LinearParams& p) {
   if (tiles::takes_packed(p)) return p.rows < tiles::kPackedFromRows ? tiles::gemv_packed(p) : tiles::linear(p);
   if (p.rows >= kAmxFromRows && tiles::takes(p)) return tiles::linear(p);
 #endif
+  if (panels::takes(p)) return run_panels(p);
   switch (p.dtype) {
     case DType::kFloat32: return run_typed<float>(p);
     case DType::kBFloat16: return run_typed<bf16>(p);

@@ -53,33 +53,6 @@ struct alignas(64) TileConfig {
   }
 };
 
-// 16 x 16 dwords: out[j] = column j of in[0..15] (unpack dwords, then qwords, then 128-bit lanes
-// twice).
-inline void transpose_16x16(const __m512i in[16], __m512i out[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
-  }
-  // u[4g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c.
-  for (int g = 0; g < 4; ++g) {
-    const __m512i* s = t + 4 * g;
-    u[4 * g + 0] = _mm512_unpacklo_epi64(s[0], s[2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(s[0], s[2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(s[1], s[3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(s[1], s[3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
-    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
-    out[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);       // lane 0 of each group: column c
-    out[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);   // lane 1: column 4 + c
-    out[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);   // lane 2
-    out[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);  // lane 3
-  }
-}
-
 // Packs weight rows [n, n + nr) (nr <= kPanel; missing rows are zeros) into K / 32 pairs of
 // weight tiles: panel + (kb * 2 + h) * kTileBytes is the tile of rows n + 16h.. and inputs
 // [32 kb, 32 kb + 32).

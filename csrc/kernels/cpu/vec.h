@@ -143,6 +143,41 @@ struct VecF {
   static VecF round(VecF x) { return {_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 };
 
+// 16 x 16 dwords: out[j] = column j of in[0..15] (unpack dwords, then qwords, then 128-bit lanes
+// twice).
+inline void transpose_16x16(const __m512i in[16], __m512i out[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(in[i], in[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(in[i], in[i + 1]);
+  }
+  // u[4g + c], 128-bit lane L: rows 4g..4g+3 of column 4L + c.
+  for (int g = 0; g < 4; ++g) {
+    const __m512i* s = t + 4 * g;
+    u[4 * g + 0] = _mm512_unpacklo_epi64(s[0], s[2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(s[0], s[2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(s[1], s[3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(s[1], s[3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i x0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), x1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    const __m512i y0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44);
+    const __m512i y1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    out[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);       // lane 0 of each group: column c
+    out[4 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);   // lane 1: column 4 + c
+    out[8 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);   // lane 2
+    out[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);  // lane 3
+  }
+}
+
+// dst[j * dst_stride + i] = src[i * src_stride + j] for a kW x kW block of floats.
+inline void transpose_square(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m512i rows[16], cols[16];
+  for (int i = 0; i < 16; ++i) rows[i] = _mm512_loadu_si512(src + i * src_stride);
+  transpose_16x16(rows, cols);
+  for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + j * dst_stride, cols[j]);
+}
+
 #elif defined(__AVX2__)
 
 struct VecF {
@@ -214,6 +249,27 @@ struct VecF {
   static VecF round(VecF x) { return {_mm256_round_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 };
 
+// dst[j * dst_stride + i] = src[i * src_stride + j] for a kW x kW block of floats (the classic 8 x 8
+// transpose: unpack pairs, shuffle quads, then swap 128-bit halves).
+inline void transpose_square(const float* src, int64_t src_stride, float* dst, int64_t dst_stride) {
+  __m256 r[8], t[8], u[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + i * src_stride);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 8; g += 4) {
+    u[g + 0] = _mm256_shuffle_ps(t[g], t[g + 2], 0x44);
+    u[g + 1] = _mm256_shuffle_ps(t[g], t[g + 2], 0xEE);
+    u[g + 2] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0x44);
+    u[g + 3] = _mm256_shuffle_ps(t[g + 1], t[g + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    _mm256_storeu_ps(dst + c * dst_stride, _mm256_permute2f128_ps(u[c], u[4 + c], 0x20));
+    _mm256_storeu_ps(dst + (c + 4) * dst_stride, _mm256_permute2f128_ps(u[c], u[4 + c], 0x31));
+  }
+}
+
 #else  // scalar reference: one lane, plain C++ math
 
 struct VecF {
@@ -241,6 +297,8 @@ struct VecF {
   friend VecF select_below(VecF x, float limit, VecF a, float value) { return {x.v < limit ? value : a.v}; }
   friend VecF select_at_least(VecF x, float limit, VecF a, float value) { return {x.v >= limit ? a.v : value}; }
 };
+
+inline void transpose_square(const float* src, int64_t, float* dst, int64_t) { dst[0] = src[0]; }
 
 #endif
 

@@ -9,9 +9,9 @@ each timed as the best of PROBE_REPEATS alternating runs, summed over the model'
 shapes (one decoder layer's projections and the LM head). The crossover is the smallest probed
 row count from which torch is faster at every larger probe, by PROBE_MARGIN at the first. The
 result is cached in Octavo's cache directory (``linear_crossover.json``), keyed by the CPU, its
-kernel level, the thread count, torch's and Octavo's versions, the dtype and the shapes, so later
-starts read it. Delete the file to measure again (a build from source keeps its version number
-when its kernels change).
+kernel level, the thread count, torch's and Octavo's versions, a hash of the compiled extension
+(a build from source keeps its version number when its kernels change), the dtype and the
+shapes, so later starts read it. Delete the file to measure again.
 
 ``OCTAVO_LINEAR_CROSSOVER=builtin`` skips the probe and keeps the built-in table in
 ``layers/linear.py`` (the tests do, so that which product runs never depends on the machine).
@@ -19,6 +19,8 @@ when its kernels change).
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import math
 import os
@@ -44,8 +46,15 @@ def machine_key(dtype: torch.dtype, shapes: list[tuple[int, int]]) -> str:
                    if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return "|".join([cpu, _C.cpu_isa(), str(_C.get_num_threads()), torch.__version__, __version__, str(dtype),
-                     ",".join(f"{n}x{k}" for n, k in shapes)])
+    return "|".join([cpu, _C.cpu_isa(), str(_C.get_num_threads()), torch.__version__, __version__, extension_hash(),
+                     str(dtype), ",".join(f"{n}x{k}" for n, k in shapes)])
+
+
+@functools.cache
+def extension_hash() -> str:
+    """The first 12 hex digits of the compiled extension's SHA-1 (about 20 ms for its 9 MB, once
+    per process)."""
+    return hashlib.sha1(Path(_C.__file__).read_bytes()).hexdigest()[:12]
 
 
 def _seconds(fn) -> float:
