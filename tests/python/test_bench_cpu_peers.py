@@ -65,6 +65,30 @@ def test_gguf_files_keep_the_metadata_and_the_dequantized_weights(peers, tmp_pat
                                                               else np.float32).astype(np.float32))
 
 
+def test_a_dummy_gguf_has_the_shape_and_plausible_weights(peers, tmp_path, monkeypatch):
+    src = tmp_path / "src.gguf"
+    write_q8_gguf(src)
+    shape = {"block_count": 2, "embedding_length": 64, "feed_forward_length": 96, "attention.head_count": 4,
+             "attention.head_count_kv": 2, "rope.dimension_count": 16}
+    monkeypatch.setitem(peers.GGUF_SHAPES, "tiny", shape)
+    dst = peers.dummy_gguf(src, tmp_path / "dummy.gguf", "tiny")
+    reader = gguf.GGUFReader(str(dst))
+    assert reader.fields["llama.block_count"].contents() == 2
+    assert reader.fields["llama.feed_forward_length"].contents() == 96
+    assert reader.fields["tokenizer.ggml.tokens"].contents() == ["a", "b", "c"]
+    tensors = {t.name: t for t in reader.tensors}
+    assert len(tensors) == 2 + 2 * 9  # embedding, final norm; 7 projections and 2 norms per layer
+    expected = {"token_embd.weight": ((3, 64), "Q8_0"), "blk.1.attn_k.weight": ((32, 64), "Q4_1"),
+                "blk.1.ffn_down.weight": ((64, 96), "Q4_1"), "blk.0.ffn_up.weight": ((96, 64), "Q4_1")}
+    for name, (rows_cols, kind) in expected.items():
+        t = tensors[name]
+        assert t.tensor_type.name == kind
+        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        assert values.shape == rows_cols
+        assert np.abs(values).max() <= 0.52 and values.std() > 0.01  # Q8_0: 0.004 * int8; Q4_1: ±0.03
+    assert peers.gguf_tensor_bytes(str(dst)) == sum(int(t.n_bytes) for t in reader.tensors)
+
+
 def test_workloads_are_the_issues(peers):
     requests = peers.offline_requests(49152)
     assert len(requests) == 64 and requests == peers.offline_requests(49152)
