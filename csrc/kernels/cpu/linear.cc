@@ -329,14 +329,26 @@ struct Bf16TileRows {
 // built once for the blocks that share it.
 template <typename Rows>
 void decode_row(const Rows& w, int r, int64_t blocks, float* out) {
-  BlockScale scale;
-  int64_t until_rescale = 0;  // blocks left that share `scale`
-  for (int64_t blk = 0; blk < blocks; ++blk) {
-    if (until_rescale-- == 0) {
-      scale = w.scale(r, blk);
-      until_rescale = w.blocks_per_scale() - 1;
-    }
+  const auto decode = [&](int64_t blk, const BlockScale& scale) {
     for (int j = 0; j < kBlock; j += kW) w.decode(r, blk, j, scale).store(out + blk * kBlock + j);
+  };
+  if constexpr (Rows::kBlockScales) {
+    alignas(64) float d[kScaleBatch], m[kScaleBatch];
+    for (int64_t first = 0; first < blocks; first += kScaleBatch) {
+      const int count = static_cast<int>(blocks - first < kScaleBatch ? blocks - first : kScaleBatch);
+      w.scales(r, first, count, d, m);
+      for (int i = 0; i < count; ++i) decode(first + i, Rows::scale_values(d[i], m[i]));
+    }
+  } else {
+    BlockScale scale;
+    int64_t until_rescale = 0;  // blocks left that share `scale`
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      if (until_rescale-- == 0) {
+        scale = w.scale(r, blk);
+        until_rescale = w.blocks_per_scale() - 1;
+      }
+      decode(blk, scale);
+    }
   }
 }
 
