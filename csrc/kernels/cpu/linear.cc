@@ -232,8 +232,8 @@ struct GgufRows {
   // kernels read them kScaleBatch blocks at a time: scales(r, blk, count, d, m) writes those of
   // blocks [blk, blk + count) of row r as floats (m is meaningless for Q8_0 / Q4_0), and
   // scale_values(d, m) builds what scale() does from them. On AVX-512 that is one gather and two
-  // conversions per 16 blocks instead of two scalar conversions and broadcasts per block: 1.2-1.3x
-  // the Q4_1 decode speed at M = 1 (one core, 2048 x 2048 to 2048 x 8192, same bits).
+  // conversions per 16 blocks instead of two scalar conversions and broadcasts per block: 1.4-1.6x
+  // the Q4_1 bytes per second at M = 1 (bench_linear.py, 2 threads; same bits).
   static constexpr bool kBlockScales = true;
   void scales(int r, int64_t blk, int count, float* d, float* m) const {
 #if defined(__AVX512F__)

@@ -8,8 +8,9 @@
 // transposed into K-major order once per call (quantized rows decoded to floats first), and
 // blocks of kGroup input rows pass over it a slice of at most kDepth inputs at a time (the slice
 // stays in L2), each keeping kGroup x kVecs accumulator vectors in registers:
-// acc[m][v] += input[m][k] * panel[k][v], the input broadcast. On the Intel Xeon of bench/RESULTS.md this ran the default model's float32
-// shapes at 1.3-2.2x the row kernel's speed from 32 rows, and ahead of torch's MKL GEMM to 256.
+// acc[m][v] += input[m][k] * panel[k][v], the input broadcast. On the Intel Xeon of
+// bench/RESULTS.md the default model's float32 shapes took 0.6-0.9x the row kernel's time at 32
+// rows and 0.4-0.8x at 64-256, even with or ahead of torch's MKL GEMM there.
 //
 // Every output is one chain of multiply-adds over k in order (a slice resumes from the partial
 // sum it stored), whatever the block, thread or M: rows are batch invariant among calls of

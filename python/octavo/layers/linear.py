@@ -2,7 +2,8 @@
 
 The crossover is measured on the machine the engine runs on (``layers/crossover.py``: at model
 load, cached per CPU), because it differs between CPUs: on an Intel Xeon with AMX, torch's MKL
-float32 GEMM overtakes Octavo's kernel at about 64 rows, while Octavo's bfloat16 kernel runs on AMX
+float32 GEMM overtakes Octavo's kernel at about 512 rows (from 16 rows Octavo's float32 runs on
+transposed weight panels: 1.1-1.9x MKL at 64 rows), while Octavo's bfloat16 kernel runs on AMX
 tiles from 8 rows (``amx`` kernel level): 1.4-3x torch's oneDNN GEMM at 16-64 rows, about even
 summed over the model's shapes at 1024 (bench/RESULTS.md), so the probe picks it at every M.
 The built-in table below (``OCTAVO_LINEAR_CROSSOVER=builtin``, and the tests) is what the
@@ -16,9 +17,9 @@ default model's shapes (960x576, 3072x576, 576x1536, 49152x576), rows = M:
 - float16: torch's CPU float16 GEMM is 3-6x slower at every M: always Octavo's kernel.
 - bfloat16: Octavo's kernel (vdpbf16ps) wins up to M = 16 (M = 1: 1.3-5x); from M = 32
   torch's oneDNN GEMM (packed, larger register blocks) is faster.
-Octavo's kernel computes each output row the same way for every M (on the amx level: for every
-M below 8, and for every M from 8 on), so decode batches of any size at or below the crossover
-give bit-identical rows.
+Octavo's kernel computes each output row the same way for every M on each side of its one switch
+(float32 on vector levels: below 16 rows and from 16 on; bfloat16 on the amx level: below 8 and
+from 8 on), so decode batches of any size on one side give bit-identical rows.
 
 Where the kernel level is ``amx`` and torch never wins for bfloat16, the engine repacks bfloat16
 weights once at load into AMX weight tiles (``layers/bf16_tiles.py``, a ``QuantizedWeight`` in
@@ -27,8 +28,8 @@ format "bf16_tiles"), which the tile kernel then reads without transposing them 
 Quantized weights (``QuantizedWeight``: GGUF blocks, int8, int4) go through Octavo's kernel on
 the CPU at every M; no torch kernel reads those formats. Against torch on the dequantized float32
 weights it is 12-18x faster at M = 1 and 1.3-2.5x from M = 64 to 8192: from 8 rows on, the kernel
-decodes each weight tile once and runs the float32 path over it, so every format computes at
-float32's speed for prefill (bench/RESULTS.md).
+decodes each weight tile (from 16 rows: each weight panel) once and runs the float32 path over it,
+so every format computes at float32's speed for prefill (bench/RESULTS.md).
 
 On a GPU, dense weights take Octavo's CUDA kernel up to ``CUDA_DENSE_KERNEL_MAX_ROWS`` rows, where
 it reads the weight faster than cuBLAS does (bench/python/bench_cuda.py's dense table), and cuBLAS
