@@ -510,12 +510,10 @@ struct QuantTile {
     dot_tile_quant_any(nc, rows, p.in_features / kBlock, x, p.in_stride, acc);
   }
   float* decode(const Rows& w) const {
-    // Per thread and reused: no allocation once the largest K has been seen.
-    thread_local std::vector<float> buffer;
     const int64_t K = p.in_features;
-    if (static_cast<int64_t>(buffer.size()) < kRows * K) buffer.resize(kRows * K);
-    for (int r = 0; r < kRows; ++r) decode_row(w, r, K / kBlock, buffer.data() + r * K);
-    return buffer.data();
+    float* rows = panels::row_buffer(kRows * K);  // per thread: no allocation once the largest K was seen
+    for (int r = 0; r < kRows; ++r) decode_row(w, r, K / kBlock, rows + r * K);
+    return rows;
   }
 };
 

@@ -19,6 +19,7 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <new>
 
 #include "octavo/threading.h"
 #include "parallel.h"
@@ -37,7 +38,8 @@ constexpr int64_t kFromRows = 16;
 inline bool takes(const LinearParams& p) { return kW > 1 && p.dtype == DType::kFloat32 && p.rows >= kFromRows; }
 
 // Per-thread heap buffers, kept for the thread's life and grown as needed (thread-local arrays
-// this large could exhaust the static TLS block an extension module is loaded with).
+// this large could exhaust the static TLS block an extension module is loaded with). A failed
+// allocation throws std::bad_alloc, which the pool hands to the caller (MemoryError in Python).
 struct ThreadBuffer {
   float* data = nullptr;
   int64_t floats = 0;
@@ -45,8 +47,12 @@ struct ThreadBuffer {
   float* get(int64_t wanted) {
     if (wanted > floats) {
       std::free(data);
-      floats = (wanted + 15) / 16 * 16;  // aligned_alloc wants a multiple of the alignment
-      data = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * floats));
+      data = nullptr;
+      floats = 0;
+      const int64_t rounded = (wanted + 15) / 16 * 16;  // aligned_alloc wants a multiple of the alignment
+      data = static_cast<float*>(std::aligned_alloc(64, sizeof(float) * rounded));
+      if (data == nullptr) throw std::bad_alloc();
+      floats = rounded;
     }
     return data;
   }
@@ -55,6 +61,7 @@ inline float* panel_buffer(int64_t floats) {
   thread_local ThreadBuffer buffer;
   return buffer.get(floats);
 }
+// Weight rows decoded to float32 (a quantized panel's rows, or linear.cc's decode-once tiles).
 inline float* row_buffer(int64_t floats) {
   thread_local ThreadBuffer buffer;
   return buffer.get(floats);
