@@ -172,7 +172,9 @@ struct Gguf<WeightFormat::kQ4_0> {
 template <>
 struct Gguf<WeightFormat::kQ4_1> {
   static constexpr int kBytes = 20;
-  static BlockScale scale_values(float d, float m) { return {nibble_values(0.0f) * VecF::set1(d) + VecF::set1(m), VecF::zero()}; }
+  static BlockScale scale_values(float d, float m) {
+    return {nibble_values(0.0f) * VecF::set1(d) + VecF::set1(m), VecF::zero()};
+  }
   static BlockScale scale(const uint8_t* b) { return scale_values(half_at(b), half_at(b + 2)); }
   static VecF decode(const uint8_t* b, int j, const BlockScale& s) { return lookup_nibbles(b + 4, j, s); }
 };
@@ -325,31 +327,40 @@ struct Bf16TileRows {
   }
 };
 
-// Row r of w as floats, out[0, blocks * kBlock): what dot_tile_quant multiplies, each scale
-// built once for the blocks that share it.
-template <typename Rows>
-void decode_row(const Rows& w, int r, int64_t blocks, float* out) {
-  const auto decode = [&](int64_t blk, const BlockScale& scale) {
-    for (int j = 0; j < kBlock; j += kW) w.decode(r, blk, j, scale).store(out + blk * kBlock + j);
-  };
+// body(blk, scale) for blocks [0, blocks) of rows [first_row, first_row + R), scale[i] being row
+// first_row + i's BlockScale for the block: GGUF rows read their per-block scales kScaleBatch
+// blocks at a time, the other formats build a scale once for the blocks that share it.
+template <int R, typename Rows, typename Body>
+void for_each_block(const Rows& w, int first_row, int64_t blocks, const Body& body) {
+  BlockScale scale[R];
   if constexpr (Rows::kBlockScales) {
-    alignas(64) float d[kScaleBatch], m[kScaleBatch];
+    alignas(64) float d[R][kScaleBatch], m[R][kScaleBatch];
     for (int64_t first = 0; first < blocks; first += kScaleBatch) {
       const int count = static_cast<int>(blocks - first < kScaleBatch ? blocks - first : kScaleBatch);
-      w.scales(r, first, count, d, m);
-      for (int i = 0; i < count; ++i) decode(first + i, Rows::scale_values(d[i], m[i]));
+      for (int r = 0; r < R; ++r) w.scales(first_row + r, first, count, d[r], m[r]);
+      for (int i = 0; i < count; ++i) {
+        for (int r = 0; r < R; ++r) scale[r] = Rows::scale_values(d[r][i], m[r][i]);
+        body(first + i, scale);
+      }
     }
   } else {
-    BlockScale scale;
-    int64_t until_rescale = 0;  // blocks left that share `scale`
+    int64_t until_rescale = 0;  // blocks left that share the current scales
     for (int64_t blk = 0; blk < blocks; ++blk) {
       if (until_rescale-- == 0) {
-        scale = w.scale(r, blk);
+        for (int r = 0; r < R; ++r) scale[r] = w.scale(first_row + r, blk);
         until_rescale = w.blocks_per_scale() - 1;
       }
-      decode(blk, scale);
+      body(blk, scale);
     }
   }
+}
+
+// Row r of w as floats, out[0, blocks * kBlock): what dot_tile_quant multiplies.
+template <typename Rows>
+void decode_row(const Rows& w, int r, int64_t blocks, float* out) {
+  for_each_block<1>(w, r, blocks, [&](int64_t blk, const BlockScale* scale) {
+    for (int j = 0; j < kBlock; j += kW) w.decode(r, blk, j, scale[0]).store(out + blk * kBlock + j);
+  });
 }
 
 // As dot_tile, over `blocks` blocks of 32 quantized weights per row. Weights are decoded once
@@ -359,8 +370,7 @@ void dot_tile_quant(const Rows& w, int64_t blocks, const T* x, int64_t x_stride,
   VecF acc[kRows][NC];
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < NC; ++c) acc[r][c] = VecF::zero();
-  BlockScale scale[kRows];
-  const auto multiply = [&](int64_t blk) {
+  for_each_block<kRows>(w, 0, blocks, [&](int64_t blk, const BlockScale* scale) {
     for (int r = 0; r < kRows; ++r)
       __builtin_prefetch(reinterpret_cast<const char*>(w.block(r, blk)) + kPrefetchRows * w.row_bytes);
     const T* xb = x + blk * kBlock;
@@ -372,27 +382,7 @@ void dot_tile_quant(const Rows& w, int64_t blocks, const T* x, int64_t x_stride,
         for (int c = 0; c < NC; ++c) acc[r][c] = fma(wv, xv[c], acc[r][c]);
       }
     }
-  };
-  if constexpr (Rows::kBlockScales) {
-    alignas(64) float d[kRows][kScaleBatch], m[kRows][kScaleBatch];
-    for (int64_t first = 0; first < blocks; first += kScaleBatch) {
-      const int count = static_cast<int>(blocks - first < kScaleBatch ? blocks - first : kScaleBatch);
-      for (int r = 0; r < kRows; ++r) w.scales(r, first, count, d[r], m[r]);
-      for (int i = 0; i < count; ++i) {
-        for (int r = 0; r < kRows; ++r) scale[r] = Rows::scale_values(d[r][i], m[r][i]);
-        multiply(first + i);
-      }
-    }
-  } else {
-    int64_t until_rescale = 0;  // blocks left that share the current scales
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      if (until_rescale-- == 0) {
-        for (int r = 0; r < kRows; ++r) scale[r] = w.scale(r, blk);
-        until_rescale = w.blocks_per_scale() - 1;
-      }
-      multiply(blk);
-    }
-  }
+  });
   for (int r = 0; r < kRows; ++r)
     for (int c = 0; c < NC; ++c) acc_out[r][c] = reduce_add(acc[r][c]);
 }
