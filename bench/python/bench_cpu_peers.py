@@ -319,7 +319,7 @@ def dummy_gguf(src: Path, dst: Path, shape: str) -> Path:
     vocab = len(reader.fields["tokenizer.ggml.tokens"].contents())
 
     def blocks(qtype, rows: int, cols: int) -> np.ndarray:
-        block_bytes, per_block = gguf.GGML_QUANT_SIZES[qtype][1], 32
+        per_block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
         data = rng.integers(0, 256, (rows, cols // per_block, block_bytes), dtype=np.uint8)
         scales = np.full((rows, cols // per_block), 0.004, np.float16).view(np.uint8).reshape(rows, -1, 2)
         data[:, :, 0:2] = scales  # d; Q4_1 also a minimum m after it, Q8_0 int8 quants
