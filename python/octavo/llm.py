@@ -33,6 +33,15 @@ class LLM:
     def get_tokenizer(self):
         return self._tokenizer
 
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """As vLLM: calls ``method`` (a worker method's name, or a function taking the worker
+        first) on every worker; returns their results in rank order."""
+        return self.llm_engine.collective_rpc(method, args, kwargs)
+
+    def apply_model(self, func) -> list:
+        """As vLLM: ``func(model)`` on every worker (to inspect weights); their results in rank order."""
+        return self.llm_engine.apply_model(func)
+
     def get_default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the model's generation_config defaults (LLM(generation_config=...)),
         used when generate() or chat() get none."""

@@ -165,7 +165,7 @@ def test_the_engine_packs_where_it_pays(tmp_path, monkeypatch):
     tiny_checkpoint("llama", tmp_path, vocab_size=320)
     monkeypatch.setattr(bf16_tiles, "worth_packing", lambda model: True)
     llm = LLM(model=str(tmp_path), dtype="bfloat16", kv_cache_memory_bytes=16 << 20, skip_tokenizer_init=True)
-    assert llm.llm_engine.model.lm_head.weight_format == "bf16_tiles"
+    assert llm.apply_model(lambda m: m.lm_head.weight_format)[0] == "bf16_tiles"
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     outs = llm.generate([[5, 6, 7], [9, 10, 11, 12] * 9], params, use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [6, 6]

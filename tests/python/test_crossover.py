@@ -90,8 +90,7 @@ def test_the_engine_dispatches_from_this_machines_measurement(cache, monkeypatch
     monkeypatch.setattr(crossover, "probe", lambda dtype, shapes: seen.append((dtype, shapes)) or 3)
     llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=1 << 22)
     dtype, shapes = seen[0]
-    model = llm.llm_engine.model
-    c = model.config
+    c = llm.llm_engine.model_config
     assert dtype == torch.float32 and (c.intermediate_size * 2, c.hidden_size) in shapes
     assert (c.hidden_size, c.intermediate_size) in shapes and len(shapes) == len(set(shapes))
     assert linear.TORCH_FROM_ROWS[torch.float32] == 3

@@ -86,8 +86,8 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
     reference = reference.cuda()
     llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20,
               max_num_seqs=8, enforce_eager=enforce_eager)
-    assert llm.llm_engine.model.embed_tokens.device.type == "cuda"
-    assert (llm.llm_engine.runner.cuda_graphs is None) == enforce_eager
+    assert llm.apply_model(lambda m: m.embed_tokens.device.type) == ["cuda"]
+    assert llm.collective_rpc(lambda worker: worker.runner.cuda_graphs is None) == [enforce_eager]
     prompts = [tokenizer.encode(t) for t in ("Hello world", "Straße und Meer", "x", "a longer prompt " * 6)]
     # Requests end one after another, so decode steps run 4, 3 (padded to the graph of 4), 2 and 1 rows.
     lengths = [16, 11, 6, 3]
@@ -154,7 +154,7 @@ def test_quantized_models_give_the_greedy_tokens_of_their_dequantized_weights(me
     tokenizer, reference = tiny_model_dir(tmp_path)
     llm = LLM(model=str(tmp_path), dtype="float32", device=device, quantization=method,
               kv_cache_memory_bytes=64 << 20, max_num_seqs=32)
-    model = llm.llm_engine.model
+    model = llm.apply_model(lambda m: m)[0]  # the in-process worker's
     from octavo.layers.linear import QuantizedWeight
 
     assert {w.qweight.device.type for w in model.modules() if isinstance(w, QuantizedWeight)} == {device}
@@ -177,7 +177,7 @@ def test_kv_cache_is_sized_from_gpu_memory(tmp_path, capsys):
     llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", gpu_memory_utilization=0.5)
     printed = capsys.readouterr().out
     assert "on cuda:0" in printed
-    cache_bytes = sum(t.numel() * t.element_size() for a in llm.llm_engine.model.attention_layers() for t in a.kv_cache)
+    cache_bytes = llm.apply_model(lambda m: sum(t.numel() * t.element_size() for a in m.attention_layers() for t in a.kv_cache))[0]
     assert 0 < cache_bytes <= 0.5 * total - (total - free)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         LLM(model=str(tmp_path), dtype="float32", device="cuda", gpu_memory_utilization=1.5)
@@ -210,7 +210,7 @@ def test_no_step_allocates_a_kernel_workspace_after_startup(enforce_eager, tmp_p
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_packed_outputs_come_back_apart_in_one_copy(device):
-    from octavo.runner.staging import PackedOutputs
+    from octavo.worker.staging import PackedOutputs
 
     outputs = PackedOutputs(torch.device(device), ids=((5,), torch.int32), logprobs=((5,), torch.float32),
                             top=((5, 3), torch.int64), empty=((0, 2), torch.float32), flags=((7,), torch.uint8))
@@ -230,7 +230,7 @@ def test_packed_outputs_come_back_apart_in_one_copy(device):
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_staging_moves_mixed_arrays_in_one_buffer_and_keeps_them_apart(device):
     import numpy as np
-    from octavo.runner.staging import Staging
+    from octavo.worker.staging import Staging
 
     staging = Staging(torch.device(device))
     rng = np.random.default_rng(0)
@@ -247,7 +247,7 @@ def test_staging_moves_mixed_arrays_in_one_buffer_and_keeps_them_apart(device):
 
 
 def test_graph_sizes_cover_max_num_seqs():
-    from octavo.runner.cuda_graphs import graph_sizes
+    from octavo.worker.cuda_graphs import graph_sizes
 
     assert graph_sizes(1) == [1]
     assert graph_sizes(8) == [1, 2, 4, 8]
@@ -257,7 +257,7 @@ def test_graph_sizes_cover_max_num_seqs():
 
 
 def test_leading_decodes_counts_the_single_token_requests_a_step_starts_with():
-    from octavo.runner.model_runner import leading_decodes
+    from octavo.worker.model_runner import leading_decodes
 
     assert leading_decodes(np.array([0, 1, 2, 3], dtype=np.int32)) == 3  # decodes alone
     assert leading_decodes(np.array([0, 1, 2, 50, 51], dtype=np.int32)) == 2  # then a chunk, then a decode
@@ -286,21 +286,24 @@ def test_a_failed_step_ends_its_requests_and_the_engine_runs_on(device, enforce_
 
     expected = tokens_and_logprobs(llm.generate(prompts, greedy, use_tqdm=False))
     engine.scheduler.reset_prefix_cache()
-    execute = engine.runner.execute
+    core = engine.core.engine_core  # the in-process core and executor: the failure is injected there
+    worker = core.executor.driver_worker
+    execute = worker.runner.execute
 
     def failing_execute(out, rows):
-        if any((engine._by_handle[h][0].prompt or "").startswith("poison") for h in out.req_handles):
-            for attn in engine.model.attention_layers():  # a step that dies having written garbage
+        requests = [engine._by_core_id[core._live[h].request_id][0] for h in out.req_handles.tolist()]
+        if any((r.prompt or "").startswith("poison") for r in requests):
+            for attn in worker.model.attention_layers():  # a step that dies having written garbage
                 for cache in attn.kv_cache:
                     cache.normal_(0.0, 3.0)
             raise RuntimeError("injected")
         return execute(out, rows)
 
-    monkeypatch.setattr(engine.runner, "execute", failing_execute)
+    monkeypatch.setattr(worker.runner, "execute", failing_execute)
     failed = llm.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in failed] == ["error", "error"]  # one step held both
     assert engine.scheduler.block_pool.num_used_blocks == 0
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(worker.runner, "execute", execute)
     assert tokens_and_logprobs(llm.generate(prompts, greedy, use_tqdm=False)) == expected
     extremes = [SamplingParams(max_tokens=4, **f) for f in (
         dict(top_p=1e-300), dict(repetition_penalty=1e-300), dict(repetition_penalty=1e300), dict(top_k=2**31),

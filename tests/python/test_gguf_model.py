@@ -25,7 +25,7 @@ def gguf_llm():
 
 
 def test_projections_stay_quantized_and_dequantize_to_the_converted_floats(gguf_llm, path):
-    model = gguf_llm.llm_engine.model
+    model = gguf_llm.apply_model(lambda m: m)[0]  # the in-process worker's
     quantized = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedWeight)}
     assert len(quantized) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; LM head
     assert {m.weight_format for m in quantized.values()} == {"q4_1", "q8_0"}  # the LM head is the Q8_0 embedding

@@ -158,9 +158,9 @@ def test_octavo_quantize_writes_a_checkpoint_that_loads_as_it_is(tmp_path, metho
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     on_the_fly = LLM(model=str(src), quantization=method, kv_cache_memory_bytes=16 << 20)
     saved = LLM(model=str(tmp_path / "q"), kv_cache_memory_bytes=16 << 20)
-    weight = saved.llm_engine.model.layers[1].mlp.gate_up_weight
+    weight = saved.apply_model(lambda m: m.layers[1].mlp.gate_up_weight)[0]
     assert isinstance(weight, QuantizedWeight) and weight.weight_format == method
-    assert torch.equal(weight.dequantize(), on_the_fly.llm_engine.model.layers[1].mlp.gate_up_weight.dequantize())
+    assert torch.equal(weight.dequantize(), on_the_fly.apply_model(lambda m: m.layers[1].mlp.gate_up_weight.dequantize())[0])
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     assert [o.outputs[0].token_ids for o in saved.generate(prompts, params, use_tqdm=False)] == \
         [o.outputs[0].token_ids for o in on_the_fly.generate(prompts, params, use_tqdm=False)]

@@ -149,7 +149,7 @@ def test_logprobs_are_raw_log_softmax(tiny):
 def test_prompt_logprobs_are_raw_log_softmax_of_every_prompt_token(tiny, tiny_path, budget, logits_rows, monkeypatch):
     llm, reference, tokenizer = tiny
     if logits_rows:
-        monkeypatch.setattr("octavo.runner.model_runner.PROMPT_LOGITS_ROWS", logits_rows)
+        monkeypatch.setattr("octavo.worker.model_runner.PROMPT_LOGITS_ROWS", logits_rows)
     if budget:
         llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
                   max_num_batched_tokens=budget)
@@ -262,7 +262,7 @@ def test_logprobs_minus_one_is_the_whole_vocabulary(tiny_path):
     llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
               max_logprobs=-1)
     out = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=2, logprobs=-1), use_tqdm=False)[0]
-    vocab = llm.llm_engine.model.config.vocab_size
+    vocab = llm.llm_engine.model_config.vocab_size
     assert all(len(entry) == vocab for entry in out.outputs[0].logprobs)
 
 

@@ -36,7 +36,7 @@ def perplexity(model: LLM, tokenizer) -> float:
 def test_quantized_model_stays_close_to_float(method, llm, path, prompts, tokenizer, capsys):
     quantized = LLM(model=str(path), kv_cache_memory_bytes=256 << 20, max_model_len=1024, quantization=method,
                     device="cpu")  # the bounds were measured on the CPU kernel, as the float model runs
-    model = quantized.llm_engine.model
+    model = quantized.apply_model(lambda m: m)[0]  # the in-process worker's
     assert isinstance(model.layers[0].mlp.down_weight, QuantizedWeight)
     assert model.layers[0].mlp.down_weight.weight_format == method
     ratio = perplexity(quantized, tokenizer) / perplexity(llm, tokenizer)

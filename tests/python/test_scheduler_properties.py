@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from octavo import _C
-from octavo.runner.gpu_memory import step_limits
+from octavo.worker.gpu_memory import step_limits
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 VOCAB = 12  # prompt tokens: small, so that different prompts share identical blocks
@@ -150,7 +150,7 @@ class Checker:
         assert T == len(out.input_ids) == len(out.positions) == len(out.slot_mapping)
         assert T <= cfg["max_num_batched_tokens"]
         assert R <= cfg["max_num_seqs"]
-        # Within what an engine on a GPU reserves kernel workspaces for (runner/gpu_memory.py), so
+        # Within what an engine on a GPU reserves kernel workspaces for (worker/gpu_memory.py), so
         # that no step allocates one after startup.
         for graphs in (False, True):
             limits = step_limits(cfg["max_num_batched_tokens"], cfg["max_num_seqs"], cfg["max_model_len"], bs, graphs)

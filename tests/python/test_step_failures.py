@@ -19,7 +19,8 @@ for _module in ("fastapi", "uvicorn", "httpx"):
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
-import octavo.engine.llm_engine as llm_engine_module  # noqa: E402
+import octavo.engine.output_processor as output_processor_module  # noqa: E402
+import octavo.worker.worker as worker_module  # noqa: E402
 from live_server import free_port  # noqa: E402
 from octavo import LLM, SamplingParams  # noqa: E402
 from octavo.engine.async_llm import AsyncLLM  # noqa: E402
@@ -78,11 +79,18 @@ def server(llm):
 def poisoned(server, monkeypatch):
     """Makes each part of a step fail for the requests marked for it."""
     engine = server.engine
-    execute, detokenizer, sample_, check_stop = (engine.runner.execute, engine._detokenizer, llm_engine_module.sample,
-                                                 llm_engine_module.check_stop_strings)
+    core = engine.core.engine_core  # the in-process core and executor: failures are injected there
+    worker = core.executor.driver_worker
+
+    def request_of(handle):  # the front end's request of a scheduler handle
+        return engine._by_core_id[core._live[handle].request_id][0]
+
+    processor = engine.output_processor
+    execute, detokenizer, sample_, check_stop = (worker.runner.execute, processor.detokenizer, worker_module.sample,
+                                                 output_processor_module.check_stop_strings)
 
     def failing_execute(out, rows):
-        if any("POISON-FORWARD" in (engine._by_handle[h][0].prompt or "") for h in out.req_handles):
+        if any("POISON-FORWARD" in (request_of(h).prompt or "") for h in out.req_handles.tolist()):
             raise RuntimeError("injected forward failure [kernel.cc:1]")
         return execute(out, rows)
 
@@ -110,18 +118,18 @@ def poisoned(server, monkeypatch):
             raise RuntimeError("injected stop-check failure")
         return check_stop(text, new_chars, stop, include)
 
-    sample_step = engine._sample
+    new_requests = core._new_requests
 
-    def failing_step_sample(logits, batch):
-        if any(s.state.params.seed == STEP_POISON_SEED for _, s in batch):
+    def failing_new_requests(out):
+        if any(request_of(h).params.seed == STEP_POISON_SEED for h in out.req_handles.tolist()):
             raise RuntimeError("injected failure outside the per-request handling")
-        return sample_step(logits, batch)
+        return new_requests(out)
 
-    monkeypatch.setattr(engine.runner, "execute", failing_execute)
-    monkeypatch.setattr(llm_engine_module, "sample", failing_sample)
-    monkeypatch.setattr(engine, "_detokenizer", failing_detokenizer)
-    monkeypatch.setattr(llm_engine_module, "check_stop_strings", failing_check_stop)
-    monkeypatch.setattr(engine, "_sample", failing_step_sample)
+    monkeypatch.setattr(worker.runner, "execute", failing_execute)
+    monkeypatch.setattr(worker_module, "sample", failing_sample)
+    monkeypatch.setattr(processor, "detokenizer", failing_detokenizer)
+    monkeypatch.setattr(output_processor_module, "check_stop_strings", failing_check_stop)
+    monkeypatch.setattr(core, "_new_requests", failing_new_requests)
 
 
 POISONS = {
@@ -192,7 +200,7 @@ def test_offline_generate_reports_the_failed_request(monkeypatch):
     engine whenever that holds requests.)"""
     llm = LLM(max_model_len=256, device="cpu")
     engine = llm.llm_engine
-    detokenizer = engine._detokenizer
+    detokenizer = engine.output_processor.detokenizer
 
     def failing_detokenizer(request):
         inner = detokenizer(request)
@@ -200,7 +208,7 @@ def test_offline_generate_reports_the_failed_request(monkeypatch):
             inner.add_tokens = lambda tokens: (_ for _ in ()).throw(RuntimeError("injected"))
         return inner
 
-    monkeypatch.setattr(engine, "_detokenizer", failing_detokenizer)
+    monkeypatch.setattr(engine.output_processor, "detokenizer", failing_detokenizer)
     prompts = ["Item 1 of the list is", "POISON-DETOK story", "Item 2 of the list is"]
     outputs = llm.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
     assert [o.outputs[0].finish_reason for o in outputs] == ["length", "error", "length"]

@@ -8,8 +8,8 @@ import torch
 
 import octavo
 from octavo.loader import load_model
-from octavo.runner.model_runner import ModelRunner
-from octavo.runner.sampler import SamplingState, sample
+from octavo.worker.model_runner import ModelRunner
+from octavo.worker.sampler import SamplingState, sample
 from test_models import tiny_checkpoint
 
 GREEDY = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024, quantization=args.quantization,
               device=args.device, **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
-    vocab = engine.model.config.vocab_size
+    vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, vocab - 100, args.prompt_len).tolist() for _ in range(args.repeats + 1)]
     time_one_request(engine, prompts[0], 8, "warmup")  # first-call costs (allocations, page faults)
@@ -48,10 +48,10 @@ def run(args: argparse.Namespace) -> dict:
         ttfts.append(ttft)
         rates.append((len(stamps) - 1) / (stamps[-1] - stamps[0]))
         bandwidths.append(read_bandwidth(nbytes, device=device))
-    weight_bytes = decode_weight_bytes(engine.model)
+    weight_bytes = engine.apply_model(decode_weight_bytes)[0]
     bandwidth = statistics.mean(bandwidths)
     roofline = bandwidth / weight_bytes
-    result = {"dtype": str(engine.model.dtype).removeprefix("torch."), "ttft_ms": 1e3 * statistics.median(ttfts),
+    result = {"dtype": engine.info.model_dtype, "ttft_ms": 1e3 * statistics.median(ttfts),
               "decode_tok_s": statistics.median(rates), "weight_mb": weight_bytes / 1e6,
               "read_gb_s": bandwidth / 1e9, "read_gb_s_range": (min(bandwidths) / 1e9, max(bandwidths) / 1e9),
               "roofline_tok_s": roofline}

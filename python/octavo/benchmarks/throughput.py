@@ -101,6 +101,8 @@ def release_device_memory(device) -> None:
 
 
 def run(args: argparse.Namespace) -> dict:
+    import torch
+
     from octavo import LLM
     from octavo.device import resolve_device
 
@@ -112,12 +114,12 @@ def run(args: argparse.Namespace) -> dict:
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=1024, max_num_seqs=args.max_num_seqs,
               device=device, **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
-    requests = workload(args.num_requests, engine.model.config.vocab_size, input_len=args.input_len,
+    requests = workload(args.num_requests, engine.model_config.vocab_size, input_len=args.input_len,
                         output_len=args.output_len)
-    dtype = engine.model.dtype
+    dtype = engine.info.model_dtype
     seconds = run_octavo(llm, requests)
     ours = rates(requests, seconds)
-    print(f"octavo ({str(dtype).removeprefix('torch.')}): {len(requests)} requests, "
+    print(f"octavo ({dtype}): {len(requests)} requests, "
           f"{sum(len(p) for p, _ in requests)} prompt + {sum(o for _, o in requests)} output tokens in "
           f"{seconds:.1f} s: {ours[0]:.1f} output tok/s, {ours[1]:.1f} total tok/s")
     result = {"octavo_seconds": seconds, "octavo_output_tok_s": ours[0], "octavo_total_tok_s": ours[1]}
@@ -128,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     # Octavo's engine goes first: on a GPU its KV cache took most of the memory the baseline needs.
     del llm, engine
     release_device_memory(device)
-    model = baseline_model(model_path, dtype, device, args.dummy_shape).eval()
+    model = baseline_model(model_path, getattr(torch, dtype), device, args.dummy_shape).eval()
     pad = 0 if tokenizer is None else tokenizer.pad_token_id if tokenizer.pad_token_id is not None else \
         tokenizer.eos_token_id
     best = (0.0, 0.0, 0)

@@ -1,10 +1,12 @@
-"""``AsyncLLM``: the engine for a server. The step loop runs in its own thread, continuously,
-while requests arrive on an asyncio event loop; each request's outputs stream back as deltas.
+"""``AsyncLLM``: the engine for a server. Requests arrive on an asyncio event loop; each
+request's outputs stream back as deltas.
 
 Threads: the engine thread alone touches the ``LLMEngine`` (it is not thread-safe). The event
 loop hands it requests and aborts through a command queue and receives outputs through
-``loop.call_soon_threadsafe``, so a coroutine never waits for a model step. The forward pass
-releases the GIL inside Octavo's kernels and torch, so the event loop keeps running meanwhile.
+``loop.call_soon_threadsafe``, so a coroutine never waits for a model step. With the engine core
+in its own process (the server's default), the engine thread sends it requests, waits for its
+step outputs, and detokenizes them, while the core steps; in-process, the engine thread steps
+the core itself (the forward pass releases the GIL, so the event loop keeps running meanwhile).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
+import select
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -19,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..outputs import RequestOutput
 from ..sampling_params import RequestOutputKind, SamplingParams
+from .core_messages import EngineDeadError
 from .llm_engine import LLMEngine
 from .stats import EngineStats
 
@@ -29,10 +34,6 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full; the caller should retry later."""
 
 
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped (shutdown or a fatal error)."""
-
-
 class RequestFailedError(RuntimeError):
     """The engine failed while running this request and aborted it (details in the server log)."""
 
@@ -40,6 +41,7 @@ class RequestFailedError(RuntimeError):
 # Steps that raise in a row before /health reports the engine unhealthy: one bad step is a
 # request's problem (its requests are aborted), several in a row are the engine's.
 MAX_FAILED_STEPS_IN_A_ROW = 3
+IDLE_POLL_SECONDS = 1.0  # an idle engine thread looks for stray core messages (stats) this often
 
 
 @dataclass
@@ -70,7 +72,11 @@ class AsyncLLM:
         self.max_waiting_requests = max_waiting_requests
         self.stats = EngineStats(engine, model_name)
         self._commands: collections.deque = collections.deque()  # appended by the loop, drained by the thread
-        self._wakeup = threading.Event()
+        # Written by the event loop when a command arrives; the engine thread sleeps on it (and,
+        # with the engine core in another process, on the core's outputs at the same time).
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
         self._streams: dict[str, _Stream] = {}  # written by the loop, read by the thread (dict ops are atomic)
         self._live: set[str] = set()  # requests in the engine; engine thread only
         # Requests submitted (counted by the event loop) and taken in (by the engine thread): one
@@ -81,6 +87,7 @@ class AsyncLLM:
         self._after_step = (0, 0, 0)
         self._stopping = False
         self._failed_steps_in_a_row = 0  # written by the engine thread only
+        self._dead: str | None = None  # why the engine core stopped, if it did
         self._thread = threading.Thread(target=self._run, name="octavo-engine", daemon=True)
         self._thread.start()
 
@@ -88,7 +95,7 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
-        return self._thread.is_alive() and not self._stopping
+        return self._thread.is_alive() and not self._stopping and self._dead is None
 
     @property
     def is_healthy(self) -> bool:
@@ -105,7 +112,7 @@ class AsyncLLM:
         slots (a request that arrives mid-step and will start at the next one is not waiting)."""
         waiting, running, taken = self._after_step
         pending = self._num_submitted - taken
-        free = 0 if waiting else max(0, self.engine.scheduler.config.max_num_seqs - running)
+        free = 0 if waiting else max(0, self.engine.info.max_num_seqs - running)
         return waiting + max(0, pending - free)
 
     async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
@@ -137,29 +144,48 @@ class AsyncLLM:
                 self._submit(("abort", request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Aborts whatever is still running and stops the engine thread."""
+        """Aborts whatever is still running, stops the engine thread and the engine core."""
+        if self._stopping:
+            return
         self._stopping = True
-        self._wakeup.set()
+        self._wake()
         self._thread.join(timeout)
+        self.engine.shutdown()
+        if not self._thread.is_alive():
+            os.close(self._wake_read)
+            os.close(self._wake_write)
 
     def _submit(self, command: tuple) -> None:
         self._commands.append(command)
-        self._wakeup.set()
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_write, b"!")
+        except BlockingIOError:  # the pipe is full of wake-ups already
+            pass
 
     # ---- the engine thread ----------------------------------------------------------------
 
     def _run(self) -> None:
         engine = self.engine
+        remote = engine.core_is_remote
+        if remote:  # a core step's outputs or a command, whichever comes first, ends the wait
+            engine.core.set_wakeup_fd(self._wake_read)
         while not self._stopping:
             self._drain_commands()
-            if not engine.has_unfinished_requests():
-                self._wakeup.wait(timeout=1.0)
-                self._wakeup.clear()
+            idle = not engine.has_unfinished_requests()
+            if idle and not remote:
+                select.select([self._wake_read], [], [], IDLE_POLL_SECONDS)
                 continue
             try:
-                outputs = engine.step()
+                outputs = engine.step(timeout=IDLE_POLL_SECONDS if idle else None)
                 self.stats.snapshot()
                 self._after_step = (self.stats.num_waiting, self.stats.num_running, self._num_taken)
+            except EngineDeadError as e:
+                logger.error("the engine core died: %s", e)
+                self._dead = str(e)
+                break
             except Exception:  # noqa: BLE001 - the engine's own per-request handling missed it
                 logger.exception("engine step failed; aborting its requests")
                 self._failed_steps_in_a_row += 1
@@ -172,9 +198,14 @@ class AsyncLLM:
             self._failed_steps_in_a_row = 0
             for output in outputs:
                 self._deliver(output)
-        self._fail_all(EngineDeadError("the server is shutting down"), include_pending=True)
+        self._fail_all(EngineDeadError(self._dead or "the server is shutting down"), include_pending=True)
 
     def _drain_commands(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
         while self._commands:
             command = self._commands.popleft()
             if command[0] == "add":
@@ -190,7 +221,7 @@ class AsyncLLM:
             return
         try:
             self.engine.add_request(request_id, prompt_token_ids, params, prompt=prompt, priority=priority)
-        except ValueError as e:
+        except (ValueError, EngineDeadError) as e:
             stream.put(e)
             return
         except Exception:  # noqa: BLE001 - a check the front end missed: this request fails alone

@@ -100,20 +100,18 @@ class EngineStats:
             self.finished.labels(self._model_name, "stop" if "stop" in reasons else reasons.pop()).inc()
 
     def snapshot(self) -> None:
-        """Copies the scheduler's and block pool's state into the gauges and counters."""
-        scheduler = self._engine.scheduler
-        pool = scheduler.block_pool
-        self.num_waiting = scheduler.num_waiting
-        self.num_running = scheduler.num_running
+        """Copies the scheduler's and block pool's state (as the core's last step reported it)
+        into the gauges and counters."""
+        s = self._engine.stats
+        self.num_waiting, self.num_running = s.num_waiting, s.num_running
         self.running.set(self.num_running)
         self.waiting.set(self.num_waiting)
-        self.kv_usage.set(pool.usage)
-        self.kv_used_blocks.set(pool.num_used_blocks)
-        prefix = scheduler.prefix_cache_stats
-        self._advance(self.prefix_queries, "queries", prefix["queries"])
-        self._advance(self.prefix_hits, "hits", prefix["hits"])
-        self._advance(self.preemptions, "preemptions", scheduler.num_preemptions)
-        self.prefix_hit_rate.set(prefix["hits"] / prefix["queries"] if prefix["queries"] else 0.0)
+        self.kv_usage.set(s.kv_cache_usage)
+        self.kv_used_blocks.set(s.num_used_blocks)
+        self._advance(self.prefix_queries, "queries", s.prefix_cache_queries)
+        self._advance(self.prefix_hits, "hits", s.prefix_cache_hits)
+        self._advance(self.preemptions, "preemptions", s.num_preemptions)
+        self.prefix_hit_rate.set(s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
 
     def _advance(self, counter, key: str, total: int) -> None:
         """Native counters are running totals; Prometheus counters only increase."""

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
+from ..distributed.shards import TPShard
 from ..layers.quantize import QUANT_METHOD, load_quantized_state, load_quantizing, quantize_model
 from ..models import model_class
 from .gptq_awq import METHODS as GPTQ_AWQ
@@ -54,7 +55,8 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors",
-               device: torch.device | str = "cpu", quantization: str | None = None):
+               device: torch.device | str = "cpu", quantization: str | None = None, tp_rank: int = 0,
+               tp_size: int = 1):
     """Builds the model for ``path``'s config.json and fills its weights (or, for a ``.gguf``
     file, the model it holds, see gguf_file.py).
 
@@ -65,7 +67,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     are read (layers/quantize.py), so the float model is never whole in memory. Models whose
     projections end up quantized are built in CPU memory and moved: there, float parameters
     that quantized weights replace before they are filled take no pages (on a GPU they would
-    take their full size).
+    take their full size). ``tp_rank`` of ``tp_size``: build and fill only that tensor-parallel
+    rank's part (distributed/shards.py), reading each checkpoint tensor's slice.
     """
     from .gguf_file import is_gguf, load_gguf_model
 
@@ -77,15 +80,18 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):  # read on the CPU (numpy), then moved: the quantized size, not the float one
+        _float_only_for_tp(tp_size, "a GGUF file")
         return _quantized_after(load_gguf_model(path, dtype).to(device), quantization)
     config = ModelConfig.from_pretrained(path)
+    if quantization is not None or quant_method(config) is not None:
+        _float_only_for_tp(tp_size, f"quantization {quantization or quant_method(config)!r}")
     if dtype == "auto":
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     quantized_files = load_format == "safetensors" and (quantization is not None or quant_method(config) is not None)
     with torch.device("cpu") if quantized_files else device:
-        model = model_class(config.architecture)(config, dtype)
+        model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size))
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(0)
         for param in model.parameters():
@@ -106,6 +112,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     # A model built on the CPU moves now; one built on the device stays (dummy weights are
     # quantized there).
     return _quantized_after(model.eval(), quantization).to(device)
+
+
+def _float_only_for_tp(tp_size: int, what: str) -> None:
+    if tp_size > 1:
+        raise ValueError(f"tensor_parallel_size > 1 runs float checkpoints (safetensors) for now, not {what}")
 
 
 def _quantized_after(model, quantization: str | None):

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 
 from .. import _C
 from ..config import ModelConfig
+from ..distributed.parallel_state import all_reduce, gather_vocab
+from ..distributed.shards import TPShard, split
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.linear import QuantizedWeight, linear
 from ..layers.norm import RMSNorm
@@ -26,9 +28,11 @@ def _param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
 
 
 class LlamaAttention(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool):
+    """Column-parallel QKV (this rank's heads), row-parallel output projection."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool, shard: TPShard):
         super().__init__()
-        heads, kv_heads, d = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        heads, kv_heads, d = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size, self.kv_size, self.head_dim = heads * d, kv_heads * d, d
         self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
         self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
@@ -46,29 +50,31 @@ class LlamaAttention(torch.nn.Module):
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
         cos_sin_cache, is_neox = rope
         _C.ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, is_neox)
-        return linear(self.attn(q, k, v, meta), self.o_weight)
+        return all_reduce(linear(self.attn(q, k, v, meta), self.o_weight))
 
 
 class LlamaMLP(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    """Column-parallel gate_up (this rank's intermediate rows), row-parallel down projection."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard):
         super().__init__()
-        self.gate_up_weight = _param(2 * config.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down_weight = _param(config.hidden_size, config.intermediate_size, dtype=dtype)
+        self.gate_up_weight = _param(2 * shard.intermediate_size, config.hidden_size, dtype=dtype)
+        self.down_weight = _param(config.hidden_size, shard.intermediate_size, dtype=dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight)
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
         _C.ops.silu_and_mul(out, gate_up)
-        return linear(out, self.down_weight)
+        return all_reduce(linear(out, self.down_weight))
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool, shard: TPShard):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, qk_norm)
+        self.self_attn = LlamaAttention(config, dtype, qk_norm, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype)
+        self.mlp = LlamaMLP(config, dtype, shard)
 
     def forward(self, x, residual, positions, rope, meta):
         if residual is None:
@@ -82,19 +88,23 @@ class LlamaDecoderLayer(torch.nn.Module):
 
 class LlamaForCausalLM(torch.nn.Module):
     """forward(input_ids [T], positions [T], meta) -> hidden [T, hidden];
-    compute_logits(hidden, logits_indices [R]) -> float32 [R, vocab]."""
+    compute_logits(hidden, logits_indices [R]) -> float32 [R, vocab].
+
+    ``shard``: the part a tensor-parallel rank holds (distributed/shards.py; default: all of it).
+    The embedding and the LM head hold the rank's vocabulary rows."""
 
     qk_norm = False
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard | None = None):
         super().__init__()
         self.config, self.dtype = config, dtype
-        self.embed_tokens = _param(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.shard = shard = shard or TPShard.of(config)
+        self.embed_tokens = _param(shard.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, self.qk_norm) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, dtype, self.qk_norm, shard) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
-            config.vocab_size, config.hidden_size, dtype=dtype)
+            shard.vocab_size, config.hidden_size, dtype=dtype)
         with torch.device("cpu"):  # the table is built in float64 on the CPU, wherever the model lives
             table = rope_cos_sin_cache(config.hf)
         self.register_buffer("cos_sin_cache", table.to(self.embed_tokens.device), persistent=False)
@@ -104,25 +114,37 @@ class LlamaForCausalLM(torch.nn.Module):
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = F.embedding(input_ids, self.embed_tokens), None
+        x, residual = self._embed(input_ids), None
         for layer in self.layers:
             x, residual = layer(x, residual, positions, (self.cos_sin_cache, self.rope_is_neox), meta)
         x, _ = self.norm(x, residual)
         return x
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.shard.world == 1:
+            return F.embedding(input_ids, self.embed_tokens)
+        first, end = self.shard.vocab  # rows of other ranks' tokens are zeros here, their rank's there
+        local = input_ids.long() - first
+        outside = (local < 0) | (local >= end - first)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        return all_reduce(x.masked_fill_(outside[:, None], 0))
+
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        return linear(hidden[logits_indices], self.lm_head).float()
+        logits = linear(hidden[logits_indices], self.lm_head).float()
+        s = self.shard
+        return gather_vocab(logits, [end - begin for begin, end in (split(self.config.vocab_size, s.world, r)
+                                                                     for r in range(s.world))])
 
     # ---- weights ------------------------------------------------------------------------------
 
     def weight_targets(self) -> dict[str, tuple[torch.Tensor | QuantizedWeight, int, int]]:
         """HF tensor name -> (destination parameter, first row, rows) for every expected tensor;
         a quantized loader may have put a ``QuantizedWeight`` in a parameter's place."""
-        c = self.config
-        targets = {"model.embed_tokens.weight": (self.embed_tokens, 0, c.vocab_size),
+        c, vocab, intermediate = self.config, self.shard.vocab_size, self.shard.intermediate_size
+        targets = {"model.embed_tokens.weight": (self.embed_tokens, 0, vocab),
                    "model.norm.weight": (self.norm.weight, 0, c.hidden_size)}
         if not c.tie_word_embeddings:
-            targets["lm_head.weight"] = (self.lm_head, 0, c.vocab_size)
+            targets["lm_head.weight"] = (self.lm_head, 0, vocab)
         for i, layer in enumerate(self.layers):
             p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
             q, kv = a.q_size, a.kv_size
@@ -134,12 +156,35 @@ class LlamaForCausalLM(torch.nn.Module):
             if a.q_norm is not None:
                 targets[f"{p}self_attn.q_norm.weight"] = (a.q_norm.weight, 0, c.head_dim)
                 targets[f"{p}self_attn.k_norm.weight"] = (a.k_norm.weight, 0, c.head_dim)
-            targets[f"{p}mlp.gate_proj.weight"] = (m.gate_up_weight, 0, c.intermediate_size)
-            targets[f"{p}mlp.up_proj.weight"] = (m.gate_up_weight, c.intermediate_size, c.intermediate_size)
+            targets[f"{p}mlp.gate_proj.weight"] = (m.gate_up_weight, 0, intermediate)
+            targets[f"{p}mlp.up_proj.weight"] = (m.gate_up_weight, intermediate, intermediate)
             targets[f"{p}mlp.down_proj.weight"] = (m.down_weight, 0, c.hidden_size)
             targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
             targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
         return targets
+
+    def shard_slices(self) -> dict[str, tuple[int, int, int, int]]:
+        """HF tensor name -> (dim, begin, end, full size of dim) of the part of it this rank
+        holds, for the tensors tensor parallelism cuts (none on one rank)."""
+        c, s, d = self.config, self.shard, self.config.head_dim
+        if s.world == 1:
+            return {}
+        q, kv = (s.q_heads[0] * d, s.q_heads[1] * d), (s.kv_heads[0] * d, s.kv_heads[1] * d)
+        heads, kv_heads = c.num_attention_heads * d, c.num_key_value_heads * d
+        slices = {"model.embed_tokens.weight": (0, *s.vocab, c.vocab_size)}
+        if not c.tie_word_embeddings:
+            slices["lm_head.weight"] = (0, *s.vocab, c.vocab_size)
+        for i in range(c.num_hidden_layers):
+            p = f"model.layers.{i}."
+            for kind in ("weight", "bias"):
+                slices[f"{p}self_attn.q_proj.{kind}"] = (0, *q, heads)
+                slices[f"{p}self_attn.k_proj.{kind}"] = (0, *kv, kv_heads)
+                slices[f"{p}self_attn.v_proj.{kind}"] = (0, *kv, kv_heads)
+            slices[f"{p}self_attn.o_proj.weight"] = (1, *q, heads)
+            slices[f"{p}mlp.gate_proj.weight"] = (0, *s.intermediate, c.intermediate_size)
+            slices[f"{p}mlp.up_proj.weight"] = (0, *s.intermediate, c.intermediate_size)
+            slices[f"{p}mlp.down_proj.weight"] = (1, *s.intermediate, c.intermediate_size)
+        return slices
 
     def matmul_weights(self) -> list[tuple[torch.nn.Module, str, list[str]]]:
         """Every weight ``linear`` reads, as (owner module, attribute, the checkpoint tensors
@@ -157,7 +202,7 @@ class LlamaForCausalLM(torch.nn.Module):
         """Copies checkpoint tensors (HF names) into the fused parameters, casting to the model
         dtype. Unknown, mis-shaped or missing tensors raise ValueError naming them. Weights a
         quantized loader has placed already (``place_quantized``) are neither filled nor missing."""
-        targets, seen = self.weight_targets(), set()
+        targets, slices, seen = self.weight_targets(), self.shard_slices(), set()
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # derived from the config / the same tensor as the embedding
@@ -167,10 +212,13 @@ class LlamaForCausalLM(torch.nn.Module):
             if isinstance(param, QuantizedWeight):
                 raise ValueError(f"checkpoint tensor {name!r} is part of a quantized weight placed already")
             dest = param.data[start:start + rows]
-            if tuple(tensor.shape) != tuple(dest.shape):
+            expected, cut = list(dest.shape), slices.get(name)
+            if cut is not None:  # tensor parallel: this rank's part of the tensor
+                expected[cut[0]] = cut[3]
+            if list(tensor.shape) != expected:
                 raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"expected {tuple(dest.shape)} from config.json")
-            dest.copy_(tensor)
+                                 f"expected {tuple(expected)} from config.json")
+            dest.copy_(tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]))
             seen.add(name)
         placed = {name for name, (param, _, _) in self.weight_targets().items() if isinstance(param, QuantizedWeight)}
         missing = sorted(set(targets) - placed - seen)  # `weights` may place quantized weights as it goes

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.util
 import json
 import logging
 import os
@@ -312,6 +313,17 @@ def api_key_from(args_key: str | None) -> str | None:
     return args_key or os.environ.get("OCTAVO_API_KEY") or None
 
 
+def core_in_own_process() -> bool:
+    """The server runs the engine core in a process of its own unless OCTAVO_ENABLE_MULTIPROCESSING=0,
+    or pyzmq / msgspec are missing (a host without a package registry)."""
+    if os.environ.get("OCTAVO_ENABLE_MULTIPROCESSING", "1") == "0":
+        return False
+    missing = [m for m in ("zmq", "msgspec", "cloudpickle") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"octavo: the engine core runs in the server's process: {', '.join(missing)} not installed")
+    return not missing
+
+
 def served_model(args) -> ServedModel:
     """Loads the model and starts the engine thread."""
     from ...engine.async_llm import AsyncLLM
@@ -325,7 +337,10 @@ def served_model(args) -> ServedModel:
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
-              enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs)
+              enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
+              tensor_parallel_size=args.tensor_parallel_size,
+              distributed_executor_backend=args.distributed_executor_backend,
+              multiprocess=core_in_own_process())
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),

@@ -7,10 +7,8 @@ from ..device_arg import add_device_argument
 # `vllm serve` options for features Octavo does not have yet: refused with the feature's name
 # rather than argparse's bare "unrecognized arguments".
 UNSUPPORTED_VLLM_OPTIONS = {
-    ("--tensor-parallel-size", "-tp"): "tensor parallelism",
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism",
     ("--data-parallel-size", "-dp"): "data parallelism",
-    ("--distributed-executor-backend",): "multi-process and Ray executors",
     ("--enable-expert-parallel",): "expert parallelism",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
     ("--speculative-config",): "speculative decoding",
@@ -55,6 +53,11 @@ def add_arguments(parser) -> None:
                         help="answer 503 with Retry-After while this many requests are waiting (default: no limit)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
     add_device_argument(parser)
+    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                        help="split the model over this many worker processes (tensor parallel)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
+                        help="where the workers run: 'uni' (the engine core's process) or 'mp' (a process each; "
+                             "the default for more than one)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from .. import _C
+from ..executor.step_io import SamplerOutput
 from .staging import PackedOutputs, Staging
 
 
@@ -20,15 +21,6 @@ class SamplingState:
     seed: int
     stop_token_ids: list[int] = field(default_factory=list)  # EOS (unless ignored) + the request's own
     output_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass
-class SamplerOutput:
-    token_ids: np.ndarray                        # [R] int32
-    logprobs: np.ndarray | None = None           # [R] float32, raw logprob of the sampled token
-    ranks: np.ndarray | None = None              # [R] int32
-    top_token_ids: np.ndarray | None = None      # [R, n] int32
-    top_logprobs: np.ndarray | None = None       # [R, n] float32
 
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -14,14 +14,14 @@ from .staging import Staging
 
 
 def kv_cache_block_bytes(model, block_size: int) -> int:
-    """Bytes one block takes across every layer (K and V)."""
+    """Bytes one block takes across every layer (K and V) on this rank (its KV heads)."""
     c = model.config
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * block_size * c.head_dim * elem
+    return 2 * c.num_hidden_layers * model.shard.num_kv_heads * block_size * c.head_dim * elem
 
 
 # Prompt-logprob rows whose logits are made on the device at once: with a step's sampled rows,
-# what the KV budget leaves room for (runner/gpu_memory.py).
+# what the KV budget leaves room for (worker/gpu_memory.py).
 PROMPT_LOGITS_ROWS = 256
 
 
@@ -36,21 +36,21 @@ class ModelRunner:
         self.staging = Staging(self.device)
         use_device(self.device)
         c = model.config
-        shape = (num_blocks, c.num_key_value_heads, block_size, c.head_dim)
+        shape = (num_blocks, model.shard.num_kv_heads, block_size, c.head_dim)
         for attn in model.attention_layers():
             attn.kv_cache = (empty_kv_cache(shape, model.dtype, self.device),
                              empty_kv_cache(shape, model.dtype, self.device))
 
     def _plan(self, out) -> np.ndarray:
         """The CUDA attention kernels' batch layout (plan_paged_attention)."""
-        c = self.model.config
+        s = self.model.shard
         plan = np.empty(len(out.query_start_loc), dtype=np.int32)
-        _C.ops.plan_paged_attention(plan, np.array(out.query_start_loc), c.num_attention_heads, c.num_key_value_heads)
+        _C.ops.plan_paged_attention(plan, np.array(out.query_start_loc), s.num_heads, s.num_kv_heads)
         return plan
 
     @torch.inference_mode()
     def capture_cuda_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> float:
-        """Captures the decode graphs (runner/cuda_graphs.py); returns the seconds it took."""
+        """Captures the decode graphs (worker/cuda_graphs.py); returns the seconds it took."""
         from .cuda_graphs import CudaGraphs
 
         use_device(self.device)
@@ -137,7 +137,7 @@ def reserve_workspaces(model, max_tokens: int, max_seqs: int, max_blocks_per_seq
     c = model.config
     use_device(model.embed_tokens.device)  # new buffers are cleared on Octavo's stream
     return _C.reserve_cuda_workspaces(max_tokens=max_tokens, max_seqs=max_seqs,
-                                      num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
+                                      num_heads=model.shard.num_heads, num_kv_heads=model.shard.num_kv_heads,
                                       head_size=c.head_dim, max_blocks_per_seq=max_blocks_per_seq,
                                       block_size=block_size, vocab_size=c.vocab_size)
 

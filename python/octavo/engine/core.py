@@ -1,0 +1,239 @@
+"""The engine core: the native scheduler and the executor, one step at a time.
+
+step() = schedule() -> executor.execute_model() -> update_from_output() -> what changed for each
+request (EngineCoreOutputs). The core knows token ids only: text, stop strings and RequestOutputs
+are the front end's (llm_engine.py). It runs in the front end's process (InprocClient) or in its
+own, behind ZeroMQ (core_proc.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from .. import Scheduler, SchedulerConfig
+from ..executor import Executor
+from ..executor.configs import CacheConfig, WorkerConfig
+from ..executor.step_io import NewRequest, StepInput
+from .core_messages import ERROR, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, SchedulerStats
+
+logger = logging.getLogger("octavo.engine")
+
+# Tokens per step when chunked prefill is on. Measured on the default model, 2 cores (tables in
+# bench/RESULTS.md): 64 requests of 128 in / 128 out run at 394-424 output tok/s with every
+# budget from 512 to 8192 (before `linear` took input rows in L2-sized chunks, 8192 ran at 240).
+# Throughput does not choose, so the smaller budget wins: it bounds the step time that running
+# decodes wait behind a prefill (inter-token latency under load).
+# Without chunked prefill a step must hold a whole prompt: max_model_len.
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 1024
+
+
+@dataclass
+class EngineCoreConfig:
+    worker: WorkerConfig
+    max_model_len: int | None = None  # None: the model's
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    block_size: int = 16
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    scheduling_policy: str = "fcfs"
+    distributed_executor_backend: str | None = None
+
+
+@dataclass
+class _Live:
+    """A core request the scheduler holds."""
+
+    request_id: str
+    prompt_logprobs: int | None  # top tokens per prompt position when it records prompt logprobs
+    num_prompt_tokens: int
+    reported_cache_hits: bool = False
+
+
+class EngineCore:
+    def __init__(self, config: EngineCoreConfig):
+        self.executor = Executor.create(config.worker, config.distributed_executor_backend)
+        model_config = self.executor.model_config
+        max_model_len = config.max_model_len or model_config.max_position_embeddings
+        budget = config.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
+                                                   else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len))
+        cache = CacheConfig(config.block_size, budget, config.max_num_seqs, max_model_len,
+                            config.kv_cache_memory_bytes, config.gpu_memory_utilization, config.enforce_eager)
+        num_blocks = self.executor.determine_num_blocks(cache)
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_blocks=num_blocks, block_size=config.block_size, max_model_len=max_model_len,
+            max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
+            enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=config.enable_prefix_caching,
+            policy=config.scheduling_policy))
+        self.executor.initialize_cache(num_blocks, cache)
+        self.info = EngineCoreInfo(model_config, str(self.executor.model_dtype).removeprefix("torch."),
+                                   config.worker.device, max_model_len, config.max_num_seqs, num_blocks,
+                                   config.block_size, self.executor.kv_block_bytes, config.scheduling_policy)
+        self._live: dict[int, _Live] = {}  # by scheduler handle
+        self._unsent: dict[int, NewRequest] = {}  # sampling states the workers get with the first step
+        self._finished_handles: list[int] = []  # finished in steps that ran no model: workers forget them next
+        self._num_wanting_prompt_logprobs = 0
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(self, r: EngineCoreRequest) -> None:
+        """Raises ValueError when the scheduler refuses the request."""
+        p = r.params
+        handle = self.scheduler.add_request(
+            r.request_id, r.prompt_token_ids, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
+            eos_token_id=r.eos_token_id, stop_token_ids=r.stop_token_ids, ignore_eos=p.ignore_eos,
+            priority=r.priority, skip_reading_prefix_cache=r.wants_prompt_logprobs)
+        banned = r.stop_token_ids + ([] if p.ignore_eos or r.eos_token_id < 0 else [r.eos_token_id])
+        self._unsent[handle] = NewRequest(handle, p, r.prompt_token_ids, r.seed, banned)
+        self._live[handle] = _Live(r.request_id, p.prompt_logprobs if r.wants_prompt_logprobs else None,
+                                   len(r.prompt_token_ids))
+        self._num_wanting_prompt_logprobs += r.wants_prompt_logprobs
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Takes effect after the current step; aborted requests report no output."""
+        for rid in request_ids:
+            handle = self.scheduler.handle_of(rid)
+            if handle is not None and handle in self._live:
+                self._forget(handle)
+        self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def _forget(self, handle: int) -> None:
+        live = self._live.pop(handle)
+        self._unsent.pop(handle, None)
+        self._num_wanting_prompt_logprobs -= live.prompt_logprobs is not None
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> EngineCoreOutputs:
+        """One scheduler step. A forward failure finishes the step's requests with "error"; a
+        sampling failure, the request alone. Raises only for a failure outside both (the step
+        stays open: end_failed_step() then fails its requests)."""
+        out = self.scheduler.schedule()
+        if not out.num_reqs:
+            self._finished_handles.extend(out.finished_handles.tolist())
+            self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
+            return EngineCoreOutputs.empty(self.stats())
+        handles = out.req_handles.tolist()
+        chunks = self._prompt_chunks(out, handles) if self._num_wanting_prompt_logprobs else []
+        step = StepInput.from_scheduler(out, new_requests=self._new_requests(out), finished_handles=self._finished(out),
+                                        prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None)
+        request_ids = [self._live[h].request_id for h in handles]
+        cached = self._cache_hits(out, handles)
+        try:
+            result = self.executor.execute_model(step)
+        except EngineDeadError:  # the workers are gone: nothing more can run
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever broke, the other requests keep running
+            self.scheduler.fail_step()  # the step's KV may be half written: none of it is kept
+            _log_failure("the forward pass", request_ids, e)
+            return self._fail(handles, request_ids)
+        # Tokens from a worker process come in a read-only buffer, which DLPack does not export.
+        update = self.scheduler.update_from_output(np.require(result.sampled.token_ids, requirements="W"))
+        finish_reasons = np.array(update.finish_reasons)
+        for f in result.failures:
+            finish_reasons[f.row] = ERROR
+        if result.failures:
+            _log_failure("sampling", [request_ids[f.row] for f in result.failures], result.failures[0].error)
+            self.scheduler.abort_requests([request_ids[f.row] for f in result.failures])
+        for i in np.flatnonzero(finish_reasons).tolist():
+            if handles[i] in self._live:
+                self._forget(handles[i])
+        sampled = result.sampled if result.sampled.logprobs is not None else None  # else new_token_ids say it all
+        return EngineCoreOutputs(
+            request_ids, np.array(update.new_token_offsets), np.array(update.new_token_ids), finish_reasons,
+            np.array(update.stop_reasons), cached, sampled,
+            [(i, first, logprobs) for (i, first, _, _), logprobs in zip(chunks, result.prompt_logprobs)], self.stats())
+
+    def end_failed_step(self) -> EngineCoreOutputs:
+        """After step() raised: ends the scheduler's step if it is still open, failing the
+        requests it scheduled, so that the next step can run."""
+        if not self.scheduler.in_step:
+            return EngineCoreOutputs.empty(self.stats())
+        handles = [h for h in self.scheduler.fail_step() if h in self._live]
+        return self._fail(handles, [self._live[h].request_id for h in handles])
+
+    def _new_requests(self, out) -> list[NewRequest]:
+        """The sampling states of the step's requests that the workers have not seen."""
+        handles = out.req_handles
+        return [r for i in np.flatnonzero(out.is_new).tolist() if (r := self._unsent.pop(int(handles[i]), None))]
+
+    def _finished(self, out) -> list[int]:
+        handles = self._finished_handles + out.finished_handles.tolist()
+        self._finished_handles = []
+        return handles
+
+    def _prompt_chunks(self, out, handles: list[int]) -> list[tuple[int, int, int, int]]:
+        """StepInput.prompt_logprobs rows: the hidden state at prompt position j predicts token
+        j + 1, so a chunk over positions [first, first + L) yields the entries of prompt tokens
+        first + 1 .. min(first + L, P - 1)."""
+        chunks = []
+        starts, positions = out.query_start_loc, out.positions
+        for i, handle in enumerate(handles):
+            live = self._live[handle]
+            if live.prompt_logprobs is None:
+                continue
+            begin, end = int(starts[i]), int(starts[i + 1])
+            first = int(positions[begin])
+            last = min(first + end - begin, live.num_prompt_tokens - 1)
+            if last > first:  # else a decode step, or a recompute past the prompt after preemption
+                chunks.append((i, first, last, live.prompt_logprobs))
+        return chunks
+
+    def _cache_hits(self, out, handles: list[int]) -> np.ndarray:
+        """[R] int32: each request's cached prompt tokens when first scheduled, else -1."""
+        cached = np.full(len(handles), -1, dtype=np.int32)
+        for i in np.flatnonzero(out.is_new).tolist():
+            live = self._live[handles[i]]
+            if not live.reported_cache_hits:
+                live.reported_cache_hits = True
+                cached[i] = out.num_computed_tokens[i]
+        return cached
+
+    def _fail(self, handles: list[int], request_ids: list[str]) -> EngineCoreOutputs:
+        """Finishes these requests with "error" (aborting them in the scheduler)."""
+        for handle in handles:
+            self._forget(handle)
+        self.scheduler.abort_requests(request_ids)
+        return self.error_outputs(request_ids)
+
+    def error_outputs(self, request_ids: list[str]) -> EngineCoreOutputs:
+        """Outputs that finish these requests with "error"."""
+        n = len(request_ids)
+        return EngineCoreOutputs(request_ids, np.zeros(n + 1, dtype=np.int32), np.zeros(0, dtype=np.int32),
+                                 np.full(n, ERROR, dtype=np.int8), np.full(n, -1, dtype=np.int32),
+                                 np.full(n, -1, dtype=np.int32), stats=self.stats())
+
+    def stats(self) -> SchedulerStats:
+        s = self.scheduler
+        pool, prefix = s.block_pool, s.prefix_cache_stats
+        return SchedulerStats(s.num_waiting, s.num_running, pool.usage, pool.num_used_blocks, prefix["queries"],
+                              prefix["hits"], s.num_preemptions)
+
+    # ---- the model, through the executor ---------------------------------------------------
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        return self.executor.collective_rpc(method, args, kwargs)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
+
+
+def _log_failure(where: str, request_ids: list[str], error: Exception | str) -> None:
+    """error: the exception, or its traceback as text (from a worker)."""
+    message = "%s failed; aborting request(s) %s"
+    if isinstance(error, str):
+        logger.error(message + "\n%s", where, ", ".join(request_ids), error.rstrip())
+    else:
+        logger.error(message, where, ", ".join(request_ids), exc_info=(type(error), error, error.__traceback__))

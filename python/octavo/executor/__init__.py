@@ -1,0 +1,5 @@
+"""Executors: where the workers that run the model live (this process, for now)."""
+
+from .abstract import Executor
+
+__all__ = ["Executor"]

@@ -1,0 +1,67 @@
+"""The executor: the engine's only way to a model. It owns the workers (one per rank), sizes
+their KV caches and runs each step on them."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .configs import CacheConfig, WorkerConfig
+from .step_io import StepInput, StepOutput
+
+
+class Executor:
+    """Subclasses say where the workers live (``collective_rpc``) and start them."""
+
+    def __init__(self, worker_config: WorkerConfig):
+        self.worker_config = worker_config
+        self.kv_block_bytes = 0  # bytes one KV block takes on each worker, once sized
+        self._start_workers()
+        self.collective_rpc("load_model")
+        self.model_config, self.model_dtype = self.collective_rpc("model_summary")[0]
+
+    @staticmethod
+    def create(worker_config: WorkerConfig, backend: str | None = None) -> Executor:
+        """The executor for ``distributed_executor_backend``: "uni" (one worker in this
+        process), "mp" (a process per rank); None: "mp" for more than one rank, else "uni"."""
+        from .uniproc import UniprocExecutor
+
+        if backend not in (None, "uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
+        if worker_config.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {worker_config.tensor_parallel_size}")
+        if backend == "uni" and worker_config.tensor_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank; use 'mp' for tensor_parallel_size > 1")
+        if backend == "mp" or worker_config.tensor_parallel_size > 1:
+            from .multiproc import MultiprocExecutor  # pyzmq: only where worker processes run
+
+            return MultiprocExecutor(worker_config)
+        return UniprocExecutor(worker_config)
+
+    def _start_workers(self) -> None:
+        raise NotImplementedError
+
+    def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        """Calls ``method`` on every worker (a Worker method's name, or a function taking the
+        worker first) and returns each worker's result, in rank order."""
+        raise NotImplementedError
+
+    def determine_num_blocks(self, cache: CacheConfig) -> int:
+        """As many KV blocks as every worker can hold: the least of their answers."""
+        sizes = self.collective_rpc("kv_cache_bytes", (cache,))
+        self.kv_block_bytes = max(block for _, block in sizes)
+        num_blocks = min(budget // block for budget, block in sizes)
+        if num_blocks < 2:
+            raise ValueError(f"kv_cache_memory_bytes={min(b for b, _ in sizes)} holds no KV block; give at least "
+                             f"{2 * self.kv_block_bytes} bytes")
+        return num_blocks
+
+    def initialize_cache(self, num_blocks: int, cache: CacheConfig) -> None:
+        self.collective_rpc("initialize_cache", (num_blocks, cache))
+
+    def execute_model(self, step: StepInput) -> StepOutput:
+        """Runs one step on every worker; returns rank 0's output. Raises when the forward pass
+        fails on any worker (none of the step's KV is to be trusted then)."""
+        return self.collective_rpc("execute_model", (step,))[0]
+
+    def shutdown(self) -> None:
+        """Stops the workers (nothing to do in-process)."""

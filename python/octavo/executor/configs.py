@@ -1,0 +1,31 @@
+"""What an executor needs to start its workers and size their KV caches (plain, picklable data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class WorkerConfig:
+    """How each worker loads its model."""
+
+    model: str
+    dtype: str = "auto"
+    load_format: str = "safetensors"
+    device: str = "cpu"  # already resolved: "cpu" or "cuda:N"
+    quantization: str | None = None  # "int8" / "int4": rounded to nearest as the weights are read
+    tensor_parallel_size: int = 1
+
+
+@dataclass
+class CacheConfig:
+    """How the KV cache is sized: kv_cache_memory_bytes when given, else (on a GPU) what
+    gpu_memory_utilization leaves after the weights and a profiled step of the largest size."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False

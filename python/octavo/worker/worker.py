@@ -1,0 +1,141 @@
+"""A worker: one rank's device, model (shard), KV cache, CUDA graphs and sampler, and the sampling
+state of every request it runs. The executor creates it, sizes its cache and hands it steps."""
+
+from __future__ import annotations
+
+import traceback
+
+import numpy as np
+import torch
+
+from ..executor.configs import CacheConfig, WorkerConfig
+from ..distributed.parallel_state import init_tensor_parallel
+from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput
+from ..layers import bf16_tiles
+from ..layers.crossover import calibrate as calibrate_linear
+from ..loader import load_model
+from .gpu_memory import GpuMemoryPlan
+from .model_runner import ModelRunner, kv_cache_block_bytes
+from .sampler import SamplingState, sample, scatter_rows
+from .staging import Staging
+
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
+
+
+class Worker:
+    """Rank ``rank`` of a tensor-parallel group of ``world_size``; every rank runs each step's
+    forward pass on its shard, rank 0 alone samples (and keeps the requests' sampling state)."""
+
+    def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.device = torch.device(config.device)
+        init_tensor_parallel(rank, world_size, init_method, self.device)
+        self.model = self.runner = self.memory = self._staging = None
+        self.states: dict[int, SamplingState] = {}  # by scheduler handle
+        self.num_steps = 0
+
+    def load_model(self) -> None:
+        c = self.config
+        self.model = load_model(c.model, c.dtype, c.load_format, self.device, c.quantization, self.rank,
+                                self.world_size)
+        calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
+        if bf16_tiles.worth_packing(self.model):  # AMX: bfloat16 weights packed into tiles once
+            bf16_tiles.pack_model(self.model)
+
+    def model_summary(self) -> tuple:
+        """(ModelConfig, the dtype the weights were loaded as)."""
+        return self.model.config, self.model.dtype
+
+    def kv_cache_bytes(self, cache: CacheConfig) -> tuple[int, int]:
+        """(bytes this worker can give its KV cache, bytes one block takes here)."""
+        graphs = self.device.type == "cuda" and not cache.enforce_eager
+        if self.device.type == "cuda":  # profiles a step of the largest size
+            self.memory = GpuMemoryPlan(self.model, cache.max_num_batched_tokens, cache.max_num_seqs,
+                                        cache.max_model_len, cache.block_size, graphs)
+        budget = cache.kv_cache_memory_bytes or (self.memory.kv_cache_bytes(cache.gpu_memory_utilization)
+                                                 if self.memory else DEFAULT_KV_CACHE_BYTES)
+        return budget, kv_cache_block_bytes(self.model, cache.block_size)
+
+    def initialize_cache(self, num_blocks: int, cache: CacheConfig) -> None:
+        """Allocates the KV cache, captures the decode graphs and warms up (on a GPU)."""
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size)
+        self._staging = Staging(self.runner.device)
+        if self.device.type == "cuda" and not cache.enforce_eager:
+            seconds = self.runner.capture_cuda_graphs(cache.max_num_seqs, -(-cache.max_model_len // cache.block_size))
+            print(f"octavo: captured CUDA graphs for decode batches of {self.runner.cuda_graphs.sizes} "
+                  f"in {seconds:.1f} s")
+        if self.memory:
+            self.memory.warm_up(self.runner)
+            print(f"octavo: {self.memory.report()}")
+
+    @torch.inference_mode()
+    def execute_model(self, step: StepInput) -> StepOutput | None:
+        """One forward pass and sampling (rank 0; other ranks return None). A forward failure
+        raises (the whole step is lost); a request whose sampling fails alone is reported in
+        ``failures``, the others sample."""
+        self.num_steps += 1
+        chunks = step.prompt_logprobs
+        rows = None if chunks is None else np.concatenate(
+            [np.arange(step.query_start_loc[i], step.query_start_loc[i] + last - first) for i, first, last, _ in chunks])
+        if self.rank != 0:  # its part of the forward pass and of the logits' gathering
+            self.runner.execute(step, rows)
+            return None
+        states = self._update_states(step)
+        logits, prompt_logits = self.runner.execute(step, rows)
+        prompt = [] if chunks is None else prompt_logprobs(chunks, prompt_logits, step, self.states)
+        sampled, failures = self._sample(logits, states)
+        self._keep_sampled(step, states, sampled.token_ids)
+        return StepOutput(sampled, failures, prompt)
+
+    def _update_states(self, step: StepInput) -> list[SamplingState]:
+        for handle in step.finished_handles:
+            self.states.pop(handle, None)
+        for r in step.new_requests:
+            self.states[r.handle] = SamplingState(r.params, r.prompt_token_ids, r.seed, r.stop_token_ids)
+        return [self.states[h] for h in step.req_handles.tolist()]
+
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState]):
+        """Samples every row; when that fails, finds the rows that fail alone and samples the
+        others without them (their token is 0)."""
+        try:
+            return sample(logits, states, self._staging), []
+        except Exception:  # noqa: BLE001 - isolate the culprit below
+            pass
+        failures = []
+        for i, state in enumerate(states):
+            try:
+                sample(logits[i:i + 1], [state], self._staging)
+            except Exception:  # noqa: BLE001
+                failures.append(RowFailure(i, traceback.format_exc()))
+        bad = {f.row for f in failures}
+        good = [i for i in range(len(states)) if i not in bad]
+        sampled = sample(logits[good], [states[i] for i in good], self._staging) if good else None
+        return scatter_rows(sampled, good, len(states)), failures
+
+    @staticmethod
+    def _keep_sampled(step: StepInput, states: list[SamplingState], token_ids: np.ndarray) -> None:
+        """A row's token is the request's next output once the step reaches the end of its
+        tokens (prompt and outputs so far); a prefill chunk short of it samples nothing. The
+        scheduler applies the same rule, so both keep the same outputs."""
+        for state, seq_len, token in zip(states, step.seq_lens.tolist(), token_ids.tolist()):
+            if seq_len == len(state.prompt_token_ids) + len(state.output_token_ids):
+                state.output_token_ids.append(token)
+
+
+def prompt_logprobs(chunks: np.ndarray, logits: torch.Tensor, step: StepInput,
+                    states: dict[int, SamplingState]) -> list[PromptLogprobs]:
+    """logits: float32 [sum of chunk rows, vocab] in chunk order -> each chunk's prompt tokens'
+    logprobs and ranks, and its top-k tokens (ranked as the sampler and vLLM rank)."""
+    logp = torch.log_softmax(logits, dim=-1)
+    results, at = [], 0
+    for i, first, last, k in chunks.tolist():
+        block = logp[at:at + last - first]
+        at += last - first
+        prompt = states[int(step.req_handles[i])].prompt_token_ids
+        targets = torch.tensor(prompt[first + 1:last + 1], dtype=torch.int64)
+        chosen = block.gather(1, targets[:, None])[:, 0]
+        ranks = (block >= chosen[:, None]).sum(dim=1)
+        top = block.topk(block.shape[1] if k == -1 else k, dim=1)
+        results.append(PromptLogprobs(chosen.numpy(), ranks.to(torch.int32).numpy(),
+                                      top.indices.to(torch.int32).numpy(), top.values.numpy()))
+    return results

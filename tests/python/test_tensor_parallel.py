@@ -1,0 +1,167 @@
+"""Tensor parallel over worker processes (gloo on this CPU): how weights are cut, and every
+architecture at tensor_parallel_size=2 giving TP = 1's greedy tokens and logprobs, each rank
+holding only its part, and a dead worker ending the engine with a clear error."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+pytest.importorskip("zmq")
+
+from octavo import LLM, SamplingParams  # noqa: E402
+from octavo.distributed.shards import TPShard, split  # noqa: E402
+from octavo.engine.core_messages import EngineDeadError  # noqa: E402
+from test_detokenizer import _byte_level_bpe  # noqa: E402
+from test_models import ARCHITECTURES, tiny_checkpoint  # noqa: E402
+
+STEPS = 32
+
+
+@given(st.integers(1, 5000), st.integers(1, 16))
+def test_split_cuts_contiguous_near_equal_ranges(total, parts):
+    ranges = [split(total, parts, i) for i in range(parts)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == total
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    sizes = [end - begin for begin, end in ranges]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+@given(st.integers(1, 8), st.integers(1, 6), st.sampled_from([1, 2, 3, 4, 8]))
+def test_attention_is_cut_at_kv_group_boundaries(kv_heads, group, world):
+    heads = kv_heads * group
+
+    class Config:
+        num_attention_heads, num_key_value_heads, intermediate_size, vocab_size = heads, kv_heads, 64, 300
+
+    if kv_heads < world and (world % kv_heads or group < world // kv_heads):
+        with pytest.raises(ValueError, match="tensor_parallel_size"):
+            TPShard.of(Config, 0, world)
+        return
+    shards = [TPShard.of(Config, r, world) for r in range(world)]
+    for s in shards:  # a rank's query heads all read its own KV heads
+        assert s.num_heads >= 1 and s.num_kv_heads >= 1
+        assert s.kv_heads[0] <= s.q_heads[0] // group and (s.q_heads[1] - 1) // group < s.kv_heads[1]
+    covered = sorted(h for s in shards for h in range(*s.q_heads))
+    assert covered == list(range(heads))  # every query head on exactly one rank
+    assert sum(s.intermediate_size for s in shards) == 64 and sum(s.vocab_size for s in shards) == 300
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return _byte_level_bpe()
+
+
+def checkpoint(path, kind: str, tokenizer, **overrides):
+    tokenizer.save_pretrained(path)
+    tiny_checkpoint(kind, path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
+    return path
+
+
+def engine(path, tp: int, **kwargs) -> LLM:
+    return LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128, max_logprobs=-1,
+               tensor_parallel_size=tp, **kwargs)
+
+
+def run(llm: LLM) -> list:
+    """Greedy tokens of a small batch and every token's whole-vocabulary logprobs."""
+    prompts = ["Hello world", "Emoji time 😀", "x", "Hello world, once more. " * 4]
+    params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, logprobs=-1)
+    return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def assert_same(two: list, one: list) -> None:
+    for a, b in zip(two, one):
+        assert a.token_ids == b.token_ids and a.text == b.text
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert x.keys() == y.keys()
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-4
+
+
+# (6 heads over 3 KV groups, cut 2 + 1 like the default model's 9 / 3), odd intermediate size.
+UNEVEN = dict(hidden_size=192, num_attention_heads=6, num_key_value_heads=3, intermediate_size=255)
+
+
+@pytest.mark.parametrize("kind,overrides", [(kind, {}) for kind in ARCHITECTURES] + [("llama", UNEVEN)],
+                         ids=list(ARCHITECTURES) + ["uneven"])
+def test_every_architecture_at_tp2_matches_tp1(kind, overrides, tokenizer, tmp_path):
+    path = checkpoint(tmp_path, kind, tokenizer, **overrides)
+    two = engine(path, 2)
+    try:
+        assert_same(run(two), run(engine(path, 1)))
+        shapes = two.apply_model(lambda m: (m.shard.num_heads, m.shard.num_kv_heads, m.shard.intermediate_size))
+        if overrides:
+            assert shapes == [(4, 2, 128), (2, 1, 127)]
+    finally:
+        two.llm_engine.shutdown()
+
+
+def test_each_rank_holds_only_its_part(tokenizer, tmp_path):
+    path = checkpoint(tmp_path, "llama", tokenizer, tie_word_embeddings=False)
+
+    def weight_bytes(model):
+        return sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def norm_bytes(model):
+        return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if "norm" in name)
+
+    whole = engine(path, 1).apply_model(weight_bytes)[0]
+    two = engine(path, 2)
+    try:
+        ranks, norms = two.apply_model(weight_bytes), two.apply_model(norm_bytes)
+        assert all(r - n <= (whole - n) / 2 + 2 * 128 * 4 for r, n in zip(ranks, norms))  # an odd row at most
+        assert sum(ranks) - norms[1] == whole
+    finally:
+        two.llm_engine.shutdown()
+
+
+def test_a_dead_worker_ends_the_engine_with_a_clear_error(tokenizer, tmp_path):
+    path = checkpoint(tmp_path, "llama", tokenizer)
+    llm = engine(path, 2)
+    workers = llm.llm_engine.core.engine_core.executor.processes
+    threading.Timer(0.5, os.kill, (workers[1].pid, signal.SIGKILL)).start()
+    deadline = time.monotonic() + 60
+    with pytest.raises(EngineDeadError, match="worker 1 died"):
+        while time.monotonic() < deadline:
+            llm.generate(["Hello"] * 4, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
+    assert workers[0].poll() is not None  # the other rank is stopped with it
+    with pytest.raises(EngineDeadError):
+        llm.generate("Hello", use_tqdm=False)
+
+
+def test_settings_tensor_parallel_cannot_run_are_refused(tokenizer, tmp_path):
+    path = checkpoint(tmp_path, "llama", tokenizer)
+    with pytest.raises(ValueError, match="tensor_parallel_size must be at least 1"):
+        engine(path, 0)
+    with pytest.raises(ValueError, match="'uni' runs one rank"):
+        engine(path, 2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="float checkpoints"):
+        engine(path, 2, quantization="int8")
+    with pytest.raises(ValueError, match="a multiple of the model's 2 KV heads"):
+        engine(path, 3)
+
+
+def test_the_default_model_served_at_tp2_answers_as_at_tp1(tmp_path):
+    """The README's chat example through `octavo serve --tensor-parallel-size 2` (the default
+    model's 9 query heads in 3 KV groups: ranks of 6 + 3 heads) and through LLM.chat at TP = 1."""
+    import httpx
+
+    from live_server import LiveServer
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    alone = LLM(max_model_len=256, device="cpu").chat(messages, SamplingParams(temperature=0, max_tokens=32),
+                                                      use_tqdm=False)[0].outputs[0].text
+    server = LiveServer("--max-model-len", "256", "--tensor-parallel-size", "2", log=tmp_path / "serve.log")
+    try:
+        r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
+                       json={"messages": messages, "temperature": 0, "max_tokens": 32})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == alone
+        assert "Paris" in alone
+    finally:
+        server.stop_cleanly(signal.SIGTERM)
