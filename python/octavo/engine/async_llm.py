@@ -52,10 +52,20 @@ class _Stream:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
 
     def put(self, item) -> None:  # called from the engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-        except RuntimeError:  # the event loop has closed: nobody is listening any more
-            pass
+        _send_to_loop(self.loop, [(self.queue, item)])
+
+
+def _send_to_loop(loop: asyncio.AbstractEventLoop, items: list[tuple[asyncio.Queue, object]]) -> None:
+    """Puts each item in its queue, from the engine thread: one wake-up of the event loop for
+    all of them (a step's outputs for every stream)."""
+    def put_all():
+        for queue, item in items:
+            queue.put_nowait(item)
+
+    try:
+        loop.call_soon_threadsafe(put_all)
+    except RuntimeError:  # the event loop has closed: nobody is listening any more
+        pass
 
 
 class AsyncLLM:
@@ -190,14 +200,12 @@ class AsyncLLM:
                 logger.exception("engine step failed; aborting its requests")
                 self._failed_steps_in_a_row += 1
                 failed = engine.end_failed_step()
-                for output in failed:
-                    self._deliver(output)
+                self._deliver(failed)
                 if not failed:  # not attributable to a step's requests: none of them can be trusted
                     self._fail_all(RequestFailedError("an engine step failed"))
                 continue
             self._failed_steps_in_a_row = 0
-            for output in outputs:
-                self._deliver(output)
+            self._deliver(outputs)
         self._fail_all(EngineDeadError(self._dead or "the server is shutting down"), include_pending=True)
 
     def _drain_commands(self) -> None:
@@ -248,16 +256,19 @@ class AsyncLLM:
             if stream is not None:
                 stream.put(error)
 
-    def _deliver(self, output: RequestOutput) -> None:
-        if output.request_id not in self._live:
-            return
-        if output.finished:
-            self._live.discard(output.request_id)
-        self.stats.record_output(output)
-        stream = self._streams.get(output.request_id)
-        if stream is None:
-            return
-        if output.finished and any(o.finish_reason == "error" for o in output.outputs):
-            stream.put(RequestFailedError("the engine failed while running it"))
-        else:
-            stream.put(output)
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for output in outputs:
+            if output.request_id not in self._live:
+                continue
+            if output.finished:
+                self._live.discard(output.request_id)
+            self.stats.record_output(output)
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            if output.finished and any(o.finish_reason == "error" for o in output.outputs):
+                output = RequestFailedError("the engine failed while running it")
+            by_loop.setdefault(stream.loop, []).append((stream.queue, output))
+        for loop, items in by_loop.items():
+            _send_to_loop(loop, items)

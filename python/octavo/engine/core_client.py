@@ -1,7 +1,8 @@
 """Clients of the engine core: the front end's only way to it.
 
 InprocClient calls an EngineCore in this process: nothing is copied, and the offline LLM uses
-it. MPClient (core_proc.py) talks to an EngineCore in a process of its own.
+it. MPClient (core_proc.py) talks to an EngineCore in a process of its own; DPClient
+(dp_client.py) to several, one per data-parallel rank.
 """
 
 from __future__ import annotations
@@ -10,7 +11,14 @@ from .core import EngineCore, EngineCoreConfig
 from .core_messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
-def make_client(config: EngineCoreConfig, multiprocess: bool):
+def make_client(config: EngineCoreConfig, multiprocess: bool, data_parallel_size: int = 1):
+    """data_parallel_size > 1: that many cores, each in its own process (dp_client.py)."""
+    if data_parallel_size < 1:
+        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+    if data_parallel_size > 1:
+        from .dp_client import DPClient
+
+        return DPClient(config, data_parallel_size)
     if multiprocess:
         from .core_proc import MPClient
 

@@ -127,7 +127,9 @@ class MPClient:
     """Starts the core process and talks to it. Not thread-safe: one thread uses it (the
     engine thread of AsyncLLM, or LLM's caller)."""
 
-    def __init__(self, config: EngineCoreConfig):
+    def __init__(self, config: EngineCoreConfig, wait: bool = True):
+        """wait=False: return once the process is started; wait_ready() then waits for it
+        (several cores start side by side)."""
         self._dir = tempfile.mkdtemp(prefix="octavo-core-")
         self._ctx = zmq.Context()
         self._outbox, self._inbox = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
@@ -152,6 +154,12 @@ class MPClient:
         # Runs at shutdown(), when the client is collected, or at exit (before multiprocessing
         # would wait for the core process forever).
         self._finalizer = weakref.finalize(self, _stop, self.process, self._outbox, self._inbox, self._ctx, self._dir)
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Waits until the core has loaded the model and sized its cache (its EngineCoreInfo);
+        raises the core's own error if it could not start."""
         try:
             self.info = self._handshake()
         except BaseException:
@@ -206,16 +214,24 @@ class MPClient:
             wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))
             ready = dict(self._poller.poll(wait * 1000))
             if self._inbox in ready:
-                frames = self._inbox.recv_multipart(copy=False)
-                if frames[0].bytes == OUTPUTS:
-                    outputs = self._outputs.decode(frames[1:])
-                    self._last_stats = outputs.stats
+                outputs = self.receive()
+                if outputs is not None:
                     return outputs
-                self._check_failed(frames)
-                continue  # a late result of an abandoned call
+                continue
             self._check_alive()
             if self._wakeup_fd in ready or (deadline is not None and time.monotonic() >= deadline):
                 return EngineCoreOutputs.empty(self._last_stats)
+
+    def receive(self) -> EngineCoreOutputs | None:
+        """The message waiting on the output socket: a step's outputs, or None (a late result
+        of an abandoned call). Raises EngineDeadError for the core's last words."""
+        frames = self._inbox.recv_multipart(copy=False)
+        if frames[0].bytes != OUTPUTS:
+            self._check_failed(frames)
+            return None
+        outputs = self._outputs.decode(frames[1:])
+        self._last_stats = outputs.stats
+        return outputs
 
     def end_failed_step(self) -> EngineCoreOutputs:
         """The core process ends its own failed steps: nothing to do here."""

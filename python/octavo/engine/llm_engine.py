@@ -38,14 +38,15 @@ class LLMEngine:
                  kv_cache_memory_bytes: int | None = None, seed: int = 0, load_format: str = "safetensors",
                  quantization: str | None = None, device: str = "auto", gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, max_logprobs: int = 20, scheduling_policy: str = "fcfs",
-                 generation_config: str = "auto", tensor_parallel_size: int = 1,
+                 generation_config: str = "auto", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, multiprocess: bool = False):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
         scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
         where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's.
         tensor_parallel_size: worker processes the model is split over; distributed_executor_backend:
         "uni" or "mp" (default: "mp" for more than one); multiprocess: run the engine core in a
-        process of its own (as the server does)."""
+        process of its own (as the server does); data_parallel_size: that many engine cores, each
+        in its own process with its own KV cache, requests going to the least loaded."""
         self.model_path = Path(model)
         self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
@@ -58,7 +59,7 @@ class LLMEngine:
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,
-            scheduling_policy, distributed_executor_backend), multiprocess)
+            scheduling_policy, distributed_executor_backend), multiprocess, data_parallel_size)
         info = self.info = self.core.info
         self.model_config, self.max_model_len = info.model_config, info.max_model_len
         tokens = (info.num_blocks - 1) * info.block_size

@@ -8,7 +8,6 @@ from ..device_arg import add_device_argument
 # rather than argparse's bare "unrecognized arguments".
 UNSUPPORTED_VLLM_OPTIONS = {
     ("--pipeline-parallel-size", "-pp"): "pipeline parallelism",
-    ("--data-parallel-size", "-dp"): "data parallelism",
     ("--enable-expert-parallel",): "expert parallelism",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
     ("--speculative-config",): "speculative decoding",
@@ -55,6 +54,9 @@ def add_arguments(parser) -> None:
     add_device_argument(parser)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many worker processes (tensor parallel)")
+    parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                        help="run this many engine cores (each with the whole model and its own KV cache); "
+                             "requests go to the least loaded")
     parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
                         help="where the workers run: 'uni' (the engine core's process) or 'mp' (a process each; "
                              "the default for more than one)")

@@ -1,9 +1,11 @@
-"""Tensor parallel against one rank on this machine: the same offline requests through
-LLM.generate at each --tp size (engines alternating over --rounds), output tokens per second,
-and per step the time rank 0 spent in collectives (all-reduce after the attention output and
-MLP down projections, the embedding's all-reduce, the LM head's all-gather).
+"""The engine's process layouts on this machine, on the same offline requests through
+LLM.generate (engines alternating over --rounds): the engine core in the caller's process (LLM's
+default), in a process of its own (the server's default), and tensor parallel over 2 worker
+processes. Output tokens per second, and per step the time rank 0 spent in collectives
+(all-reduce after the attention output and MLP down projections and the embedding, the LM
+head's all-gather).
 
-python bench/python/bench_tensor_parallel.py [--tp 1 2] [--num-requests 64] [--input-len 128] [--output-len 128]
+python bench/python/bench_engine_layouts.py [--layouts in-process core-process tp2] [--num-requests 64]
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_cpu_peers import machine  # noqa: E402
 
 
+LAYOUTS = {"in-process": {}, "core-process": {"multiprocess": True}, "tp2": {"tensor_parallel_size": 2}}
+
+
 def counters(worker) -> tuple[float, int]:
     from octavo.distributed.parallel_state import comm_seconds
 
@@ -32,7 +37,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="Hugging Face directory (default: the default model)")
     p.add_argument("--dtype", default="float32")
-    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=128)
@@ -40,27 +45,27 @@ def main() -> None:
     args = p.parse_args()
     print(f"machine: {machine()}")
     rng = np.random.default_rng(0)
-    engines = {tp: LLM(model=args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes=1 << 30,
-                       tensor_parallel_size=tp, device="cpu") for tp in args.tp}
+    engines = {name: LLM(model=args.model, dtype=args.dtype, max_model_len=1024, kv_cache_memory_bytes=1 << 30,
+                         device="cpu", **LAYOUTS[name]) for name in args.layouts}
     vocab = next(iter(engines.values())).llm_engine.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
-    rates = {tp: [] for tp in args.tp}
-    comm = {tp: [] for tp in args.tp}
+    rates = {name: [] for name in args.layouts}
+    comm = {name: [] for name in args.layouts}
     for _ in range(args.rounds):
         prompts = [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(args.num_requests)]
-        for tp, llm in engines.items():  # fresh prompts each round: no prefix-cache hits
+        for name, llm in engines.items():  # fresh prompts each round: no prefix-cache hits
             before = llm.collective_rpc(counters)[0]
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
             after = llm.collective_rpc(counters)[0]
-            rates[tp].append(args.num_requests * args.output_len / seconds)
-            comm[tp].append(((after[0] - before[0]) / max(1, after[1] - before[1]), after[1] - before[1], seconds))
+            rates[name].append(args.num_requests * args.output_len / seconds)
+            comm[name].append(((after[0] - before[0]) / max(1, after[1] - before[1]), after[1] - before[1], seconds))
     print(f"{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output tokens), "
           f"{args.dtype}, median of {args.rounds} rounds")
-    for tp in args.tp:
-        per_step, steps, seconds = (statistics.median(x) for x in zip(*comm[tp]))
-        print(f"TP={tp}: {statistics.median(rates[tp]):.1f} output tok/s; {steps:.0f} steps of "
+    for name in args.layouts:
+        per_step, steps, seconds = (statistics.median(x) for x in zip(*comm[name]))
+        print(f"{name}: {statistics.median(rates[name]):.1f} output tok/s; {steps:.0f} steps of "
               f"{seconds / steps * 1e3:.1f} ms, {per_step * 1e3:.2f} ms of them in collectives on rank 0")
     for llm in engines.values():
         llm.llm_engine.shutdown()

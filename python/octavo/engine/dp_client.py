@@ -1,0 +1,110 @@
+"""Data parallel: N engine cores, each in a process of its own with its own scheduler, KV cache
+and workers (each may be tensor parallel), behind one front end. A request goes to the core
+with the fewest unfinished requests (its n samples together, so that they share its prompt's
+KV blocks); each core's step outputs come back as they are ready.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+
+import zmq
+
+from .core import EngineCoreConfig
+from .core_messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from .core_proc import POLL_SECONDS, MPClient
+
+
+class DPClient:
+    def __init__(self, config: EngineCoreConfig, size: int):
+        self.clients: list[MPClient] = []
+        try:
+            for _ in range(size):  # the cores load their models side by side
+                self.clients.append(MPClient(config, wait=False))
+            for client in self.clients:
+                client.wait_ready()
+        except BaseException:
+            self.shutdown()
+            raise
+        self.info = self.clients[0].info
+        self._poller = zmq.Poller()
+        for client in self.clients:
+            self._poller.register(client._inbox, zmq.POLLIN)
+        self._wakeup_fd: int | None = None
+        self._core_of: dict[str, int] = {}  # unfinished core request id -> its core
+        self._load = [0] * size  # unfinished core requests per core
+
+    @property
+    def scheduler(self):
+        raise AttributeError(f"the {len(self.clients)} engine cores run in other processes: read LLMEngine.stats")
+
+    def add_requests(self, requests: list[EngineCoreRequest]) -> None:
+        core = min(range(len(self.clients)), key=self._load.__getitem__)
+        self.clients[core].add_requests(requests)
+        for r in requests:
+            self._core_of[r.request_id] = core
+        self._load[core] += len(requests)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        by_core: dict[int, list[str]] = {}
+        for rid in request_ids:
+            core = self._core_of.pop(rid, None)
+            if core is not None:
+                by_core.setdefault(core, []).append(rid)
+                self._load[core] -= 1
+        for core, ids in by_core.items():
+            self.clients[core].abort_requests(ids)
+
+    def set_wakeup_fd(self, fd: int) -> None:
+        self._wakeup_fd = fd
+        self._poller.register(fd, zmq.POLLIN)
+
+    def step(self, timeout: float | None = None) -> EngineCoreOutputs:
+        """The next step outputs of any core (MPClient.step's contract)."""
+        for client in self.clients:
+            client._flush()
+            if client._pending:
+                return self._finished(client._pending.popleft())
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+            ready = dict(self._poller.poll(wait * 1000))
+            for client in self.clients:
+                if client._inbox in ready:
+                    outputs = client.receive()
+                    if outputs is not None:
+                        return self._finished(outputs)
+            for client in self.clients:
+                client._check_alive()
+            if self._wakeup_fd in ready or (deadline is not None and time.monotonic() >= deadline):
+                return EngineCoreOutputs.empty(self.stats())
+
+    def _finished(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
+        for rid, reason in zip(outputs.request_ids, outputs.finish_reasons.tolist()):
+            if reason:
+                core = self._core_of.pop(rid, None)
+                if core is not None:
+                    self._load[core] -= 1
+        return outputs
+
+    def end_failed_step(self) -> EngineCoreOutputs:
+        return EngineCoreOutputs.empty(self.stats())
+
+    def stats(self) -> SchedulerStats:
+        """Every core's counts added up (the KV usage: their mean)."""
+        each = [client.stats() for client in self.clients]
+        total = {f.name: sum(getattr(s, f.name) for s in each) for f in fields(SchedulerStats)}
+        total["kv_cache_usage"] /= len(each)
+        return SchedulerStats(**total)
+
+    def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
+        """Every core's workers' results, core by core."""
+        return [result for client in self.clients for result in client.collective_rpc(method, args, kwargs)]
+
+    def reset_prefix_cache(self) -> bool:
+        return all([client.reset_prefix_cache() for client in self.clients])
+
+    def shutdown(self) -> None:
+        for client in self.clients:
+            client.shutdown()
