@@ -11,7 +11,7 @@ import time
 
 from octavo import LLM, SamplingParams
 from octavo.benchmarks.serving import make_prompts
-from octavo.engine.llm_engine import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from octavo.engine.core import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
 
 def main() -> None:
