@@ -102,6 +102,27 @@ def test_every_architecture_at_tp2_matches_tp1(kind, overrides, tokenizer, tmp_p
         two.llm_engine.shutdown()
 
 
+# Cuts on the int4 groups' boundaries (o_proj and down: 256 inputs, 128 a rank).
+ALIGNED = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=256)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_at_load_each_rank_holds_the_whole_weights_part(method, tokenizer, tmp_path):
+    """Output rows are cut before quantizing, input columns after: a rank's quantized part is
+    bit for bit the whole weight's, so TP = 2 answers as TP = 1 with the same quantization."""
+    path = checkpoint(tmp_path, "llama", tokenizer, **ALIGNED)
+    two = engine(path, 2, quantization=method)
+    try:
+        one = engine(path, 1, quantization=method)
+        assert_same(run(two), run(one))
+        whole = one.apply_model(lambda m: m.layers[0].mlp.down_weight.qweight.clone())[0]
+        parts = two.apply_model(lambda m: m.layers[0].mlp.down_weight.qweight.clone())
+        halves = [whole[:, :whole.shape[1] // 2], whole[:, whole.shape[1] // 2:]]
+        assert all(bool((p == h).all()) for p, h in zip(parts, halves))
+    finally:
+        two.llm_engine.shutdown()
+
+
 def test_each_rank_holds_only_its_part(tokenizer, tmp_path):
     path = checkpoint(tmp_path, "llama", tokenizer, tie_word_embeddings=False)
 
@@ -141,8 +162,11 @@ def test_settings_tensor_parallel_cannot_run_are_refused(tokenizer, tmp_path):
         engine(path, 0)
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         engine(path, 2, distributed_executor_backend="uni")
-    with pytest.raises(ValueError, match="float checkpoints"):
-        engine(path, 2, quantization="int8")
+    from octavo.entrypoints.cli import main
+
+    assert main(["quantize", str(path), str(tmp_path / "q"), "--method", "int8"]) == 0
+    with pytest.raises(ValueError, match="quantized with 'octavo'"):
+        engine(tmp_path / "q", 2)
     with pytest.raises(ValueError, match="a multiple of the model's 2 KV heads"):
         engine(path, 3)
 

@@ -65,6 +65,19 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
 
 
+def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight | None:
+    """Inputs [begin, end) of an int8 / int4 weight (a row-parallel rank's part), with the
+    whole rows' scales, so that the part is bit for bit the whole weight's; None where the cut
+    does not fall on the format's group boundaries."""
+    if w.weight_format == "int8" and begin % 32 == 0 and end % 32 == 0:
+        return QuantizedWeight(w.qweight[:, begin:end], "int8", end - begin, scales=w.scales)
+    g = w.group_size
+    if w.weight_format == "int4" and begin % g == 0 and end % g == 0 and begin % 32 == 0 and end % 32 == 0:
+        return QuantizedWeight(w.qweight[:, begin // 2:end // 2], "int4", end - begin, scales=w.scales[:, begin // g:end // g],
+                               zeros=w.zeros[:, begin // g:end // g], group_size=g)
+    return None
+
+
 def replace_weight(module: torch.nn.Module, name: str, weight: QuantizedWeight) -> None:
     """Puts ``weight`` where the parameter ``name`` of ``module`` was."""
     module._parameters.pop(name, None)
@@ -134,6 +147,7 @@ def load_quantizing(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
     model's dtype first, as the parameters would hold them."""
     _check_method(model, method)
     targets = model.weight_targets()
+    slices = model.shard_slices()  # tensor parallel: the part of each tensor this rank holds
     group_of = {name: (module, attr, names) for module, attr, names in model.matmul_weights() for name in names}
     # A tied LM head's part is the embedding, which also stays a float table for lookups.
     embedding = getattr(model, "embed_tokens", None)
@@ -149,13 +163,34 @@ def load_quantizing(model: torch.nn.Module, weights: Iterable[tuple[str, torch.T
             module, attr, names = group_of[name]
             pending[name] = tensor
             if all(part in pending for part in names):
-                check_shapes(targets, {part: tuple(pending[part].shape) for part in names})
-                parts = [pending.pop(part).to(model.dtype) for part in names]
-                replace_weight(module, attr, _quantize_weight(attr, torch.cat(parts) if len(parts) > 1 else parts[0],
-                                                              method))
+                parts = [pending.pop(part) for part in names]
+                replace_weight(module, attr, _quantize_part(targets, slices, names, parts, attr, model.dtype, method))
         yield from list(pending.items())  # parts of a weight the checkpoint lacks some of: load_weights names those
 
     model.load_weights(floats())
+
+
+def _quantize_part(targets: dict, slices: dict, names: list[str], parts: list[torch.Tensor], attr: str,
+                   dtype: torch.dtype, method: str) -> QuantizedWeight:
+    """The quantized weight of a fused projection's checkpoint tensors, as this rank holds it.
+    Output rows are cut before quantizing (each row quantizes alone); input columns after, from
+    the whole rows' quantization, so that a rank's part is bit for bit the whole weight's."""
+    cuts = [slices.get(name) for name in names]
+    parts = [t.narrow(0, c[1], c[2] - c[1]) if c and c[0] == 0 else t for t, c in zip(parts, cuts)]
+    columns = next((c for c in cuts if c and c[0] == 1), None)
+    if columns is not None:
+        wrong = [(n, tuple(t.shape)) for n, t in zip(names, parts) if t.shape[1] != columns[3]]
+        if wrong:
+            raise ValueError(f"checkpoint tensor {wrong[0][0]!r} has shape {wrong[0][1]}, expected "
+                             f"{columns[3]} columns from config.json")
+    check_shapes(targets, {n: (t.shape[0], columns[2] - columns[1]) if columns else tuple(t.shape)
+                           for n, t in zip(names, parts)})
+    whole = torch.cat([t.to(dtype) for t in parts]) if len(parts) > 1 else parts[0].to(dtype)
+    weight = _quantize_weight(attr, whole, method)
+    if columns is None:
+        return weight
+    begin, end = columns[1], columns[2]
+    return input_columns(weight, begin, end) or _quantize_weight(attr, whole[:, begin:end], method)
 
 
 # ---- Octavo's quantized checkpoints (octavo quantize) ----------------------------------------

@@ -83,8 +83,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         _float_only_for_tp(tp_size, "a GGUF file")
         return _quantized_after(load_gguf_model(path, dtype).to(device), quantization)
     config = ModelConfig.from_pretrained(path)
-    if quantization is not None or quant_method(config) is not None:
-        _float_only_for_tp(tp_size, f"quantization {quantization or quant_method(config)!r}")
+    if quant_method(config) is not None:  # load-time quantization (`quantization`) is cut per rank
+        _float_only_for_tp(tp_size, f"a checkpoint quantized with {quant_method(config)!r}")
     if dtype == "auto":
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
@@ -116,7 +116,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
 
 def _float_only_for_tp(tp_size: int, what: str) -> None:
     if tp_size > 1:
-        raise ValueError(f"tensor_parallel_size > 1 runs float checkpoints (safetensors) for now, not {what}")
+        raise ValueError(f"tensor_parallel_size > 1 runs float checkpoints (safetensors, quantized at load "
+                         f"or not) for now, not {what}")
 
 
 def _quantized_after(model, quantization: str | None):
