@@ -65,8 +65,10 @@ def test_a_dead_core_ends_the_engine_with_a_clear_error(tiny_path):
 
 
 def test_a_bad_size_is_refused(tiny_path):
-    with pytest.raises(ValueError, match="data_parallel_size must be at least 1"):
+    with pytest.raises(ValueError, match="data_parallel_size must be an integer of at least 1"):
         engine(tiny_path, 0)
+    with pytest.raises(ValueError, match="each rank needs one"):
+        engine(tiny_path, 10**9)
 
 
 def test_the_server_runs_two_cores(tmp_path):

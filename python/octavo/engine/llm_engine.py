@@ -9,6 +9,7 @@ into one output. The core runs in this process (InprocClient) or in its own (MPC
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -55,6 +56,7 @@ class LLMEngine:
         if not 0 < gpu_memory_utilization <= 1:  # checked on any device: a bad value is a bad value
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.device = _device(model, device)
+        _check_parallel_sizes(self.device, tensor_parallel_size, data_parallel_size)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size)
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
@@ -296,6 +298,19 @@ class LLMEngine:
 
 def _apply_model(worker, func):
     return func(worker.model)
+
+
+def _check_parallel_sizes(device: torch.device, tp: int, dp: int) -> None:
+    """Every rank needs a device of its own (a GPU, or on the CPU a core): more ranks than that
+    are refused before any process starts."""
+    for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"{name} must be an integer of at least 1, got {size!r}")
+    have, what = (torch.cuda.device_count(), "GPUs") if device.type == "cuda" else \
+        (len(os.sched_getaffinity(0)), "CPUs this process may use")
+    if tp * dp > have:
+        raise ValueError(f"tensor_parallel_size x data_parallel_size = {tp * dp} ranks, but there are only {have} "
+                         f"{what}: each rank needs one")
 
 
 def _device(model, device: str) -> torch.device:

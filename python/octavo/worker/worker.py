@@ -29,6 +29,8 @@ class Worker:
     def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
         self.config, self.rank, self.world_size = config, rank, world_size
         self.device = torch.device(config.device)
+        if self.device.type == "cuda" and world_size > 1:  # a GPU per rank
+            self.device = torch.device("cuda", rank)
         init_tensor_parallel(rank, world_size, init_method, self.device)
         self.model = self.runner = self.memory = self._staging = None
         self.states: dict[int, SamplingState] = {}  # by scheduler handle
