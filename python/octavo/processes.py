@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import pickle
 import signal
 import socket
+import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 
 def die_with_parent() -> None:
@@ -25,6 +29,16 @@ def pickle_error(e: BaseException) -> bytes:
         return pickle.dumps(e)
     except Exception:  # noqa: BLE001
         return pickle.dumps(RuntimeError("".join(traceback.format_exception(e))))
+
+
+def start_python(module: str, *args: str) -> subprocess.Popen:
+    """``python -m module args`` with this interpreter, importing the same octavo as this
+    process (its package directory first on the child's path, wherever this one found it)."""
+    env = os.environ.copy()
+    root = Path(__file__).resolve().parents[1]
+    if root.name not in ("site-packages", "dist-packages"):  # an installed octavo is found as it is
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)
+    return subprocess.Popen([sys.executable, "-m", module, *args], env=env)
 
 
 def free_port() -> int:

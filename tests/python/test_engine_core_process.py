@@ -235,3 +235,32 @@ def test_no_engine_core_outlives_its_server(tmp_path, sig):
     [core] = core_processes_of(server.process.pid)
     server.stop(sig)
     assert gone(core)
+
+
+def test_a_request_the_core_refuses_fails_alone(pair):
+    """The core takes a message of several requests; one it refuses (a checked front end never
+    sends such) ends with "error" on its own, the others run."""
+    from octavo.engine.core_messages import EngineCoreRequest
+    from octavo.engine.core_proc import _add
+
+    class Outbox:
+        def __init__(self):
+            self.sent = []
+
+        def send_multipart(self, frames, copy=True):
+            self.sent.append(frames)
+
+    core = pair[1].llm_engine.core.engine_core
+    ok = SamplingParams(max_tokens=4)
+    bad = SamplingParams(max_tokens=4)
+    bad.max_tokens = 0  # past SamplingParams' own check: the scheduler refuses it
+    requests = [EngineCoreRequest("a#0", [1, 2, 3], ok, 0, -1, []), EngineCoreRequest("b#0", [1, 2], ok, 0, -1, []),
+                EngineCoreRequest("b#1", [1, 2], bad, 0, -1, []), EngineCoreRequest("c#0", [4, 5], ok, 0, -1, [])]
+    outbox, encoder = Outbox(), Encoder()
+    _add(core, requests, outbox, encoder)
+    [frames] = outbox.sent
+    refused = Decoder(EngineCoreOutputs).decode([bytes(f) for f in frames[1:]])
+    assert refused.request_ids == ["b#0", "b#1"] and list(refused.finish_reasons) == [4, 4]
+    assert core.scheduler.handle_of("b#0") is None and core.scheduler.handle_of("b#1") is None
+    core.abort_requests(["a#0", "c#0"])
+    assert not core.has_unfinished_requests()

@@ -25,7 +25,7 @@ from collections import deque
 import cloudpickle
 import zmq
 
-from ..processes import die_with_parent, pickle_error
+from ..processes import die_with_parent, pickle_error, start_python
 from .core import EngineCore, EngineCoreConfig
 from .core_messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, SchedulerStats
 from .serial import Decoder, Encoder
@@ -99,18 +99,30 @@ def _busy_loop(core: EngineCore, inbox, outbox) -> None:
 
 
 def _add(core: EngineCore, requests: list[EngineCoreRequest], outbox, encoder: Encoder) -> None:
-    """All of a request's samples or none; a refusal the front end's checks missed comes back
-    as an "error" output for each sample."""
-    added = []
-    try:
-        for r in requests:
-            core.add_request(r)
-            added.append(r.request_id)
-    except Exception:  # noqa: BLE001
-        logger.exception("the engine core refused request %s", requests[0].request_id)
-        core.abort_requests(added)
-        outputs = core.error_outputs([r.request_id for r in requests])
-        outbox.send_multipart([OUTPUTS, *encoder.encode(outputs)], copy=False)
+    """Adds the requests of one message (several front-end requests, each as its samples
+    "<id>#<i>"): all of a request's samples or none. A refusal the front end's checks missed
+    comes back as an "error" output for each of that request's samples; the others run."""
+    refused = []
+    for samples in _by_request(requests):
+        added = []
+        try:
+            for r in samples:
+                core.add_request(r)
+                added.append(r.request_id)
+        except Exception:  # noqa: BLE001 - this request's problem alone
+            logger.exception("the engine core refused request %s", samples[0].request_id)
+            core.abort_requests(added)
+            refused += [r.request_id for r in samples]
+    if refused:
+        outbox.send_multipart([OUTPUTS, *encoder.encode(core.error_outputs(refused))], copy=False)
+
+
+def _by_request(requests: list[EngineCoreRequest]) -> list[list[EngineCoreRequest]]:
+    """Consecutive samples of one front-end request ("<id>#<i>"), grouped."""
+    groups: dict[str, list[EngineCoreRequest]] = {}
+    for r in requests:
+        groups.setdefault(r.request_id.rpartition("#")[0], []).append(r)
+    return list(groups.values())
 
 
 def _call(core: EngineCore, payload: bytes) -> bytes:
@@ -140,7 +152,7 @@ class MPClient:
             pickle.dump(config, f)
         # A new interpreter rather than multiprocessing: a fork of a process running torch's
         # threads may deadlock, and spawn would run the caller's unguarded __main__ again.
-        self.process = subprocess.Popen([sys.executable, "-m", "octavo.engine.core_proc", self._dir])
+        self.process = start_python("octavo.engine.core_proc", self._dir)
         self._encoder = Encoder()
         self._outputs = Decoder(EngineCoreOutputs)
         self._unsent: list[EngineCoreRequest] = []  # added since the last message to the core
@@ -151,8 +163,7 @@ class MPClient:
         self._poller = zmq.Poller()
         self._poller.register(self._inbox, zmq.POLLIN)
         self._wakeup_fd: int | None = None
-        # Runs at shutdown(), when the client is collected, or at exit (before multiprocessing
-        # would wait for the core process forever).
+        # Runs at shutdown(), when the client is collected, or at the interpreter's exit.
         self._finalizer = weakref.finalize(self, _stop, self.process, self._outbox, self._inbox, self._ctx, self._dir)
         if wait:
             self.wait_ready()

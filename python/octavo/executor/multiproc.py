@@ -11,7 +11,6 @@ from __future__ import annotations
 import pickle
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -22,7 +21,7 @@ import zmq
 
 from ..engine.core_messages import EngineDeadError
 from ..engine.serial import Decoder, Encoder
-from ..processes import free_port
+from ..processes import free_port, start_python
 from ..worker.worker_proc import CALL, OK, SHUTDOWN, STEP
 from .abstract import Executor
 from .step_io import StepInput, StepOutput
@@ -48,8 +47,7 @@ class MultiprocExecutor(Executor):
             self._outboxes.append(outbox)
         self._inbox = self._ctx.socket(zmq.PULL)
         self._inbox.bind(f"ipc://{self._dir}/from-workers")
-        self.processes = [subprocess.Popen([sys.executable, "-m", "octavo.worker.worker_proc", self._dir, str(rank)])
-                          for rank in range(world)]
+        self.processes = [start_python("octavo.worker.worker_proc", self._dir, str(rank)) for rank in range(world)]
         self._dead: str | None = None
         self._finalizer = weakref.finalize(self, _stop, self.processes, self._outboxes, self._inbox, self._ctx,
                                            self._dir)
