@@ -8,8 +8,8 @@ import traceback
 import numpy as np
 import torch
 
-from ..executor.configs import CacheConfig, WorkerConfig
 from ..distributed.parallel_state import init_tensor_parallel
+from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput
 from ..layers import bf16_tiles
 from ..layers.crossover import calibrate as calibrate_linear
@@ -50,7 +50,7 @@ class Worker:
 
     def kv_cache_bytes(self, cache: CacheConfig) -> tuple[int, int]:
         """(bytes this worker can give its KV cache, bytes one block takes here)."""
-        graphs = self.device.type == "cuda" and not cache.enforce_eager
+        graphs = self._graphs(cache)
         if self.device.type == "cuda":  # profiles a step of the largest size
             self.memory = GpuMemoryPlan(self.model, cache.max_num_batched_tokens, cache.max_num_seqs,
                                         cache.max_model_len, cache.block_size, graphs)
@@ -62,13 +62,18 @@ class Worker:
         """Allocates the KV cache, captures the decode graphs and warms up (on a GPU)."""
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size)
         self._staging = Staging(self.runner.device)
-        if self.device.type == "cuda" and not cache.enforce_eager:
+        if self._graphs(cache):
             seconds = self.runner.capture_cuda_graphs(cache.max_num_seqs, -(-cache.max_model_len // cache.block_size))
             print(f"octavo: captured CUDA graphs for decode batches of {self.runner.cuda_graphs.sizes} "
                   f"in {seconds:.1f} s")
         if self.memory:
             self.memory.warm_up(self.runner)
             print(f"octavo: {self.memory.report()}")
+
+    def _graphs(self, cache: CacheConfig) -> bool:
+        """Decode steps replay CUDA graphs on one GPU; tensor-parallel ranks run eagerly (their
+        collectives are not captured)."""
+        return self.device.type == "cuda" and not cache.enforce_eager and self.world_size == 1
 
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> StepOutput | None:
