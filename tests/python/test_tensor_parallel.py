@@ -188,3 +188,17 @@ def test_the_default_model_served_at_tp2_answers_as_at_tp1(tmp_path):
         assert "Paris" in alone
     finally:
         server.stop_cleanly(signal.SIGTERM)
+
+
+def test_a_rank_that_fails_alone_ends_the_engine_without_waiting_for_the_others(tokenizer, tmp_path):
+    """Rank 1 raises while rank 0 would wait a minute (as in a collective its peer never
+    joins): the engine ends within the grace period, and both workers are stopped."""
+    llm = engine(checkpoint(tmp_path, "llama", tokenizer), 2)
+    workers = llm.llm_engine.core.engine_core.executor.processes
+    started = time.monotonic()
+    with pytest.raises(EngineDeadError, match="worker 1 failed: ZeroDivisionError"):
+        llm.collective_rpc(lambda worker: time.sleep(60) if worker.rank == 0 else 1 / 0)
+    assert time.monotonic() - started < 10
+    assert all(w.poll() is not None for w in workers)
+    with pytest.raises(EngineDeadError):
+        llm.generate("Hello", use_tqdm=False)

@@ -16,8 +16,12 @@ class Executor:
         self.worker_config = worker_config
         self.kv_block_bytes = 0  # bytes one KV block takes on each worker, once sized
         self._start_workers()
-        self.collective_rpc("load_model")
-        self.model_config, self.model_dtype = self.collective_rpc("model_summary")[0]
+        try:
+            self.collective_rpc("load_model")
+            self.model_config, self.model_dtype = self.collective_rpc("model_summary")[0]
+        except BaseException:  # a model the workers cannot load: they stop here, not at exit
+            self.shutdown()
+            raise
 
     @staticmethod
     def create(worker_config: WorkerConfig, backend: str | None = None) -> Executor:

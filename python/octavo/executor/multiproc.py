@@ -76,9 +76,11 @@ class MultiprocExecutor(Executor):
         first ends the executor: its ranks may be stuck in a collective)."""
         answers, errors = {}, {}
         deadline = None if timeout is None else time.monotonic() + timeout
+        graced = False
         while len(answers) + len(errors) < len(self.processes):
-            if errors and deadline is None:
-                deadline = time.monotonic() + ERROR_GRACE_SECONDS
+            if errors and not graced:  # after the first error, the others get a grace period
+                graced, grace = True, time.monotonic() + ERROR_GRACE_SECONDS
+                deadline = grace if deadline is None else min(deadline, grace)
             if deadline is not None and time.monotonic() > deadline:
                 break
             if not self._inbox.poll(POLL_SECONDS * 1000):
@@ -104,7 +106,12 @@ class MultiprocExecutor(Executor):
             raise EngineDeadError(self._dead)
 
     def _fail(self, why: str) -> None:
+        """Ends the group at once: a rank may be stuck in a collective and never read a request
+        to stop."""
         self._dead = why
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
         self.shutdown()
         raise EngineDeadError(why)
 
