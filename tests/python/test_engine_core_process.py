@@ -53,11 +53,14 @@ def test_a_core_process_gives_the_in_process_outputs(pair):
     hits come back the same across the process boundary."""
     remote, local = pair
     assert remote.llm_engine.core_is_remote and not local.llm_engine.core_is_remote
-    prompts = ["Hello world", "Emoji time 😀", "x", "Hello world, once more. " * 4]
+    prompts = ["Hello world", "Emoji time 😀", "x", "Hello world, once more. " * 4, "Stop me"]
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=9, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=8, prompt_logprobs=2, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, stop=["o"], ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=20, stop=["o"], ignore_eos=True),
+              # Samples ended by a stop string while their siblings run on: what a remote core
+              # stepped before the abort arrived is not theirs.
+              SamplingParams(temperature=1.0, seed=11, n=4, max_tokens=24, stop=["e", "a"], ignore_eos=True)]
 
     def view(outputs):  # logprobs rounded: a step's batch may differ by a request the other side stopped sooner
         return [(rounded(o.prompt_logprobs), o.num_cached_tokens,

@@ -243,6 +243,8 @@ class LLMEngine:
             request.num_cached_tokens = cached
         for first, logprobs in chunks:
             self.output_processor.record_prompt_logprobs(request, first, logprobs)
+        if sample.finish_reason is not None:  # a stop string ended it here; a remote core ran on meanwhile
+            return False
         touched = False
         if offsets[row + 1] > offsets[row]:
             new = core.new_token_ids[offsets[row]:offsets[row + 1]].tolist()
