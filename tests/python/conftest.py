@@ -28,6 +28,19 @@ def isa(request):
     _C.set_cpu_isa(previous)
 
 
+@pytest.fixture(scope="session")
+def tiny_path(tmp_path_factory):
+    """A tiny random Llama with a real byte-level BPE tokenizer (for the engine-process tests)."""
+    from test_detokenizer import _byte_level_bpe
+    from test_models import tiny_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tokenizer = _byte_level_bpe()
+    tokenizer.save_pretrained(path)
+    tiny_checkpoint("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    return path
+
+
 def _cuda_available() -> bool:
     try:
         import torch

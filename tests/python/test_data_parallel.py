@@ -14,17 +14,7 @@ pytest.importorskip("zmq")
 
 from octavo import LLM, SamplingParams  # noqa: E402
 from octavo.engine.core_messages import EngineDeadError  # noqa: E402
-from test_detokenizer import _byte_level_bpe  # noqa: E402
-from test_models import tiny_checkpoint  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-dp")
-    tokenizer = _byte_level_bpe()
-    tokenizer.save_pretrained(path)
-    tiny_checkpoint("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    return path
+from test_engine_core_process import core_processes_of  # noqa: E402
 
 
 def engine(path, dp: int) -> LLM:
@@ -74,7 +64,6 @@ def test_a_bad_size_is_refused(tiny_path):
 def test_the_server_runs_two_cores(tmp_path):
     import httpx
 
-    from test_engine_core_process import core_processes_of
     from live_server import LiveServer
 
     server = LiveServer("--max-model-len", "256", "--data-parallel-size", "2", log=tmp_path / "serve.log")

@@ -23,17 +23,6 @@ from octavo import LLM, SamplingParams  # noqa: E402
 from octavo.engine.core_messages import EngineCoreOutputs, EngineDeadError, SchedulerStats  # noqa: E402
 from octavo.engine.serial import INLINE_BYTES, Decoder, Encoder  # noqa: E402
 from octavo.executor.step_io import SamplerOutput  # noqa: E402
-from test_detokenizer import _byte_level_bpe  # noqa: E402
-from test_models import tiny_checkpoint  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def tiny_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-core")
-    tokenizer = _byte_level_bpe()
-    tokenizer.save_pretrained(path)
-    tiny_checkpoint("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    return path
 
 
 def make_llm(path, multiprocess: bool) -> LLM:

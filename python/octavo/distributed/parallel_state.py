@@ -30,10 +30,6 @@ def init_tensor_parallel(rank: int, world: int, init_method: str, device: torch.
                                 timeout=COLLECTIVE_TIMEOUT)
 
 
-def world_size() -> int:
-    return _world
-
-
 def comm_seconds() -> float:
     return _comm_seconds
 
@@ -60,8 +56,3 @@ def gather_vocab(x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
     dist.all_gather(parts, padded)
     _comm_seconds += time.perf_counter() - start
     return torch.cat([p[:, :n] for p, n in zip(parts, sizes)], dim=1)
-
-
-def destroy() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()

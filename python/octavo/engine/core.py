@@ -95,6 +95,18 @@ class EngineCore:
                                    len(r.prompt_token_ids))
         self._num_wanting_prompt_logprobs += r.wants_prompt_logprobs
 
+    def add_samples(self, samples: list[EngineCoreRequest]) -> None:
+        """One front-end request's samples, all or none: when the scheduler refuses one
+        (ValueError), those added before are aborted and the error raised."""
+        added = []
+        try:
+            for r in samples:
+                self.add_request(r)
+                added.append(r.request_id)
+        except Exception:
+            self.abort_requests(added)
+            raise
+
     def abort_requests(self, request_ids: list[str]) -> None:
         """Takes effect after the current step; aborted requests report no output."""
         for rid in request_ids:

@@ -12,9 +12,8 @@ from .core_messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 
 
 def make_client(config: EngineCoreConfig, multiprocess: bool, data_parallel_size: int = 1):
-    """data_parallel_size > 1: that many cores, each in its own process (dp_client.py)."""
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be at least 1, got {data_parallel_size}")
+    """data_parallel_size > 1: that many cores, each in its own process (dp_client.py). The
+    sizes are LLMEngine's, checked there."""
     if data_parallel_size > 1:
         from .dp_client import DPClient
 
@@ -36,15 +35,8 @@ class InprocClient:
         return self.engine_core.scheduler
 
     def add_requests(self, requests: list[EngineCoreRequest]) -> None:
-        """All or none: when the core refuses one (ValueError), those added before are aborted."""
-        added = []
-        try:
-            for r in requests:
-                self.engine_core.add_request(r)
-                added.append(r.request_id)
-        except Exception:
-            self.engine_core.abort_requests(added)
-            raise
+        """One front-end request's samples, all or none (ValueError when the core refuses one)."""
+        self.engine_core.add_samples(requests)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.engine_core.abort_requests(request_ids)

@@ -31,7 +31,6 @@ class EngineCoreRequest:
     stop_token_ids: list[int]  # the request's own and the model's other EOS ids
     priority: int = 0
     wants_prompt_logprobs: bool = False  # this sample records them (it skips reading the prefix cache)
-    arrival_time: float = 0.0
 
 
 @dataclass(frozen=True)

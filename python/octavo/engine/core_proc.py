@@ -104,14 +104,10 @@ def _add(core: EngineCore, requests: list[EngineCoreRequest], outbox, encoder: E
     comes back as an "error" output for each of that request's samples; the others run."""
     refused = []
     for samples in _by_request(requests):
-        added = []
         try:
-            for r in samples:
-                core.add_request(r)
-                added.append(r.request_id)
+            core.add_samples(samples)
         except Exception:  # noqa: BLE001 - this request's problem alone
             logger.exception("the engine core refused request %s", samples[0].request_id)
-            core.abort_requests(added)
             refused += [r.request_id for r in samples]
     if refused:
         outbox.send_multipart([OUTPUTS, *encoder.encode(core.error_outputs(refused))], copy=False)
@@ -160,13 +156,11 @@ class MPClient:
         self._calls = itertools.count()
         self._last_stats = SchedulerStats()
         self._dead: str | None = None
-        self._poller = zmq.Poller()
-        self._poller.register(self._inbox, zmq.POLLIN)
-        self._wakeup_fd: int | None = None
         # Runs at shutdown(), when the client is collected, or at the interpreter's exit.
         self._finalizer = weakref.finalize(self, _stop, self.process, self._outbox, self._inbox, self._ctx, self._dir)
         if wait:
             self.wait_ready()
+        self._waiter = OutputWaiter([self])
 
     def wait_ready(self) -> None:
         """Waits until the core has loaded the model and sized its cache (its EngineCoreInfo);
@@ -209,29 +203,12 @@ class MPClient:
             self._outbox.send_multipart([ADD, *self._encoder.encode(requests)])
 
     def set_wakeup_fd(self, fd: int) -> None:
-        """step() also returns (with empty outputs) when ``fd`` becomes readable; the caller
-        drains it."""
-        self._wakeup_fd = fd
-        self._poller.register(fd, zmq.POLLIN)
+        self._waiter.set_wakeup_fd(fd)
 
     def step(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The core's next step outputs; empty outputs when ``timeout`` seconds pass first, or
         the wake-up fd fires. Raises EngineDeadError when the core has died."""
-        self._flush()
-        if self._pending:
-            return self._pending.popleft()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))
-            ready = dict(self._poller.poll(wait * 1000))
-            if self._inbox in ready:
-                outputs = self.receive()
-                if outputs is not None:
-                    return outputs
-                continue
-            self._check_alive()
-            if self._wakeup_fd in ready or (deadline is not None and time.monotonic() >= deadline):
-                return EngineCoreOutputs.empty(self._last_stats)
+        return self._waiter.next(timeout) or EngineCoreOutputs.empty(self._last_stats)
 
     def receive(self) -> EngineCoreOutputs | None:
         """The message waiting on the output socket: a step's outputs, or None (a late result
@@ -298,6 +275,45 @@ class MPClient:
     def shutdown(self) -> None:
         self._dead = self._dead or "the engine core was shut down"
         self._finalizer()
+
+
+class OutputWaiter:
+    """Waits for the next step outputs of one or more core clients (data parallel), and on an
+    optional wake-up fd that ends the wait early (AsyncLLM's: a request arrived)."""
+
+    def __init__(self, clients: list[MPClient]):
+        self.clients = clients
+        self._poller = zmq.Poller()
+        for client in clients:
+            self._poller.register(client._inbox, zmq.POLLIN)
+        self._wakeup_fd: int | None = None
+
+    def set_wakeup_fd(self, fd: int) -> None:
+        """next() also returns when ``fd`` becomes readable; the caller drains it."""
+        self._wakeup_fd = fd
+        self._poller.register(fd, zmq.POLLIN)
+
+    def next(self, timeout: float | None) -> EngineCoreOutputs | None:
+        """Sends what the clients hold back, then returns the first step outputs that arrive;
+        None when ``timeout`` seconds pass or the wake-up fd fires first. Raises
+        EngineDeadError when a core has died."""
+        for client in self.clients:
+            client._flush()
+            if client._pending:
+                return client._pending.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))
+            ready = dict(self._poller.poll(wait * 1000))
+            for client in self.clients:
+                if client._inbox in ready:
+                    outputs = client.receive()
+                    if outputs is not None:
+                        return outputs
+            for client in self.clients:
+                client._check_alive()
+            if self._wakeup_fd in ready or (deadline is not None and time.monotonic() >= deadline):
+                return None
 
 
 def _stop(process, outbox, inbox, ctx, directory: str, timeout: float = 10.0) -> None:

@@ -6,14 +6,11 @@ KV blocks); each core's step outputs come back as they are ready.
 
 from __future__ import annotations
 
-import time
 from dataclasses import fields
-
-import zmq
 
 from .core import EngineCoreConfig
 from .core_messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from .core_proc import POLL_SECONDS, MPClient
+from .core_proc import MPClient, OutputWaiter
 
 
 class DPClient:
@@ -28,10 +25,7 @@ class DPClient:
             self.shutdown()
             raise
         self.info = self.clients[0].info
-        self._poller = zmq.Poller()
-        for client in self.clients:
-            self._poller.register(client._inbox, zmq.POLLIN)
-        self._wakeup_fd: int | None = None
+        self._waiter = OutputWaiter(self.clients)
         self._core_of: dict[str, int] = {}  # unfinished core request id -> its core
         self._load = [0] * size  # unfinished core requests per core
 
@@ -57,28 +51,12 @@ class DPClient:
             self.clients[core].abort_requests(ids)
 
     def set_wakeup_fd(self, fd: int) -> None:
-        self._wakeup_fd = fd
-        self._poller.register(fd, zmq.POLLIN)
+        self._waiter.set_wakeup_fd(fd)
 
     def step(self, timeout: float | None = None) -> EngineCoreOutputs:
         """The next step outputs of any core (MPClient.step's contract)."""
-        for client in self.clients:
-            client._flush()
-            if client._pending:
-                return self._finished(client._pending.popleft())
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = POLL_SECONDS if deadline is None else min(POLL_SECONDS, max(0.0, deadline - time.monotonic()))
-            ready = dict(self._poller.poll(wait * 1000))
-            for client in self.clients:
-                if client._inbox in ready:
-                    outputs = client.receive()
-                    if outputs is not None:
-                        return self._finished(outputs)
-            for client in self.clients:
-                client._check_alive()
-            if self._wakeup_fd in ready or (deadline is not None and time.monotonic() >= deadline):
-                return EngineCoreOutputs.empty(self.stats())
+        outputs = self._waiter.next(timeout)
+        return EngineCoreOutputs.empty(self.stats()) if outputs is None else self._finished(outputs)
 
     def _finished(self, outputs: EngineCoreOutputs) -> EngineCoreOutputs:
         for rid, reason in zip(outputs.request_ids, outputs.finish_reasons.tolist()):

@@ -113,7 +113,7 @@ class LLMEngine:
             seed = params.sample_seed(i) if params.seed is not None else int(self._rng.integers(1 << 62))
             core_requests.append(EngineCoreRequest(
                 f"{request_id}#{i}", request.prompt_token_ids, params, seed, eos, stop_token_ids, priority,
-                wants_prompt_logprobs=request.prompt_logprobs is not None and i == 0, arrival_time=now))
+                wants_prompt_logprobs=request.prompt_logprobs is not None and i == 0))
             request.samples.append(SampleState(i, core_requests[-1].request_id, self.output_processor.detokenizer(request),
                                                logprobs=[] if params.logprobs is not None else None))
         self.core.add_requests(core_requests)  # all or none: a refused sample raises ValueError

@@ -31,8 +31,6 @@ class Executor:
 
         if backend not in (None, "uni", "mp"):
             raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
-        if worker_config.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {worker_config.tensor_parallel_size}")
         if backend == "uni" and worker_config.tensor_parallel_size > 1:
             raise ValueError("distributed_executor_backend 'uni' runs one rank; use 'mp' for tensor_parallel_size > 1")
         if backend == "mp" or worker_config.tensor_parallel_size > 1:

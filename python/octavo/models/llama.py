@@ -99,6 +99,9 @@ class LlamaForCausalLM(torch.nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.shard = shard = shard or TPShard.of(config)
+        # Every rank's vocabulary rows, in rank order: how the LM head's slices join.
+        self.vocab_sizes = [end - begin for begin, end in (split(config.vocab_size, shard.world, r)
+                                                           for r in range(shard.world))]
         self.embed_tokens = _param(shard.vocab_size, config.hidden_size, dtype=dtype)
         self.layers = torch.nn.ModuleList(
             LlamaDecoderLayer(config, dtype, self.qk_norm, shard) for _ in range(config.num_hidden_layers))
@@ -130,10 +133,7 @@ class LlamaForCausalLM(torch.nn.Module):
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        logits = linear(hidden[logits_indices], self.lm_head).float()
-        s = self.shard
-        return gather_vocab(logits, [end - begin for begin, end in (split(self.config.vocab_size, s.world, r)
-                                                                     for r in range(s.world))])
+        return gather_vocab(linear(hidden[logits_indices], self.lm_head).float(), self.vocab_sizes)
 
     # ---- weights ------------------------------------------------------------------------------
 
