@@ -1,11 +1,12 @@
 """The engine's process layouts on this machine, on the same offline requests through
 LLM.generate (engines alternating over --rounds): the engine core in the caller's process (LLM's
-default), in a process of its own (the server's default), and tensor parallel over 2 worker
-processes. Output tokens per second, and per step the time rank 0 spent in collectives
-(all-reduce after the attention output and MLP down projections and the embedding, the LM
-head's all-gather).
+default), in a process of its own (the server's default), tensor parallel over 2 worker
+processes, and pipeline parallel over 2 stages. Output tokens per second, and per step the time
+the last rank spent in collectives (TP: the all-reduce after the attention output and MLP down
+projections and the embedding, the LM head's all-gather; PP: waiting for the first stage's
+activations).
 
-python bench/python/bench_engine_layouts.py [--layouts in-process core-process tp2] [--num-requests 64]
+python bench/python/bench_engine_layouts.py [--layouts in-process core-process tp2 pp2] [--num-requests 64]
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_cpu_peers import machine  # noqa: E402
 
 
-LAYOUTS = {"in-process": {}, "core-process": {"multiprocess": True}, "tp2": {"tensor_parallel_size": 2}}
+LAYOUTS = {"in-process": {}, "core-process": {"multiprocess": True}, "tp2": {"tensor_parallel_size": 2},
+           "pp2": {"pipeline_parallel_size": 2}}
 
 
 def counters(worker) -> tuple[float, int]:
@@ -54,11 +56,11 @@ def main() -> None:
     for _ in range(args.rounds):
         prompts = [rng.integers(100, vocab - 100, args.input_len).tolist() for _ in range(args.num_requests)]
         for name, llm in engines.items():  # fresh prompts each round: no prefix-cache hits
-            before = llm.collective_rpc(counters)[0]
+            before = llm.collective_rpc(counters)[-1]
             start = time.perf_counter()
             llm.generate(prompts, params, use_tqdm=False)
             seconds = time.perf_counter() - start
-            after = llm.collective_rpc(counters)[0]
+            after = llm.collective_rpc(counters)[-1]
             rates[name].append(args.num_requests * args.output_len / seconds)
             comm[name].append(((after[0] - before[0]) / max(1, after[1] - before[1]), after[1] - before[1], seconds))
     print(f"{args.num_requests} requests x ({args.input_len} prompt + {args.output_len} output tokens), "
@@ -66,7 +68,7 @@ def main() -> None:
     for name in args.layouts:
         per_step, steps, seconds = (statistics.median(x) for x in zip(*comm[name]))
         print(f"{name}: {statistics.median(rates[name]):.1f} output tok/s; {steps:.0f} steps of "
-              f"{seconds / steps * 1e3:.1f} ms, {per_step * 1e3:.2f} ms of them in collectives on rank 0")
+              f"{seconds / steps * 1e3:.1f} ms, {per_step * 1e3:.2f} ms of them in collectives on the last rank")
     for llm in engines.values():
         llm.llm_engine.shutdown()
 

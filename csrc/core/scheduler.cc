@@ -1,6 +1,7 @@
 #include "octavo/scheduler.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "octavo/status.h"
 
@@ -37,8 +38,6 @@ bool served_before(const Request* a, const Request* b) {
   if (pa.arrival_time != pb.arrival_time) return pa.arrival_time < pb.arrival_time;
   return a->arrival_seq() < b->arrival_seq();
 }
-
-bool still_prefilling(const Request& r) { return r.num_computed_tokens < r.num_tokens(); }
 
 }  // namespace
 
@@ -110,7 +109,8 @@ void Scheduler::enqueue_waiting(Request* request, bool at_front) {
 
 const Request* Scheduler::find(int64_t handle) const {
   auto it = requests_.find(handle);
-  return it == requests_.end() ? nullptr : it->second.get();
+  // A request finished while in flight stays allocated until its open steps close.
+  return it == requests_.end() || it->second->status == RequestStatus::kFinished ? nullptr : it->second.get();
 }
 
 const Request* Scheduler::find(const std::string& id) const {
@@ -119,43 +119,64 @@ const Request* Scheduler::find(const std::string& id) const {
 }
 
 void Scheduler::abort_requests(const std::vector<std::string>& request_ids) {
-  if (in_step_) {
-    pending_aborts_.insert(pending_aborts_.end(), request_ids.begin(), request_ids.end());
-    return;
-  }
   for (const std::string& id : request_ids) {
     auto it = handle_of_.find(id);
     if (it == handle_of_.end()) continue;
     Request* request = requests_.at(it->second).get();
-    if (request->status == RequestStatus::kRunning) {
-      running_.erase(std::find(running_.begin(), running_.end(), request));
-    } else {
-      waiting_.erase(std::find(waiting_.begin(), waiting_.end(), request));
+    if (!in_flight_.empty()) {  // applied once no open step holds it
+      if (!request->abort_pending) pending_aborts_.push_back(request->handle());
+      request->abort_pending = true;
+      continue;
     }
+    unqueue(request);
     finish(request, FinishReason::kAbort);
   }
 }
 
-void Scheduler::finish(Request* request, FinishReason reason) {
-  request->status = RequestStatus::kFinished;
-  if (request->finish_reason == FinishReason::kNone) request->finish_reason = reason;
-  kv_.free(*request);
-  output_.finished_handles.push_back(request->handle());
-  handle_of_.erase(request->request_id());
-  requests_.erase(request->handle());
+void Scheduler::unqueue(Request* request) {
+  if (request->status == RequestStatus::kRunning) {
+    running_.erase(std::find(running_.begin(), running_.end(), request));
+  } else {
+    waiting_.erase(std::find(waiting_.begin(), waiting_.end(), request));
+  }
 }
 
-const SchedulerOutput& Scheduler::schedule() {
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, !in_step_,
-                    "schedule() called twice without update_from_output() for the first step");
+// The blocks go back at once (an open step that still writes them runs before any later step
+// that reuses them); the Request itself stays until no open step points at it.
+void Scheduler::finish(Request* request, FinishReason reason, int num_valid_tokens) {
+  request->status = RequestStatus::kFinished;
+  if (request->finish_reason == FinishReason::kNone) request->finish_reason = reason;
+  kv_.free(*request, num_valid_tokens);
+  finished_since_schedule_.push_back(request->handle());
+  handle_of_.erase(request->request_id());
+  release_if_landed(request);
+}
+
+void Scheduler::release_if_landed(Request* request) {
+  if (request->status == RequestStatus::kFinished && request->num_steps_in_flight == 0) {
+    requests_.erase(request->handle());
+  }
+}
+
+const SchedulerOutput& Scheduler::schedule(int max_num_reqs) {
+  apply_pending_aborts();  // those no open step holds any more
   output_.preempted_handles.clear();
   scheduled_.clear();
   int budget = config_.max_num_batched_tokens;
-  schedule_running(budget);
-  if (output_.preempted_handles.empty()) schedule_waiting(budget);
+  const size_t max_reqs = max_num_reqs > 0 ? static_cast<size_t>(max_num_reqs) : SIZE_MAX;
+  schedule_running(budget, max_reqs);
+  if (output_.preempted_handles.empty()) schedule_waiting(budget, max_reqs);
   fill_output();
-  for (const Scheduled& s : scheduled_) s.request->num_computed_tokens += s.num_tokens;
-  in_step_ = true;
+  output_.finished_handles.assign(finished_since_schedule_.begin(), finished_since_schedule_.end());
+  finished_since_schedule_.clear();
+  for (Scheduled& s : scheduled_) {
+    Request* r = s.request;
+    s.num_computed_before = r->num_computed_tokens;
+    r->num_computed_tokens += s.num_tokens;
+    s.samples = r->num_computed_tokens == r->num_tokens();
+    ++r->num_steps_in_flight;
+  }
+  if (!scheduled_.empty() || in_flight_.empty()) in_flight_.push_back(scheduled_);
   return output_;
 }
 
@@ -168,9 +189,10 @@ int Scheduler::cap_new_tokens(const Request& request, int num_new_tokens, int bu
   return std::min(num_new_tokens, config_.max_model_len - 1 - request.num_computed_tokens);
 }
 
-void Scheduler::schedule_running(int& budget) {
-  for (size_t i = 0; i < running_.size() && budget > 0; ++i) {
+void Scheduler::schedule_running(int& budget, size_t max_reqs) {
+  for (size_t i = 0; i < running_.size() && budget > 0 && scheduled_.size() < max_reqs; ++i) {
     Request* request = running_[i];
+    if (request->abort_pending) continue;  // it ends when its open steps close
     const int wanted = request->num_tokens() - request->num_computed_tokens;
     const int num_new = cap_new_tokens(*request, wanted, budget);
     if (num_new <= 0) continue;
@@ -186,6 +208,7 @@ void Scheduler::schedule_running(int& budget) {
 bool Scheduler::allocate_or_preempt(Request* request, int num_new_tokens, int& budget) {
   while (!kv_.allocate_slots(*request, num_new_tokens, nullptr, config_.num_lookahead_tokens)) {
     Request* victim = pick_victim();
+    if (victim == nullptr) return false;  // the others are in flight: they free blocks as they land
     preempt(victim, budget);
     if (victim == request) return false;
   }
@@ -193,11 +216,14 @@ bool Scheduler::allocate_or_preempt(Request* request, int num_new_tokens, int& b
 }
 
 Request* Scheduler::pick_victim() {
-  if (config_.policy == SchedulingPolicy::kPriority) {
-    // The request served last: largest priority value, latest arrival.
-    return *std::max_element(running_.begin(), running_.end(), served_before);
+  // FCFS: the latest running request; priority: the one served last (largest priority value,
+  // latest arrival). Requests in flight are passed over.
+  Request* victim = nullptr;
+  for (Request* r : running_) {
+    if (r->num_steps_in_flight > 0) continue;
+    if (victim == nullptr || config_.policy != SchedulingPolicy::kPriority || served_before(victim, r)) victim = r;
   }
-  return running_.back();
+  return victim;
 }
 
 void Scheduler::preempt(Request* victim, int& budget) {
@@ -218,10 +244,11 @@ void Scheduler::preempt(Request* victim, int& budget) {
   enqueue_waiting(victim, /*at_front=*/true);
 }
 
-void Scheduler::schedule_waiting(int& budget) {
+void Scheduler::schedule_waiting(int& budget, size_t max_reqs) {
   int partial_prefills = 0;
   for (const Scheduled& s : scheduled_) partial_prefills += s.request->num_computed_tokens + s.num_tokens < s.request->num_tokens();
-  while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_num_seqs) {
+  while (!waiting_.empty() && budget > 0 && static_cast<int>(running_.size()) < config_.max_num_seqs &&
+         scheduled_.size() < max_reqs) {
     Request* request = waiting_.front();
     ComputedBlocks hits = kv_.get_computed_blocks(*request);
     const int wanted = request->num_tokens() - hits.num_computed_tokens;
@@ -279,24 +306,31 @@ void Scheduler::fill_output() {
   }
 }
 
+std::vector<Scheduler::Scheduled> Scheduler::close_oldest_step() {
+  std::vector<Scheduled> step = std::move(in_flight_.front());
+  in_flight_.pop_front();
+  for (const Scheduled& s : step) --s.request->num_steps_in_flight;
+  return step;
+}
+
 const UpdateOutput& Scheduler::update_from_output(const int32_t* sampled, const int32_t* offsets) {
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, in_step_, "update_from_output() called without a schedule() before it");
-  in_step_ = false;
-  output_.finished_handles.clear();
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, !in_flight_.empty(), "update_from_output() called without a schedule() before it");
+  const std::vector<Scheduled> step = close_oldest_step();
   UpdateOutput& up = update_;
   up.req_handles.clear();
   up.new_token_ids.clear();
   up.finish_reasons.clear();
   up.stop_reasons.clear();
   up.new_token_offsets.assign(1, 0);
-  bool any_finished = false;
-  for (size_t i = 0; i < scheduled_.size(); ++i) {
-    Request* r = scheduled_[i].request;
+  std::vector<Request*> stopped_now;
+  for (size_t i = 0; i < step.size(); ++i) {
+    Request* r = step[i].request;
     up.req_handles.push_back(r->handle());
     const int begin = offsets ? offsets[i] : static_cast<int>(i);
     const int end = offsets ? offsets[i + 1] : static_cast<int>(i) + 1;
     bool stopped = false;
-    if (!still_prefilling(*r)) {
+    const bool retired = r->status == RequestStatus::kFinished;  // by a failed step before this one
+    if (step[i].samples && !retired) {
       for (int k = begin; k < end && !stopped; ++k) {
         r->append_output_token(sampled[k]);
         up.new_token_ids.push_back(sampled[k]);
@@ -306,47 +340,51 @@ const UpdateOutput& Scheduler::update_from_output(const int32_t* sampled, const 
     up.new_token_offsets.push_back(static_cast<int32_t>(up.new_token_ids.size()));
     up.finish_reasons.push_back(static_cast<int8_t>(stopped ? r->finish_reason : FinishReason::kNone));
     up.stop_reasons.push_back(stopped ? r->stop_reason : -1);
-    if (stopped) {
-      r->status = RequestStatus::kFinished;
-      any_finished = true;
-    }
+    if (stopped) stopped_now.push_back(r);
+    if (retired) release_if_landed(r);
   }
-  if (any_finished) {
-    running_.erase(std::remove_if(running_.begin(), running_.end(),
-                                  [](const Request* r) { return r->status == RequestStatus::kFinished; }),
-                   running_.end());
-    for (const Scheduled& s : scheduled_) {
-      if (s.request->status == RequestStatus::kFinished) finish(s.request, s.request->finish_reason);
-    }
+  for (Request* r : stopped_now) {
+    unqueue(r);
+    finish(r, r->finish_reason);
   }
-  scheduled_.clear();
   apply_pending_aborts();
   return up;
 }
 
 std::vector<int64_t> Scheduler::fail_step() {
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, in_step_, "fail_step() called without a schedule() before it");
-  in_step_ = false;
-  output_.finished_handles.clear();
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, !in_flight_.empty(), "fail_step() called without a schedule() before it");
   std::vector<int64_t> aborted;
-  for (const Scheduled& s : scheduled_) {
+  for (const Scheduled& s : close_oldest_step()) {
     Request* r = s.request;
+    if (r->status == RequestStatus::kFinished) {  // a failed step before this one ended it
+      release_if_landed(r);
+      continue;
+    }
     aborted.push_back(r->handle());
-    running_.erase(std::find(running_.begin(), running_.end(), r));
-    // schedule() advanced num_computed_tokens past this step's tokens; only those before are in the cache.
-    kv_.free(*r, r->num_computed_tokens - s.num_tokens);
-    finish(r, FinishReason::kAbort);
+    unqueue(r);
+    // Only the tokens before this step are in the cache; a later open step of the request
+    // computes on top of KV that was never written, so it is ended too (its rows report nothing).
+    finish(r, FinishReason::kAbort, s.num_computed_before);
   }
-  scheduled_.clear();
   apply_pending_aborts();
   return aborted;
 }
 
 void Scheduler::apply_pending_aborts() {
   if (pending_aborts_.empty()) return;
-  std::vector<std::string> ids;
-  ids.swap(pending_aborts_);
-  abort_requests(ids);
+  std::vector<int64_t> still_in_flight;
+  for (int64_t handle : pending_aborts_) {
+    auto it = requests_.find(handle);
+    if (it == requests_.end() || it->second->status == RequestStatus::kFinished) continue;  // ended meanwhile
+    Request* r = it->second.get();
+    if (r->num_steps_in_flight > 0) {
+      still_in_flight.push_back(handle);
+      continue;
+    }
+    unqueue(r);
+    finish(r, FinishReason::kAbort);
+  }
+  pending_aborts_.swap(still_in_flight);
 }
 
 }  // namespace octavo

@@ -221,7 +221,8 @@ void bind_scheduler(py::module_& m) {
            py::arg("cache_extra_key") = 0, py::arg("skip_reading_prefix_cache") = false, "Queues a request; returns its handle. Raises ValueError if it can never run.")
       .def("abort_requests", [](Scheduler& s, const std::vector<std::string>& ids) { s.abort_requests(ids); },
            py::arg("request_ids"))
-      .def("schedule", &Scheduler::schedule, py::return_value_policy::reference_internal)
+      .def("schedule", &Scheduler::schedule, py::arg("max_num_reqs") = 0, py::return_value_policy::reference_internal,
+           "Opens a step (see the C++ header); max_num_reqs > 0 caps its requests.")
       .def("update_from_output",
            [](Scheduler& s, py::handle sampled, py::handle offsets) -> const UpdateOutput& {
              OCTAVO_CHECK_KIND(ErrorKind::kRuntime, s.in_step(), "update_from_output() called without a schedule() before it");
@@ -236,13 +237,16 @@ void bind_scheduler(py::module_& m) {
            },
            py::arg("sampled_token_ids"), py::arg("offsets") = py::none(), py::return_value_policy::reference_internal)
       .def("fail_step", &Scheduler::fail_step,
-           "Ends a failed step instead of update_from_output(): aborts the requests it scheduled and "
-           "drops their unwritten blocks from the prefix cache. Returns their handles.")
+           "Closes the oldest open step, whose forward pass failed, instead of update_from_output(): "
+           "aborts the requests it scheduled and drops their unwritten blocks from the prefix cache. "
+           "Returns their handles.")
       .def_property_readonly("config", &Scheduler::config)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)
       .def_property_readonly("num_preemptions", &Scheduler::num_preemptions)
       .def_property_readonly("in_step", &Scheduler::in_step)
+      .def_property_readonly("num_steps_in_flight", &Scheduler::num_steps_in_flight,
+                             "Steps scheduled and not yet closed by an update (pipeline parallel keeps several).")
       .def("has_unfinished_requests", &Scheduler::has_unfinished_requests)
       .def("running_handles", [](const Scheduler& s) { return handles_of(s.running()); })
       .def("waiting_handles", [](const Scheduler& s) {

@@ -58,6 +58,8 @@ class Request {
   int32_t stop_reason = -1;              // the stop token that ended the request, or -1
   int num_computed_tokens = 0;           // tokens whose KV is (or, this step, will be) in the cache
   int num_preemptions = 0;
+  int num_steps_in_flight = 0;           // open steps (scheduled, not yet updated) that hold it
+  bool abort_pending = false;            // aborted while in flight: finishes when its steps end
 
   // Owned by KVCacheManager: the request's block table and how many of its blocks are cached.
   std::vector<int32_t> block_ids;

@@ -3,7 +3,9 @@
 // prefix-cache hits skipping computed tokens, and preemption by recompute when blocks run out.
 //
 // One engine step is: schedule() -> forward over the flat batch it describes -> one
-// update_from_output() with the tokens sampled for that batch.
+// update_from_output() with the tokens sampled for that batch. More than one step may be open
+// at once (pipeline parallel keeps a batch per stage in flight): schedule() then takes only
+// tokens no open step holds, and updates close the open steps in the order they were scheduled.
 #pragma once
 
 #include <cstdint>
@@ -76,26 +78,35 @@ class Scheduler {
   // a duplicate id, bad limits, or a request that could never fit the model length or the pool.
   int64_t add_request(RequestParams params);
   // Finishes requests with reason "abort" and frees their blocks. Unknown or finished ids are
-  // ignored. Called between schedule() and update_from_output(), it takes effect after the
-  // update so that the step's KV writes stay valid.
+  // ignored. Called while a step is open, it takes effect once no open step holds the request
+  // (after the update that closes its last one), so that the steps' KV writes stay valid.
   void abort_requests(const std::vector<std::string>& request_ids);
 
-  const SchedulerOutput& schedule();
-  // sampled[offsets[i] .. offsets[i + 1]) are the tokens sampled for request i of the last
-  // schedule(); offsets may be null (exactly one token per request). Tokens of a request still
-  // in its prefill are ignored.
+  // Opens a step over the tokens no open step holds. A request in flight is never preempted
+  // (its step would write KV it no longer owns). With steps open and nothing to schedule it
+  // opens none (num_reqs() == 0); with none open it opens an empty one, closed by an update
+  // with no tokens. max_num_reqs > 0 caps the step's requests: pipeline parallel splits the
+  // running requests into one batch per stage, so that the stages overlap.
+  const SchedulerOutput& schedule(int max_num_reqs = 0);
+  // Closes the oldest open step. sampled[offsets[i] .. offsets[i + 1]) are the tokens sampled
+  // for its request i; offsets may be null (exactly one token per request). Tokens of a request
+  // whose step stopped short of its last token (a prefill chunk), or that a failed step
+  // finished meanwhile, are ignored.
   const UpdateOutput& update_from_output(const int32_t* sampled, const int32_t* offsets = nullptr);
-  // Ends a step whose forward pass failed, in place of update_from_output(): every request the
-  // step scheduled finishes with reason "abort", and the blocks it was to fill leave the prefix
-  // cache (their KV may never have been written). Returns the handles it aborted, in batch order.
+  // Closes the oldest open step, whose forward pass failed, in place of update_from_output():
+  // every request it scheduled finishes with reason "abort", and the blocks it was to fill leave
+  // the prefix cache (their KV may never have been written). Returns the handles it aborted, in
+  // batch order.
   std::vector<int64_t> fail_step();
 
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   int num_running() const { return static_cast<int>(running_.size()); }
   bool has_unfinished_requests() const { return !waiting_.empty() || !running_.empty(); }
   int64_t num_preemptions() const { return num_preemptions_; }
-  bool in_step() const { return in_step_; }  // schedule() was called, update_from_output() not yet
-  int num_scheduled_reqs() const { return static_cast<int>(scheduled_.size()); }
+  bool in_step() const { return !in_flight_.empty(); }  // a step is scheduled and not yet updated
+  int num_steps_in_flight() const { return static_cast<int>(in_flight_.size()); }
+  // Requests of the oldest open step: the one the next update closes.
+  int num_scheduled_reqs() const { return in_flight_.empty() ? 0 : static_cast<int>(in_flight_.front().size()); }
 
   const Request* find(int64_t handle) const;        // unfinished requests only; null otherwise
   const Request* find(const std::string& id) const;
@@ -110,17 +121,22 @@ class Scheduler {
     Request* request;
     int num_tokens;
     bool is_new;
+    int num_computed_before = 0;  // the request's computed tokens when the step was scheduled
+    bool samples = false;         // the step reaches the request's last token: its token is kept
   };
 
-  void schedule_running(int& budget);
-  void schedule_waiting(int& budget);
+  void schedule_running(int& budget, size_t max_reqs);
+  void schedule_waiting(int& budget, size_t max_reqs);
   bool allocate_or_preempt(Request* request, int num_new_tokens, int& budget);
-  Request* pick_victim();
+  Request* pick_victim();  // null when every running request is in flight
   void preempt(Request* victim, int& budget);
   void enqueue_waiting(Request* request, bool at_front);
   int cap_new_tokens(const Request& request, int num_new_tokens, int budget) const;
   void fill_output();
-  void finish(Request* request, FinishReason reason);
+  void finish(Request* request, FinishReason reason, int num_valid_tokens = -1);
+  void release_if_landed(Request* request);
+  void unqueue(Request* request);
+  std::vector<Scheduled> close_oldest_step();
   void apply_pending_aborts();
 
   SchedulerConfig config_;
@@ -129,13 +145,14 @@ class Scheduler {
   std::unordered_map<std::string, int64_t> handle_of_;
   std::deque<Request*> waiting_;
   std::vector<Request*> running_;
-  std::vector<Scheduled> scheduled_;
-  std::vector<std::string> pending_aborts_;
+  std::vector<Scheduled> scheduled_;                // the step schedule() is building
+  std::deque<std::vector<Scheduled>> in_flight_;    // open steps, oldest first
+  std::vector<int64_t> pending_aborts_;             // handles aborted while a step was open
+  std::vector<int64_t> finished_since_schedule_;    // reported by the next schedule()
   SchedulerOutput output_;
   UpdateOutput update_;
   int64_t next_handle_ = 1;
   int64_t num_preemptions_ = 0;
-  bool in_step_ = false;  // between schedule() and update_from_output()
 };
 
 }  // namespace octavo

@@ -471,10 +471,13 @@ TEST(Scheduler, StepOrderIsEnforced) {
   s.add_request(params("a", 3, 2));
   EXPECT_THROW(s.update_from_output(nullptr), octavo::Error);
   s.schedule();
-  EXPECT_THROW(s.schedule(), octavo::Error);
+  // A second step while the first is open finds nothing: every token of "a" is in flight.
+  EXPECT_EQ(s.schedule().num_reqs(), 0);
+  EXPECT_EQ(s.num_steps_in_flight(), 1);
   const int32_t tok = 5;
   s.update_from_output(&tok);
   EXPECT_THROW(s.update_from_output(&tok), octavo::Error);
+  EXPECT_THROW(s.fail_step(), octavo::Error);
 }
 
 // ---------------------------------------------------------------------------------------------

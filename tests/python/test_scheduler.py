@@ -397,13 +397,20 @@ def test_update_before_schedule_raises_runtime_error():
         sched.update_from_output(np.array([7, 8], dtype=np.int32))
 
 
-def test_schedule_twice_raises_runtime_error():
+def test_a_second_open_step_takes_only_tokens_no_open_step_holds():
+    """Pipeline parallel keeps several steps open: the decodes in flight wait for their tokens,
+    a new request joins the second step, and updates close the steps oldest first."""
     sched = make_scheduler()
-    _two_running(sched)
-    with pytest.raises(RuntimeError, match="schedule"):
-        sched.schedule()
-    sched.update_from_output(np.array([7, 8], dtype=np.int32))
-    sched.schedule()
+    ha, hb = _two_running(sched).req_handles.tolist()
+    hc = sched.add_request("c", [9, 9, 9], max_tokens=4)
+    second = sched.schedule()
+    assert second.req_handles.tolist() == [hc]
+    assert sched.num_steps_in_flight == 2
+    assert sched.schedule().num_reqs == 0 and sched.num_steps_in_flight == 2  # nothing left: no step opened
+    first = sched.update_from_output(np.array([7, 8], dtype=np.int32))
+    assert first.req_handles.tolist() == [ha, hb]
+    assert sched.update_from_output(np.array([5], dtype=np.int32)).req_handles.tolist() == [hc]
+    assert not sched.in_step
 
 
 def test_update_with_offsets():

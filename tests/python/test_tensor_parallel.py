@@ -170,9 +170,12 @@ def test_settings_tensor_parallel_cannot_run_are_refused(tokenizer, tmp_path):
         engine(tmp_path / "q", 2)
 
 
-def test_the_default_model_served_at_tp2_answers_as_at_tp1(tmp_path):
+@pytest.mark.parametrize("split", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"]],
+                         ids=["tp2", "pp2"])
+def test_the_default_model_served_split_in_two_answers_as_whole(split, tmp_path):
     """The README's chat example through `octavo serve --tensor-parallel-size 2` (the default
-    model's 9 query heads in 3 KV groups: ranks of 6 + 3 heads) and through LLM.chat at TP = 1."""
+    model's 9 query heads in 3 KV groups: ranks of 6 + 3 heads) or `--pipeline-parallel-size 2`
+    (its 30 layers as 15 + 15), and through LLM.chat on one rank."""
     import httpx
 
     from live_server import LiveServer
@@ -180,7 +183,7 @@ def test_the_default_model_served_at_tp2_answers_as_at_tp1(tmp_path):
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     alone = LLM(max_model_len=256, device="cpu").chat(messages, SamplingParams(temperature=0, max_tokens=32),
                                                       use_tqdm=False)[0].outputs[0].text
-    server = LiveServer("--max-model-len", "256", "--tensor-parallel-size", "2", log=tmp_path / "serve.log")
+    server = LiveServer("--max-model-len", "256", *split, log=tmp_path / "serve.log")
     try:
         r = httpx.post(f"{server.url}/v1/chat/completions", timeout=120,
                        json={"messages": messages, "temperature": 0, "max_tokens": 32})

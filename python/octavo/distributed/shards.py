@@ -1,4 +1,4 @@
-"""Which slice of each weight a tensor-parallel rank holds.
+"""Which slice of each weight a tensor-parallel rank holds, and which layers a pipeline stage holds.
 
 Attention is cut at KV-group boundaries: a rank holds whole KV heads with the query heads that
 read them, so its attention is ordinary GQA over its own heads and nothing crosses ranks until
@@ -71,3 +71,30 @@ class TPShard:
     @property
     def vocab_size(self) -> int:
         return self.vocab[1] - self.vocab[0]
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """Pipeline stage ``rank`` of ``world``: the decoder layers [begin, end) it holds. The first
+    stage also holds the embedding, the last the final norm and the LM head (and the embedding
+    when the LM head is tied to it)."""
+
+    rank: int = 0
+    world: int = 1
+    layers: tuple[int, int] = (0, 0)
+
+    @classmethod
+    def of(cls, config, rank: int = 0, world: int = 1) -> PPStage:
+        if not 0 <= rank < world:
+            raise ValueError(f"stage {rank} is not in a pipeline of {world}")
+        if world > config.num_hidden_layers:
+            raise ValueError(f"pipeline_parallel_size {world} is more than the model's {config.num_hidden_layers} layers")
+        return cls(rank, world, split(config.num_hidden_layers, world, rank))
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.world - 1

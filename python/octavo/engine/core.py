@@ -1,7 +1,9 @@
 """The engine core: the native scheduler and the executor, one step at a time.
 
 step() = schedule() -> executor.execute_model() -> update_from_output() -> what changed for each
-request (EngineCoreOutputs). The core knows token ids only: text, stop strings and RequestOutputs
+request (EngineCoreOutputs). With pipeline parallel, one step per stage is kept in flight (vLLM's
+batch queue): step() schedules and submits a batch while the queue has room, and otherwise
+completes the oldest. The core knows token ids only: text, stop strings and RequestOutputs
 are the front end's (llm_engine.py). It runs in the front end's process (InprocClient) or in its
 own, behind ZeroMQ (core_proc.py).
 """
@@ -9,6 +11,7 @@ own, behind ZeroMQ (core_proc.py).
 from __future__ import annotations
 
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -47,6 +50,16 @@ class EngineCoreConfig:
 
 
 @dataclass
+class _InFlight:
+    """A step submitted to the executor and not yet completed."""
+
+    handles: list[int]
+    request_ids: list[str]
+    chunks: list[tuple[int, int, int, int]]  # prompt-logprob rows (StepInput.prompt_logprobs)
+    cached: np.ndarray
+
+
+@dataclass
 class _Live:
     """A core request the scheduler holds."""
 
@@ -79,6 +92,8 @@ class EngineCore:
         self._unsent: dict[int, NewRequest] = {}  # sampling states the workers get with the first step
         self._finished_handles: list[int] = []  # finished in steps that ran no model: workers forget them next
         self._num_wanting_prompt_logprobs = 0
+        self._queue: deque[_InFlight] = deque()
+        self._depth = config.worker.pipeline_parallel_size  # steps in flight at most
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -116,7 +131,7 @@ class EngineCore:
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._queue)
 
     def _forget(self, handle: int) -> None:
         live = self._live.pop(handle)
@@ -126,51 +141,104 @@ class EngineCore:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> EngineCoreOutputs:
-        """One scheduler step. A forward failure finishes the step's requests with "error"; a
-        sampling failure, the request alone. Raises only for a failure outside both (the step
-        stays open: end_failed_step() then fails its requests)."""
-        out = self.scheduler.schedule()
-        if not out.num_reqs:
-            self._finished_handles.extend(out.finished_handles.tolist())
-            self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
-            return EngineCoreOutputs.empty(self.stats())
+        """Schedules and submits a step while fewer than one per pipeline stage are in flight;
+        otherwise (or when nothing more can be scheduled) completes the oldest and reports it. A
+        forward failure finishes the requests of every step in flight with "error"; a sampling
+        failure, the request alone. Raises only for a failure outside both (end_failed_step()
+        then fails the open steps' requests)."""
+        if len(self._queue) < self._depth:
+            out = self.scheduler.schedule(self._batch_cap())
+            if out.num_reqs:
+                self._queue.append(self._submit(out))
+                if len(self._queue) < self._depth:
+                    return EngineCoreOutputs.empty(self.stats())
+            else:
+                self._finished_handles.extend(out.finished_handles.tolist())
+                if not self._queue:  # schedule() opened an empty step: close it
+                    self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
+                    return EngineCoreOutputs.empty(self.stats())
+        return self._complete(self._queue.popleft())
+
+    def _batch_cap(self) -> int:
+        """With pipeline stages, a step takes its share of the requests (one batch per stage in
+        flight), else the stages would take turns on one batch; 0 (no cap) otherwise."""
+        if self._depth == 1:
+            return 0
+        s = self.scheduler
+        return max(1, -(-(s.num_running + s.num_waiting) // self._depth))
+
+    def _submit(self, out) -> _InFlight:
         handles = out.req_handles.tolist()
         chunks = self._prompt_chunks(out, handles) if self._num_wanting_prompt_logprobs else []
-        step = StepInput.from_scheduler(out, new_requests=self._new_requests(out), finished_handles=self._finished(out),
+        # Steps that overlap must not share the scheduler's buffers, which its next step rewrites.
+        step = StepInput.from_scheduler(out, copy=self._depth > 1, new_requests=self._new_requests(out),
+                                        finished_handles=self._finished(out),
                                         prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None)
-        request_ids = [self._live[h].request_id for h in handles]
-        cached = self._cache_hits(out, handles)
+        pending = _InFlight(handles, [self._live[h].request_id for h in handles], chunks, self._cache_hits(out, handles))
+        self.executor.submit(step)
+        return pending
+
+    def _complete(self, step: _InFlight) -> EngineCoreOutputs:
         try:
-            result = self.executor.execute_model(step)
+            result = self.executor.receive()
         except EngineDeadError:  # the workers are gone: nothing more can run
             raise
         except Exception as e:  # noqa: BLE001 - whatever broke, the other requests keep running
-            self.scheduler.fail_step()  # the step's KV may be half written: none of it is kept
-            _log_failure("the forward pass", request_ids, e)
-            return self._fail(handles, request_ids)
+            return self._fail_in_flight(e)
         # Tokens from a worker process come in a read-only buffer, which DLPack does not export.
         update = self.scheduler.update_from_output(np.require(result.sampled.token_ids, requirements="W"))
         finish_reasons = np.array(update.finish_reasons)
+        request_ids = step.request_ids
         for f in result.failures:
             finish_reasons[f.row] = ERROR
         if result.failures:
             _log_failure("sampling", [request_ids[f.row] for f in result.failures], result.failures[0].error)
             self.scheduler.abort_requests([request_ids[f.row] for f in result.failures])
         for i in np.flatnonzero(finish_reasons).tolist():
-            if handles[i] in self._live:
-                self._forget(handles[i])
+            if step.handles[i] in self._live:
+                self._forget(step.handles[i])
         sampled = result.sampled if result.sampled.logprobs is not None else None  # else new_token_ids say it all
         return EngineCoreOutputs(
             request_ids, np.array(update.new_token_offsets), np.array(update.new_token_ids), finish_reasons,
-            np.array(update.stop_reasons), cached, sampled,
-            [(i, first, logprobs) for (i, first, _, _), logprobs in zip(chunks, result.prompt_logprobs)], self.stats())
+            np.array(update.stop_reasons), step.cached, sampled,
+            [(i, first, logprobs) for (i, first, _, _), logprobs in zip(step.chunks, result.prompt_logprobs)],
+            self.stats())
+
+    def _fail_in_flight(self, error: Exception) -> EngineCoreOutputs:
+        """The oldest step's forward pass failed: its KV may be half written, and the steps in
+        flight behind it may read that KV (a continued prompt, a prefix-cache hit), so every open
+        step fails; their requests finish with "error" and none of that KV is kept."""
+        failed = self.scheduler.fail_step()
+        for _ in range(len(self._queue)):
+            try:
+                self.executor.receive()  # the workers ran it; its result is dropped
+            except EngineDeadError:
+                raise
+            except Exception:  # noqa: BLE001 - failing it anyway
+                pass
+            failed += self.scheduler.fail_step()
+        self._queue.clear()
+        handles = [h for h in failed if h in self._live]
+        request_ids = [self._live[h].request_id for h in handles]
+        _log_failure("the forward pass", request_ids, error)
+        return self._fail(handles, request_ids)
 
     def end_failed_step(self) -> EngineCoreOutputs:
-        """After step() raised: ends the scheduler's step if it is still open, failing the
-        requests it scheduled, so that the next step can run."""
+        """After step() raised: ends the scheduler's open steps, failing the requests they
+        scheduled, so that the next step can run."""
         if not self.scheduler.in_step:
             return EngineCoreOutputs.empty(self.stats())
-        handles = [h for h in self.scheduler.fail_step() if h in self._live]
+        for _ in range(len(self._queue)):  # submitted: their results are dropped
+            try:
+                self.executor.receive()
+            except EngineDeadError:
+                raise
+            except Exception:  # noqa: BLE001
+                pass
+        self._queue.clear()
+        handles = []
+        while self.scheduler.in_step:
+            handles += [h for h in self.scheduler.fail_step() if h in self._live]
         return self._fail(handles, [self._live[h].request_id for h in handles])
 
     def _new_requests(self, out) -> list[NewRequest]:

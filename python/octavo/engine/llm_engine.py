@@ -40,14 +40,17 @@ class LLMEngine:
                  quantization: str | None = None, device: str = "auto", gpu_memory_utilization: float = 0.9,
                  enforce_eager: bool = False, max_logprobs: int = 20, scheduling_policy: str = "fcfs",
                  generation_config: str = "auto", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 distributed_executor_backend: str | None = None, multiprocess: bool = False):
+                 distributed_executor_backend: str | None = None, multiprocess: bool = False,
+                 pipeline_parallel_size: int = 1):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
         scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
         where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's.
         tensor_parallel_size: worker processes the model is split over; distributed_executor_backend:
-        "uni" or "mp" (default: "mp" for more than one); multiprocess: run the engine core in a
+        "uni", "mp" or "ray" (default: "mp" for more than one); multiprocess: run the engine core in a
         process of its own (as the server does); data_parallel_size: that many engine cores, each
-        in its own process with its own KV cache, requests going to the least loaded."""
+        in its own process with its own KV cache, requests going to the least loaded;
+        pipeline_parallel_size: stages the layers are split over, a worker process each, with a
+        batch per stage in flight."""
         self.model_path = Path(model)
         self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
@@ -56,8 +59,9 @@ class LLMEngine:
         if not 0 < gpu_memory_utilization <= 1:  # checked on any device: a bad value is a bad value
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.device = _device(model, device)
-        _check_parallel_sizes(self.device, tensor_parallel_size, data_parallel_size)
-        worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size)
+        _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
+        worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
+                              pipeline_parallel_size)
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,
@@ -302,17 +306,17 @@ def _apply_model(worker, func):
     return func(worker.model)
 
 
-def _check_parallel_sizes(device: torch.device, tp: int, dp: int) -> None:
+def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int) -> None:
     """Every rank needs a device of its own (a GPU, or on the CPU a core): more ranks than that
     are refused before any process starts."""
-    for name, size in (("tensor_parallel_size", tp), ("data_parallel_size", dp)):
+    for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be an integer of at least 1, got {size!r}")
     have, what = (torch.cuda.device_count(), "GPUs") if device.type == "cuda" else \
         (len(os.sched_getaffinity(0)), "CPUs this process may use")
-    if tp * dp > have:
-        raise ValueError(f"tensor_parallel_size x data_parallel_size = {tp * dp} ranks, but there are only {have} "
-                         f"{what}: each rank needs one")
+    if tp * pp * dp > have:
+        raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {tp * pp * dp} "
+                         f"ranks, but there are only {have} {what}: each rank needs one")
 
 
 def _device(model, device: str) -> torch.device:

@@ -3,6 +3,7 @@ their KV caches and runs each step on them."""
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Any, Callable
 
 from .configs import CacheConfig, WorkerConfig
@@ -15,6 +16,9 @@ class Executor:
     def __init__(self, worker_config: WorkerConfig):
         self.worker_config = worker_config
         self.kv_block_bytes = 0  # bytes one KV block takes on each worker, once sized
+        # The worker whose StepOutput counts: the last pipeline stage's first tensor-parallel rank.
+        self.driver_rank = (worker_config.pipeline_parallel_size - 1) * worker_config.tensor_parallel_size
+        self._landed: deque[StepOutput | Exception] = deque()  # submitted steps' results, oldest first
         self._start_workers()
         try:
             self.collective_rpc("load_model")
@@ -26,14 +30,20 @@ class Executor:
     @staticmethod
     def create(worker_config: WorkerConfig, backend: str | None = None) -> Executor:
         """The executor for ``distributed_executor_backend``: "uni" (one worker in this
-        process), "mp" (a process per rank); None: "mp" for more than one rank, else "uni"."""
+        process), "mp" (a process per rank), "ray" (a Ray actor per rank, on this machine or a
+        Ray cluster); None: "mp" for more than one rank, else "uni"."""
         from .uniproc import UniprocExecutor
 
-        if backend not in (None, "uni", "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got {backend!r}")
-        if backend == "uni" and worker_config.tensor_parallel_size > 1:
-            raise ValueError("distributed_executor_backend 'uni' runs one rank; use 'mp' for tensor_parallel_size > 1")
-        if backend == "mp" or worker_config.tensor_parallel_size > 1:
+        if backend not in (None, "uni", "mp", "ray"):
+            raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'ray', got {backend!r}")
+        if backend == "uni" and worker_config.world_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one rank; use 'mp' for tensor_parallel_size or "
+                             "pipeline_parallel_size > 1")
+        if backend == "ray":
+            from .ray_executor import RayExecutor  # Ray is optional: imported only when asked for
+
+            return RayExecutor(worker_config)
+        if backend == "mp" or worker_config.world_size > 1:
             from .multiproc import MultiprocExecutor  # pyzmq: only where worker processes run
 
             return MultiprocExecutor(worker_config)
@@ -61,9 +71,28 @@ class Executor:
         self.collective_rpc("initialize_cache", (num_blocks, cache))
 
     def execute_model(self, step: StepInput) -> StepOutput:
-        """Runs one step on every worker; returns rank 0's output. Raises when the forward pass
-        fails on any worker (none of the step's KV is to be trusted then)."""
-        return self.collective_rpc("execute_model", (step,))[0]
+        """Runs one step on every worker; returns the driver's output. Raises when the forward
+        pass fails on any worker (none of the step's KV is to be trusted then)."""
+        return self.collective_rpc("execute_model", (step,))[self.driver_rank]
+
+    def submit(self, step: StepInput) -> None:
+        """Starts a step; ``receive`` returns the results of submitted steps, oldest first.
+        Executors that can keep several steps in flight (pipeline stages) override both; here the
+        step runs at once. A step's failure is raised by its ``receive``; EngineDeadError at once."""
+        from ..engine.core_messages import EngineDeadError  # the engine package imports this one
+
+        try:
+            self._landed.append(self.execute_model(step))
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - receive() raises it, in its step's turn
+            self._landed.append(e)
+
+    def receive(self) -> StepOutput:
+        result = self._landed.popleft()
+        if isinstance(result, Exception):
+            raise result
+        return result
 
     def shutdown(self) -> None:
         """Stops the workers (nothing to do in-process)."""

@@ -15,6 +15,11 @@ class WorkerConfig:
     device: str = "cpu"  # already resolved: "cpu" or "cuda:N"
     quantization: str | None = None  # "int8" / "int4": rounded to nearest as the weights are read
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages, each holding a contiguous range of the layers
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
 @dataclass

@@ -1,8 +1,9 @@
-"""One worker process per tensor-parallel rank on this machine.
+"""One worker process per rank (tensor-parallel rank x pipeline stage) on this machine.
 
 Each step's StepInput is encoded once and sent to every rank (ZeroMQ over IPC); the ranks run
-the forward pass together (torch.distributed: gloo on the CPU, NCCL on GPUs) and rank 0 answers
-with the sampled tokens. A rank that fails or dies leaves the group's collectives in an unknown
+the forward pass together (torch.distributed: gloo on the CPU, NCCL on GPUs) and the driver rank
+answers with the sampled tokens. Steps may be submitted before earlier ones are answered (one
+per pipeline stage in flight): every rank runs and answers them in order. A rank that fails or dies leaves the group's collectives in an unknown
 state, so either ends the executor: the engine reports itself dead rather than hang.
 """
 
@@ -14,6 +15,7 @@ import subprocess
 import tempfile
 import time
 import weakref
+from collections import deque
 from typing import Any, Callable
 
 import cloudpickle
@@ -35,7 +37,7 @@ ERROR_GRACE_SECONDS = 2.0
 
 class MultiprocExecutor(Executor):
     def _start_workers(self) -> None:
-        world = self.worker_config.tensor_parallel_size
+        world = self.worker_config.world_size
         self._dir = tempfile.mkdtemp(prefix="octavo-workers-")
         with open(f"{self._dir}/worker.pkl", "wb") as f:
             pickle.dump((self.worker_config, f"tcp://127.0.0.1:{free_port()}"), f)
@@ -52,6 +54,10 @@ class MultiprocExecutor(Executor):
         self._finalizer = weakref.finalize(self, _stop, self.processes, self._outboxes, self._inbox, self._ctx,
                                            self._dir)
         self._encoder, self._outputs = Encoder(), Decoder(StepOutput)
+        self._unanswered = 0  # steps submitted whose answers are not read yet
+        # A rank may answer a later step before another rank answers an earlier one: its later
+        # answers wait here for their turn.
+        self._early: list[deque] = [deque() for _ in range(world)]
         try:
             self._answers(STARTUP_SECONDS)  # each worker says it has joined the group
         except BaseException:
@@ -59,12 +65,36 @@ class MultiprocExecutor(Executor):
             raise
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
+        while self._unanswered:  # the steps' answers come first: keep them for receive()
+            self._landed.append(self._read_step())
         self._broadcast([CALL, cloudpickle.dumps((method, args, kwargs or {}))])
         return [cloudpickle.loads(frames[0].bytes) for frames in self._answers()]
 
     def execute_model(self, step: StepInput) -> StepOutput:
+        self.submit(step)
+        return self.receive()
+
+    def submit(self, step: StepInput) -> None:
+        """Sends the step. Its arrays travel zero-copy when large: they must not change until it
+        is answered (the engine core copies the scheduler's buffers when steps overlap)."""
         self._broadcast([STEP, *self._encoder.encode(step)])
-        return self._outputs.decode(self._answers()[0])
+        self._unanswered += 1
+
+    def receive(self) -> StepOutput:
+        result = self._landed.popleft() if self._landed else self._read_step()
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    def _read_step(self) -> StepOutput | Exception:
+        """The oldest unanswered step's output, or the error every rank raised for it."""
+        self._unanswered -= 1
+        try:
+            return self._outputs.decode(self._answers()[self.driver_rank])
+        except EngineDeadError:
+            raise
+        except Exception as e:  # noqa: BLE001 - the step's error, raised in its turn
+            return e
 
     def _broadcast(self, frames: list) -> None:
         self._check_alive()
@@ -75,6 +105,10 @@ class MultiprocExecutor(Executor):
         """Every rank's answer frames, in rank order. A rank's error is raised (a failed step
         first ends the executor: its ranks may be stuck in a collective)."""
         answers, errors = {}, {}
+        for rank, early in enumerate(self._early):
+            if early:
+                status, frames = early.popleft()
+                (answers if status == OK else errors)[rank] = frames
         deadline = None if timeout is None else time.monotonic() + timeout
         graced = False
         while len(answers) + len(errors) < len(self.processes):
@@ -87,10 +121,15 @@ class MultiprocExecutor(Executor):
                 self._check_alive()
                 continue
             rank, status, *frames = self._inbox.recv_multipart(copy=False)
-            (answers if status.bytes == OK else errors)[int(rank.bytes)] = frames
+            rank = int(rank.bytes)
+            if rank in answers or rank in errors:  # its answer to a later step
+                self._early[rank].append((status.bytes, frames))
+                continue
+            (answers if status.bytes == OK else errors)[rank] = frames
         if len(errors) == len(self.processes):  # every rank failed alike: the call's error
             raise pickle.loads(errors[0][0].bytes)
         if errors:
+            self._check_alive()  # a rank that died is why its peers' collectives failed
             rank, frames = min(errors.items())
             self._fail(f"worker {rank} failed: {pickle.loads(frames[0].bytes)!r}")
         if len(answers) < len(self.processes):

@@ -53,8 +53,10 @@ class StepInput:
     prompt_logprobs: np.ndarray | None = None
 
     @classmethod
-    def from_scheduler(cls, out, **extra) -> StepInput:
-        return cls(**{name: getattr(out, name) for name in STEP_ARRAYS}, **extra)
+    def from_scheduler(cls, out, copy: bool = False, **extra) -> StepInput:
+        """The scheduler output's arrays: views of its buffers, or copies (``copy``)."""
+        take = np.array if copy else (lambda a: a)
+        return cls(**{name: take(getattr(out, name)) for name in STEP_ARRAYS}, **extra)
 
     @property
     def num_reqs(self) -> int:

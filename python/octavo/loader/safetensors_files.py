@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 
 from ..config import ModelConfig
-from ..distributed.shards import TPShard
+from ..distributed.shards import PPStage, TPShard
 from ..layers.quantize import QUANT_METHOD, load_quantized_state, load_quantizing, quantize_model
 from ..models import model_class
 from .gptq_awq import METHODS as GPTQ_AWQ
@@ -56,7 +56,7 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors",
                device: torch.device | str = "cpu", quantization: str | None = None, tp_rank: int = 0,
-               tp_size: int = 1):
+               tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1):
     """Builds the model for ``path``'s config.json and fills its weights (or, for a ``.gguf``
     file, the model it holds, see gguf_file.py).
 
@@ -68,7 +68,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     projections end up quantized are built in CPU memory and moved: there, float parameters
     that quantized weights replace before they are filled take no pages (on a GPU they would
     take their full size). ``tp_rank`` of ``tp_size``: build and fill only that tensor-parallel
-    rank's part (distributed/shards.py), reading each checkpoint tensor's slice.
+    rank's part (distributed/shards.py), reading each checkpoint tensor's slice; ``pp_rank`` of
+    ``pp_size``: only that pipeline stage's layers.
     """
     from .gguf_file import is_gguf, load_gguf_model
 
@@ -80,18 +81,19 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):  # read on the CPU (numpy), then moved: the quantized size, not the float one
-        _float_only_for_tp(tp_size, "a GGUF file")
+        _float_only_for_tp(tp_size * pp_size, "a GGUF file")
         return _quantized_after(load_gguf_model(path, dtype).to(device), quantization)
     config = ModelConfig.from_pretrained(path)
     if quant_method(config) is not None:  # load-time quantization (`quantization`) is cut per rank
-        _float_only_for_tp(tp_size, f"a checkpoint quantized with {quant_method(config)!r}")
+        _float_only_for_tp(tp_size * pp_size, f"a checkpoint quantized with {quant_method(config)!r}")
     if dtype == "auto":
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     quantized_files = load_format == "safetensors" and (quantization is not None or quant_method(config) is not None)
     with torch.device("cpu") if quantized_files else device:
-        model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size))
+        model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size),
+                                                 PPStage.of(config, pp_rank, pp_size))
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(0)
         for param in model.parameters():
@@ -114,9 +116,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     return _quantized_after(model.eval(), quantization).to(device)
 
 
-def _float_only_for_tp(tp_size: int, what: str) -> None:
-    if tp_size > 1:
-        raise ValueError(f"tensor_parallel_size > 1 runs float checkpoints (safetensors, quantized at load "
+def _float_only_for_tp(world_size: int, what: str) -> None:
+    if world_size > 1:
+        raise ValueError(f"tensor and pipeline parallel run float checkpoints (safetensors, quantized at load "
                          f"or not) for now, not {what}")
 
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from .. import _C
 from ..config import ModelConfig
 from ..distributed.parallel_state import all_reduce, gather_vocab
-from ..distributed.shards import TPShard, split
+from ..distributed.shards import PPStage, TPShard, split
 from ..layers.attention import Attention, AttentionMetadata
 from ..layers.linear import QuantizedWeight, linear
 from ..layers.norm import RMSNorm
@@ -91,23 +91,30 @@ class LlamaForCausalLM(torch.nn.Module):
     compute_logits(hidden, logits_indices [R]) -> float32 [R, vocab].
 
     ``shard``: the part a tensor-parallel rank holds (distributed/shards.py; default: all of it).
-    The embedding and the LM head hold the rank's vocabulary rows."""
+    The embedding and the LM head hold the rank's vocabulary rows. ``stage``: the layers a
+    pipeline stage holds; a stage before the last returns its activations for the next one
+    (forward's ``intermediate``) instead of hidden states, and holds no LM head."""
 
     qk_norm = False
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard | None = None):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard | None = None,
+                 stage: PPStage | None = None):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.shard = shard = shard or TPShard.of(config)
+        self.stage = stage = stage or PPStage.of(config)
         # Every rank's vocabulary rows, in rank order: how the LM head's slices join.
         self.vocab_sizes = [end - begin for begin, end in (split(config.vocab_size, shard.world, r)
                                                            for r in range(shard.world))]
-        self.embed_tokens = _param(shard.vocab_size, config.hidden_size, dtype=dtype)
+        # A stage without the embedding keeps an empty one: where the model lives, for its users.
+        embeds = stage.is_first or (stage.is_last and config.tie_word_embeddings)
+        self.embed_tokens = _param(shard.vocab_size if embeds else 0, config.hidden_size, dtype=dtype)
+        self.first_layer = stage.layers[0]
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, self.qk_norm, shard) for _ in range(config.num_hidden_layers))
+            LlamaDecoderLayer(config, dtype, self.qk_norm, shard) for _ in range(*stage.layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
-            shard.vocab_size, config.hidden_size, dtype=dtype)
+            shard.vocab_size if stage.is_last else 0, config.hidden_size, dtype=dtype)
         with torch.device("cpu"):  # the table is built in float64 on the CPU, wherever the model lives
             table = rope_cos_sin_cache(config.hf)
         self.register_buffer("cos_sin_cache", table.to(self.embed_tokens.device), persistent=False)
@@ -116,10 +123,19 @@ class LlamaForCausalLM(torch.nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x, residual = self._embed(input_ids), None
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+        """intermediate: the previous stage's activations (every stage but the first). Returns
+        the final hidden states [T, hidden] (last stage) or this stage's activations
+        [2, T, hidden] (the layers' output and the residual stream) for the next stage."""
+        if intermediate is None:
+            x, residual = self._embed(input_ids), None
+        else:
+            x, residual = intermediate[0], intermediate[1]
         for layer in self.layers:
             x, residual = layer(x, residual, positions, (self.cos_sin_cache, self.rope_is_neox), meta)
+        if not self.stage.is_last:
+            return torch.stack([x, residual])
         x, _ = self.norm(x, residual)
         return x
 
@@ -141,11 +157,14 @@ class LlamaForCausalLM(torch.nn.Module):
         """HF tensor name -> (destination parameter, first row, rows) for every expected tensor;
         a quantized loader may have put a ``QuantizedWeight`` in a parameter's place."""
         c, vocab, intermediate = self.config, self.shard.vocab_size, self.shard.intermediate_size
-        targets = {"model.embed_tokens.weight": (self.embed_tokens, 0, vocab),
-                   "model.norm.weight": (self.norm.weight, 0, c.hidden_size)}
-        if not c.tie_word_embeddings:
-            targets["lm_head.weight"] = (self.lm_head, 0, vocab)
-        for i, layer in enumerate(self.layers):
+        targets = {}
+        if self.embed_tokens.shape[0]:
+            targets["model.embed_tokens.weight"] = (self.embed_tokens, 0, vocab)
+        if self.stage.is_last:
+            targets["model.norm.weight"] = (self.norm.weight, 0, c.hidden_size)
+            if not c.tie_word_embeddings:
+                targets["lm_head.weight"] = (self.lm_head, 0, vocab)
+        for i, layer in enumerate(self.layers, self.first_layer):
             p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
             q, kv = a.q_size, a.kv_size
             for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
@@ -174,7 +193,7 @@ class LlamaForCausalLM(torch.nn.Module):
         slices = {"model.embed_tokens.weight": (0, *s.vocab, c.vocab_size)}
         if not c.tie_word_embeddings:
             slices["lm_head.weight"] = (0, *s.vocab, c.vocab_size)
-        for i in range(c.num_hidden_layers):
+        for i in range(*self.stage.layers):
             p = f"model.layers.{i}."
             for kind in ("weight", "bias"):
                 slices[f"{p}self_attn.q_proj.{kind}"] = (0, *q, heads)
@@ -206,6 +225,8 @@ class LlamaForCausalLM(torch.nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # derived from the config / the same tensor as the embedding
+            if name not in targets and self._held_by_another_stage(name):
+                continue
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} is not used by {self.config.architecture}")
             param, start, rows = targets[name]
@@ -225,6 +246,18 @@ class LlamaForCausalLM(torch.nn.Module):
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks tensors {', '.join(missing[:5])}{more}")
+
+
+    def _held_by_another_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` belongs to a pipeline stage other than this one."""
+        if self.stage.world == 1:
+            return False
+        if name.startswith("model.layers."):
+            begin, end = self.stage.layers
+            return not begin <= int(name.split(".")[2]) < end
+        if name == "model.embed_tokens.weight":
+            return not self.embed_tokens.shape[0]
+        return name in ("model.norm.weight", "lm_head.weight") and not self.stage.is_last
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

@@ -8,16 +8,17 @@ import numpy as np
 import torch
 
 from .. import _C
+from ..distributed.parallel_state import recv_from_previous_stage, send_to_next_stage
 from ..kv_cache import empty_kv_cache
 from ..layers.attention import AttentionMetadata
 from .staging import Staging
 
 
 def kv_cache_block_bytes(model, block_size: int) -> int:
-    """Bytes one block takes across every layer (K and V) on this rank (its KV heads)."""
+    """Bytes one block takes across every layer (K and V) on this rank (its layers, its KV heads)."""
     c = model.config
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * c.num_hidden_layers * model.shard.num_kv_heads * block_size * c.head_dim * elem
+    return 2 * len(model.layers) * model.shard.num_kv_heads * block_size * c.head_dim * elem
 
 
 # Prompt-logprob rows whose logits are made on the device at once: with a step's sampled rows,
@@ -27,7 +28,8 @@ PROMPT_LOGITS_ROWS = 256
 
 class ModelRunner:
     """Holds the model and its paged KV cache; ``execute`` runs one step and returns the logits
-    of the tokens the scheduler wants sampled (on the model's device)."""
+    of the tokens the scheduler wants sampled (on the model's device). A pipeline stage before
+    the last sends its activations on and returns no logits."""
 
     def __init__(self, model, num_blocks: int, block_size: int):
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
@@ -80,7 +82,9 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_tables=block_tables, plan=plan[0] if plan else None,
                                  num_decodes=leading_decodes(out.query_start_loc))
-        hidden = self.model(input_ids, positions, meta)
+        hidden = self._forward(input_ids, positions, meta)
+        if hidden is None:  # a stage before the last
+            return None, None
         n = len(out.logits_indices)
         logits = self.model.compute_logits(hidden, indices[:n])
         if extra_rows is None:
@@ -88,6 +92,25 @@ class ModelRunner:
         extra = indices[n:]
         return logits, torch.cat([self.model.compute_logits(hidden, extra[i:i + PROMPT_LOGITS_ROWS]).cpu()
                                   for i in range(0, len(extra), PROMPT_LOGITS_ROWS)])
+
+    def _forward(self, input_ids, positions, meta) -> torch.Tensor | None:
+        """The model's part on this stage: hidden states on the last stage, else None (the
+        activations went to the next stage; a failure goes there too, so that it does not wait)."""
+        stage = self.model.stage
+        if stage.world == 1:
+            return self.model(input_ids, positions, meta)
+        try:
+            intermediate = None if stage.is_first else recv_from_previous_stage(
+                (2, len(input_ids), self.model.config.hidden_size), self.model.dtype)
+            hidden = self.model(input_ids, positions, meta, intermediate)
+        except BaseException:
+            if not stage.is_last:
+                send_to_next_stage(None)
+            raise
+        if stage.is_last:
+            return hidden
+        send_to_next_stage(hidden)
+        return None
 
     @torch.inference_mode()
     def warm_up(self, num_tokens: int, num_logits: int) -> None:

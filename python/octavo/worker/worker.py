@@ -8,7 +8,7 @@ import traceback
 import numpy as np
 import torch
 
-from ..distributed.parallel_state import init_tensor_parallel
+from ..distributed.parallel_state import init_model_parallel
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput
 from ..layers import bf16_tiles
@@ -23,23 +23,30 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the mo
 
 
 class Worker:
-    """Rank ``rank`` of a tensor-parallel group of ``world_size``; every rank runs each step's
-    forward pass on its shard, rank 0 alone samples (and keeps the requests' sampling state)."""
+    """Rank ``rank`` of ``world_size`` = tensor_parallel_size x pipeline_parallel_size: tensor-
+    parallel rank ``rank % tp`` of pipeline stage ``rank // tp``. Every rank runs each step's
+    forward pass on its part of the model; the last stage's first rank alone samples (and keeps
+    the requests' sampling state): it is the ``driver``, whose StepOutput the executor returns."""
 
     def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
         self.config, self.rank, self.world_size = config, rank, world_size
+        tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+        if world_size != tp * pp:
+            raise ValueError(f"world_size {world_size} is not tensor_parallel_size {tp} x pipeline_parallel_size {pp}")
+        self.tp_rank, self.pp_rank = rank % tp, rank // tp
+        self.driver = self.tp_rank == 0 and self.pp_rank == pp - 1
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and world_size > 1:  # a GPU per rank
             self.device = torch.device("cuda", rank)
-        init_tensor_parallel(rank, world_size, init_method, self.device)
+        init_model_parallel(rank, tp, pp, init_method, self.device)
         self.model = self.runner = self.memory = self._staging = None
         self.states: dict[int, SamplingState] = {}  # by scheduler handle
         self.num_steps = 0
 
     def load_model(self) -> None:
         c = self.config
-        self.model = load_model(c.model, c.dtype, c.load_format, self.device, c.quantization, self.rank,
-                                self.world_size)
+        self.model = load_model(c.model, c.dtype, c.load_format, self.device, c.quantization, self.tp_rank,
+                                c.tensor_parallel_size, self.pp_rank, c.pipeline_parallel_size)
         calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
         if bf16_tiles.worth_packing(self.model):  # AMX: bfloat16 weights packed into tiles once
             bf16_tiles.pack_model(self.model)
@@ -71,20 +78,20 @@ class Worker:
             print(f"octavo: {self.memory.report()}")
 
     def _graphs(self, cache: CacheConfig) -> bool:
-        """Decode steps replay CUDA graphs on one GPU; tensor-parallel ranks run eagerly (their
-        collectives are not captured)."""
+        """Decode steps replay CUDA graphs on one GPU; tensor- and pipeline-parallel ranks run
+        eagerly (their collectives are not captured)."""
         return self.device.type == "cuda" and not cache.enforce_eager and self.world_size == 1
 
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> StepOutput | None:
-        """One forward pass and sampling (rank 0; other ranks return None). A forward failure
+        """One forward pass and sampling (the driver; other ranks return None). A forward failure
         raises (the whole step is lost); a request whose sampling fails alone is reported in
         ``failures``, the others sample."""
         self.num_steps += 1
         chunks = step.prompt_logprobs
         rows = None if chunks is None else np.concatenate(
             [np.arange(step.query_start_loc[i], step.query_start_loc[i] + last - first) for i, first, last, _ in chunks])
-        if self.rank != 0:  # its part of the forward pass and of the logits' gathering
+        if not self.driver:  # its part of the forward pass and of the logits' gathering
             self.runner.execute(step, rows)
             return None
         states = self._update_states(step)

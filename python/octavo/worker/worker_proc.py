@@ -2,8 +2,9 @@
 takes calls and steps from the MultiprocExecutor over ZeroMQ, answers each.
 
 Messages in: [CALL, cloudpickle (method, args, kwargs)], [STEP, *StepInput frames], [SHUTDOWN].
-Answers: [rank, OK, cloudpickle result] / [rank, OK, *StepOutput frames] (rank 0; the others
-answer [rank, OK]), or [rank, ERROR, pickled exception].
+Answers: [rank, OK, cloudpickle result] / [rank, OK, *StepOutput frames] (the driver rank; the
+others answer [rank, OK]), or [rank, ERROR, pickled exception]. Steps are answered in the order
+they came, so that the executor can keep several in flight.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def run_worker(directory: str, rank: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end handles Ctrl-C and stops us
     with open(f"{directory}/worker.pkl", "rb") as f:
         config, init_method = pickle.load(f)
-    world = config.tensor_parallel_size
+    world = config.world_size
     threads = max(1, len(os.sched_getaffinity(0)) // world)  # the ranks share the machine's cores
     set_num_threads(threads)
     torch.set_num_threads(threads)

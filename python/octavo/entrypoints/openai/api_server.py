@@ -338,7 +338,8 @@ def served_model(args) -> ServedModel:
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
               quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
-              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+              tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
+              data_parallel_size=args.data_parallel_size,
               distributed_executor_backend=args.distributed_executor_backend,
               multiprocess=core_in_own_process())
     engine = llm.llm_engine

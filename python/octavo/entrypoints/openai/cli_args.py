@@ -7,7 +7,6 @@ from ..device_arg import add_device_argument
 # `vllm serve` options for features Octavo does not have yet: refused with the feature's name
 # rather than argparse's bare "unrecognized arguments".
 UNSUPPORTED_VLLM_OPTIONS = {
-    ("--pipeline-parallel-size", "-pp"): "pipeline parallelism",
     ("--enable-expert-parallel",): "expert parallelism",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
     ("--speculative-config",): "speculative decoding",
@@ -54,12 +53,15 @@ def add_arguments(parser) -> None:
     add_device_argument(parser)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many worker processes (tensor parallel)")
+    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                        help="split the model's layers into this many stages, a worker process each, one batch "
+                             "per stage in flight (pipeline parallel)")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="run this many engine cores (each with the whole model and its own KV cache); "
                              "requests go to the least loaded")
-    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp"],
-                        help="where the workers run: 'uni' (the engine core's process) or 'mp' (a process each; "
-                             "the default for more than one)")
+    parser.add_argument("--distributed-executor-backend", default=None, choices=["uni", "mp", "ray"],
+                        help="where the workers run: 'uni' (the engine core's process), 'mp' (a process each; "
+                             "the default for more than one) or 'ray' (a Ray actor each, on a Ray cluster)")
     parser.add_argument("--enforce-eager", action="store_true",
                         help="on a GPU, run decode steps eagerly instead of replaying CUDA graphs")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
