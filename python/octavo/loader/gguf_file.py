@@ -18,6 +18,7 @@ import torch
 
 from .. import _C
 from ..config import ModelConfig
+from ..distributed.shards import PPStage
 from ..layers.linear import QuantizedWeight
 from ..layers.quantize import place_quantized
 from ..models import model_class
@@ -141,9 +142,10 @@ def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> s
     return place_quantized(model, shapes, blocks)
 
 
-def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto"):
+def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", pp_rank: int = 0, pp_size: int = 1):
     """The model of a Llama GGUF file, with its quantized projections kept quantized. Float
-    parts (norms, the embedding table for lookups) are in ``dtype`` ("auto": float32)."""
+    parts (norms, the embedding table for lookups) are in ``dtype`` ("auto": float32).
+    ``pp_rank`` of ``pp_size``: that pipeline stage's layers only."""
     path = Path(path)
     reader = open_reader(path)
     config = gguf_config(path, reader)
@@ -151,8 +153,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto"):
         dtype = torch.float32
     elif isinstance(dtype, str):
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = model_class(config.architecture)(config, dtype)
-    tensors = _read_tensors(reader, config)
+    model = model_class(config.architecture)(config, dtype, stage=PPStage.of(config, pp_rank, pp_size))
+    tensors = {name: t for name, t in _read_tensors(reader, config).items() if not model.held_by_another_stage(name)}
     quantized = _place_blocks(model, tensors)
     model.load_weights((name, _as_float(fmt, data)) for name, (fmt, data) in tensors.items() if name not in quantized)
     return model.eval()

@@ -81,11 +81,14 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):  # read on the CPU (numpy), then moved: the quantized size, not the float one
-        _float_only_for_tp(tp_size * pp_size, "a GGUF file")
-        return _quantized_after(load_gguf_model(path, dtype).to(device), quantization)
+        _refuse_split(tp_size, 1, "a GGUF file")
+        return _quantized_after(load_gguf_model(path, dtype, pp_rank, pp_size).to(device), quantization)
     config = ModelConfig.from_pretrained(path)
     if quant_method(config) is not None:  # load-time quantization (`quantization`) is cut per rank
-        _float_only_for_tp(tp_size * pp_size, f"a checkpoint quantized with {quant_method(config)!r}")
+        # A pipeline stage takes whole tensors of its layers, except from `octavo quantize`'s
+        # files, whose tensors are named by the model's own (whole-model) layer indices.
+        _refuse_split(tp_size, pp_size if quant_method(config) == QUANT_METHOD else 1,
+                      f"a checkpoint quantized with {quant_method(config)!r}")
     if dtype == "auto":
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
@@ -102,7 +105,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         tensors = dict(iter_safetensors(path))  # written by `octavo quantize`
         load_quantized_state(model, tensors, config.hf["quantization_config"]["layouts"])
     elif load_format == "safetensors" and quant_method(config) in GPTQ_AWQ:
-        load_gptq_awq(model, dict(iter_safetensors(path)), config.hf["quantization_config"])
+        tensors = {name: t for name, t in iter_safetensors(path) if not model.held_by_another_stage(name)}
+        load_gptq_awq(model, tensors, config.hf["quantization_config"])
     elif load_format == "safetensors":
         reject_foreign_quantization(config)
         if quantization is not None:
@@ -116,10 +120,11 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     return _quantized_after(model.eval(), quantization).to(device)
 
 
-def _float_only_for_tp(world_size: int, what: str) -> None:
-    if world_size > 1:
-        raise ValueError(f"tensor and pipeline parallel run float checkpoints (safetensors, quantized at load "
-                         f"or not) for now, not {what}")
+def _refuse_split(tp_size: int, pp_size: int, what: str) -> None:
+    for name, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
+        if size > 1:
+            raise ValueError(f"{name} > 1 runs float checkpoints (safetensors, quantized at load or not) for now, "
+                             f"not {what}")
 
 
 def _quantized_after(model, quantization: str | None):

@@ -225,7 +225,7 @@ class LlamaForCausalLM(torch.nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # derived from the config / the same tensor as the embedding
-            if name not in targets and self._held_by_another_stage(name):
+            if name not in targets and self.held_by_another_stage(name):
                 continue
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} is not used by {self.config.architecture}")
@@ -248,8 +248,9 @@ class LlamaForCausalLM(torch.nn.Module):
             raise ValueError(f"checkpoint lacks tensors {', '.join(missing[:5])}{more}")
 
 
-    def _held_by_another_stage(self, name: str) -> bool:
-        """Whether checkpoint tensor ``name`` belongs to a pipeline stage other than this one."""
+    def held_by_another_stage(self, name: str) -> bool:
+        """Whether checkpoint tensor ``name`` (any HF name: weight, bias, a quantized weight's
+        parts) belongs to a pipeline stage other than this one."""
         if self.stage.world == 1:
             return False
         if name.startswith("model.layers."):
