@@ -4,7 +4,8 @@ Workers join once at startup (``init_model_parallel``): gloo on the CPU, NCCL on
 rank = pipeline stage * tensor_parallel_size + tensor-parallel rank. Within a stage the model
 calls ``all_reduce`` after each row-parallel projection (attention output, MLP down) and after
 the vocabulary-parallel embedding lookup, and ``gather_vocab`` to join the LM head's slices into
-whole logits. Between stages each rank sends its activations to the rank of the same
+whole logits. CPU ranks on one machine all-reduce through shared memory (shm_all_reduce.py)
+where they are given a place for it, gloo otherwise. Between stages each rank sends its activations to the rank of the same
 tensor-parallel index in the next stage (``send_to_next_stage`` / ``recv_from_previous_stage``).
 """
 
@@ -16,8 +17,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import shm_all_reduce
+
 _rank, _tp, _pp = 0, 1, 1
 _tp_group = None  # None: the default group (one stage)
+_shm: shm_all_reduce.ShmAllReduce | None = None
 _device = torch.device("cpu")
 _last_send: tuple[list, list] = ([], [])  # its work handles, and its tensors (alive until it completes)
 _comm_seconds = 0.0  # spent in collectives and waiting on the previous stage (benchmarks read it)
@@ -30,8 +34,11 @@ class UpstreamStageFailed(RuntimeError):
     """An earlier pipeline stage failed this step's forward pass: this stage cannot run it."""
 
 
-def init_model_parallel(rank: int, tp: int, pp: int, init_method: str | None, device: torch.device) -> None:
-    global _rank, _tp, _pp, _tp_group, _device
+def init_model_parallel(rank: int, tp: int, pp: int, init_method: str | None, device: torch.device,
+                        shared_memory: str | None = None) -> None:
+    """shared_memory: a path prefix on this machine that every rank can open (every rank of the
+    group runs here), for the CPU all-reduce; None: gloo's."""
+    global _rank, _tp, _pp, _tp_group, _device, _shm
     _rank, _tp, _pp, _device = rank, tp, pp, device
     if tp * pp == 1:
         return
@@ -41,6 +48,13 @@ def init_model_parallel(rank: int, tp: int, pp: int, init_method: str | None, de
     if pp > 1 and tp > 1:  # every rank creates every stage's group, in the same order
         groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)]
         _tp_group = groups[rank // tp]
+    if tp > 1 and shared_memory and device.type == "cpu" and shm_all_reduce.usable():
+        path = f"{shared_memory}-stage{rank // tp}"
+        if rank % tp == 0:  # the stage's first rank creates the file before the others open it
+            _shm = shm_all_reduce.ShmAllReduce(path, 0, tp, COLLECTIVE_TIMEOUT.total_seconds())
+        dist.barrier()
+        if rank % tp:
+            _shm = shm_all_reduce.ShmAllReduce(path, rank % tp, tp, COLLECTIVE_TIMEOUT.total_seconds())
 
 
 def comm_seconds() -> float:
@@ -57,8 +71,11 @@ def _timed(run):
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """The sum of every tensor-parallel rank's ``x``, in place."""
-    if _tp > 1:
-        _timed(lambda: dist.all_reduce(x, group=_tp_group))
+    if _tp == 1:
+        return x
+    if _shm is not None and _shm.fits(x):
+        return _timed(lambda: _shm.all_reduce(x))
+    _timed(lambda: dist.all_reduce(x, group=_tp_group))
     return x
 
 

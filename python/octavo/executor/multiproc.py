@@ -9,6 +9,7 @@ state, so either ends the executor: the engine reports itself dead rather than h
 
 from __future__ import annotations
 
+import os
 import pickle
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from typing import Any, Callable
 import cloudpickle
 import zmq
 
+from ..distributed.shm_all_reduce import remove_shared_files
 from ..engine.core_messages import EngineDeadError
 from ..engine.serial import Decoder, Encoder
 from ..processes import free_port, start_python
@@ -39,8 +41,11 @@ class MultiprocExecutor(Executor):
     def _start_workers(self) -> None:
         world = self.worker_config.world_size
         self._dir = tempfile.mkdtemp(prefix="octavo-workers-")
+        # The ranks' all-reduce meets in memory-backed files where the machine has /dev/shm.
+        self._shm_prefix = f"/dev/shm/{os.path.basename(self._dir)}" if os.path.isdir("/dev/shm") else \
+            f"{self._dir}/all-reduce"
         with open(f"{self._dir}/worker.pkl", "wb") as f:
-            pickle.dump((self.worker_config, f"tcp://127.0.0.1:{free_port()}"), f)
+            pickle.dump((self.worker_config, f"tcp://127.0.0.1:{free_port()}", self._shm_prefix), f)
         self._ctx = zmq.Context()
         self._outboxes = []
         for rank in range(world):
@@ -52,7 +57,7 @@ class MultiprocExecutor(Executor):
         self.processes = [start_python("octavo.worker.worker_proc", self._dir, str(rank)) for rank in range(world)]
         self._dead: str | None = None
         self._finalizer = weakref.finalize(self, _stop, self.processes, self._outboxes, self._inbox, self._ctx,
-                                           self._dir)
+                                           self._dir, self._shm_prefix)
         self._encoder, self._outputs = Encoder(), Decoder(StepOutput)
         self._unanswered = 0  # steps submitted whose answers are not read yet
         # A rank may answer a later step before another rank answers an earlier one: its later
@@ -158,7 +163,7 @@ class MultiprocExecutor(Executor):
         self._finalizer()
 
 
-def _stop(processes, outboxes, inbox, ctx, directory: str, timeout: float = 10.0) -> None:
+def _stop(processes, outboxes, inbox, ctx, directory: str, shm_prefix: str, timeout: float = 10.0) -> None:
     for process, outbox in zip(processes, outboxes):
         if process.poll() is None:
             try:
@@ -179,3 +184,4 @@ def _stop(processes, outboxes, inbox, ctx, directory: str, timeout: float = 10.0
         socket.close(linger=0)
     ctx.term()
     shutil.rmtree(directory, ignore_errors=True)
+    remove_shared_files(shm_prefix)  # the ranks' all-reduce files, whatever ended them

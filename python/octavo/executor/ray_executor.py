@@ -30,6 +30,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayError, RayTaskErro
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from ..distributed.shm_all_reduce import remove_shared_files
 from ..engine.core_messages import EngineDeadError
 from .abstract import Executor
 from .multiproc import ERROR_GRACE_SECONDS, STARTUP_SECONDS
@@ -57,7 +58,8 @@ class RayExecutor(Executor):
         self._dead: str | None = None
         self._in_flight: deque[list] = deque()  # each submitted step's answers (Ray refs), oldest first
         self.actors: list = []
-        self._held = {"actors": self.actors, "group": None, "owns_cluster": _join_cluster(world)}
+        self._held = {"actors": self.actors, "group": None, "owns_cluster": _join_cluster(world),
+                      "shared_memory": None}
         self._finalizer = weakref.finalize(self, _stop, self._held)
         cuda = config.device.startswith("cuda")
         bundle = {"GPU": 1} if cuda else {"CPU": CPU_BUNDLE}
@@ -83,11 +85,15 @@ class RayExecutor(Executor):
                              f"{len(nodes)} ranks on {spread} nodes")
         init_method = self._gather([self.actors[0].group_address.remote()], STARTUP_SECONDS)[0]
         world = len(self.actors)
+        # CPU ranks all on this node all-reduce through shared memory (as worker processes do).
+        if not cuda and spread == 1 and nodes[0][0] == ray.get_runtime_context().get_node_id() \
+                and os.path.isdir("/dev/shm"):
+            self._held["shared_memory"] = f"/dev/shm/octavo-ray-{os.getpid()}-{id(self):x}"
         starts = []
         for rank, (actor, (node, _)) in enumerate(zip(self.actors, nodes)):
             neighbours = [gpus for n, gpus in nodes if n == node]  # this node's ranks, in rank order
             starts.append(actor.start.remote(self.worker_config, rank, world, init_method, len(neighbours),
-                                             [g for gpus in neighbours for g in gpus]))
+                                             [g for gpus in neighbours for g in gpus], self._held["shared_memory"]))
         self._gather(starts, STARTUP_SECONDS)
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
@@ -176,7 +182,8 @@ class RankHost:
         ip = ray.util.get_node_ip_address()
         return f"tcp://{f'[{ip}]' if ':' in ip else ip}:{free_port()}"
 
-    def start(self, config, rank: int, world: int, init_method: str, ranks_here: int, node_gpus: list[str]) -> None:
+    def start(self, config, rank: int, world: int, init_method: str, ranks_here: int, node_gpus: list[str],
+              shared_memory: str | None) -> None:
         """Creates the Worker. The node's cores are shared by its ranks (as worker processes
         share a machine's); on GPUs every rank sees its node's GPUs in rank order, so that the
         Worker's device ``cuda:rank`` (``cuda:0`` for one rank) is the one Ray gave this rank."""
@@ -193,7 +200,7 @@ class RankHost:
         if node_gpus:  # before this process first touches CUDA
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(node_gpus)
             config = dataclasses.replace(config, device="cuda:0")
-        self.worker = Worker(config, rank, world, init_method)
+        self.worker = Worker(config, rank, world, init_method, shared_memory)
 
     def call(self, method: str | Callable, args: tuple, kwargs: dict) -> Any:
         call = getattr(self.worker, method) if isinstance(method, str) else (
@@ -255,6 +262,8 @@ def _reason(error: RayActorError) -> str:
 
 def _stop(held: dict) -> None:
     global _local_cluster_users
+    if held["shared_memory"]:
+        remove_shared_files(held["shared_memory"])
     if held["owns_cluster"]:
         _local_cluster_users -= 1
     if not ray.is_initialized():  # Ray's own exit handler ran first: nothing is left to stop

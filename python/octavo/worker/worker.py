@@ -28,7 +28,8 @@ class Worker:
     forward pass on its part of the model; the last stage's first rank alone samples (and keeps
     the requests' sampling state): it is the ``driver``, whose StepOutput the executor returns."""
 
-    def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None):
+    def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None,
+                 shared_memory: str | None = None):
         self.config, self.rank, self.world_size = config, rank, world_size
         tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
         if world_size != tp * pp:
@@ -38,7 +39,7 @@ class Worker:
         self.device = torch.device(config.device)
         if self.device.type == "cuda" and world_size > 1:  # a GPU per rank
             self.device = torch.device("cuda", rank)
-        init_model_parallel(rank, tp, pp, init_method, self.device)
+        init_model_parallel(rank, tp, pp, init_method, self.device, shared_memory)
         self.model = self.runner = self.memory = self._staging = None
         self.states: dict[int, SamplingState] = {}  # by scheduler handle
         self.num_steps = 0

@@ -32,7 +32,7 @@ def run_worker(directory: str, rank: int) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end handles Ctrl-C and stops us
     with open(f"{directory}/worker.pkl", "rb") as f:
-        config, init_method = pickle.load(f)
+        config, init_method, shared_memory = pickle.load(f)
     world = config.world_size
     threads = max(1, len(os.sched_getaffinity(0)) // world)  # the ranks share the machine's cores
     set_num_threads(threads)
@@ -43,7 +43,7 @@ def run_worker(directory: str, rank: int) -> None:
     outbox.connect(f"ipc://{directory}/from-workers")
     me = str(rank).encode()
     try:
-        worker = Worker(config, rank, world, init_method)
+        worker = Worker(config, rank, world, init_method, shared_memory)
     except BaseException as e:  # noqa: BLE001 - the executor raises it
         outbox.send_multipart([me, ERROR, pickle_error(e)])
         return
