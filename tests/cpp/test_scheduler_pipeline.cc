@@ -38,6 +38,16 @@ int32_t model_token(const std::vector<int32_t>& tokens, int vocab) {
   return 1 + static_cast<int32_t>((fingerprint(tokens, static_cast<int>(tokens.size()) - 1) >> 13) % vocab);
 }
 
+// Blocks of 4 tokens, 64-token requests at most.
+SchedulerConfig config(int num_blocks, int budget) {
+  SchedulerConfig c;
+  c.num_blocks = num_blocks;
+  c.block_size = 4;
+  c.max_model_len = 64;
+  c.max_num_batched_tokens = budget;
+  return c;
+}
+
 struct OpenStep {
   std::vector<int32_t> tokens;  // sampled for each row (0 where the row samples nothing)
   bool fails = false;
@@ -172,11 +182,7 @@ class SchedulerPipeline : public testing::TestWithParam<Case> {};
 
 TEST_P(SchedulerPipeline, MatchesReferenceAndFreesEverything) {
   const Case k = GetParam();
-  SchedulerConfig c;
-  c.num_blocks = k.num_blocks;
-  c.block_size = 4;
-  c.max_model_len = 64;
-  c.max_num_batched_tokens = k.budget;
+  SchedulerConfig c = config(k.num_blocks, k.budget);
   c.max_num_seqs = 8;
   c.policy = k.policy;
   Pipeline p(c, k.depth, k.seed);
@@ -222,12 +228,7 @@ INSTANTIATE_TEST_SUITE_P(Depths, SchedulerPipeline,
 
 // A prompt split into chunks runs its chunks in consecutive open steps; only the last samples.
 TEST(SchedulerPipeline, ChunksOfOnePromptOverlapAndOnlyTheLastSamples) {
-  SchedulerConfig c;
-  c.num_blocks = 32;
-  c.block_size = 4;
-  c.max_model_len = 64;
-  c.max_num_batched_tokens = 8;
-  Scheduler s(c);
+  Scheduler s(config(32, 8));
   const int64_t a = s.add_request(make_params("a", octavo_test::token_range(20), 3));
   EXPECT_EQ(s.schedule().num_scheduled_tokens[0], 8);
   EXPECT_EQ(s.schedule().num_scheduled_tokens[0], 8);
@@ -243,12 +244,7 @@ TEST(SchedulerPipeline, ChunksOfOnePromptOverlapAndOnlyTheLastSamples) {
 
 // max_num_reqs splits the requests into batches, one per open step.
 TEST(SchedulerPipeline, CappedStepsSplitTheRequests) {
-  SchedulerConfig c;
-  c.num_blocks = 32;
-  c.block_size = 4;
-  c.max_model_len = 64;
-  c.max_num_batched_tokens = 64;
-  Scheduler s(c);
+  Scheduler s(config(32, 64));
   for (const char* id : {"a", "b", "c"}) s.add_request(make_params(id, octavo_test::token_range(3), 4));
   EXPECT_EQ(s.schedule(2).num_reqs(), 2);
   EXPECT_EQ(s.schedule(2).num_reqs(), 1);
@@ -257,12 +253,7 @@ TEST(SchedulerPipeline, CappedStepsSplitTheRequests) {
 
 // A preemption passes over requests in flight (their step would write KV they no longer own).
 TEST(SchedulerPipeline, PreemptionPassesOverRequestsInFlight) {
-  SchedulerConfig c;
-  c.num_blocks = 4;  // 3 usable blocks of 4 tokens
-  c.block_size = 4;
-  c.max_model_len = 64;
-  c.max_num_batched_tokens = 64;
-  Scheduler s(c);
+  Scheduler s(config(4, 64));  // 3 usable blocks of 4 tokens
   const int64_t a = s.add_request(make_params("a", octavo_test::token_range(4), 8));
   s.schedule();  // step 1: a (1 block)
   const int64_t b = s.add_request(make_params("b", octavo_test::token_range(5, 100), 8));
@@ -278,12 +269,7 @@ TEST(SchedulerPipeline, PreemptionPassesOverRequestsInFlight) {
 
 // An abort while the request is in flight waits for its last open step.
 TEST(SchedulerPipeline, AbortWaitsForTheRequestsLastOpenStep) {
-  SchedulerConfig c;
-  c.num_blocks = 32;
-  c.block_size = 4;
-  c.max_model_len = 64;
-  c.max_num_batched_tokens = 8;
-  Scheduler s(c);
+  Scheduler s(config(32, 8));
   const int64_t a = s.add_request(make_params("a", octavo_test::token_range(12), 8));
   s.schedule();
   s.schedule();  // a's two chunks in flight

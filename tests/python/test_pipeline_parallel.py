@@ -6,9 +6,6 @@ steps in flight alone."""
 from __future__ import annotations
 
 import os
-import signal
-import threading
-import time
 
 import pytest
 
@@ -16,9 +13,8 @@ pytest.importorskip("zmq")
 
 from octavo import SamplingParams  # noqa: E402
 from octavo.distributed.shards import PPStage  # noqa: E402
-from octavo.engine.core_messages import EngineDeadError  # noqa: E402
 from test_models import ARCHITECTURES  # noqa: E402
-from test_tensor_parallel import assert_same, checkpoint, engine, run  # noqa: E402
+from test_tensor_parallel import assert_same, checkpoint, engine, kill_worker_mid_run, run  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -145,14 +141,7 @@ def test_a_failing_stage_fails_the_steps_in_flight_and_the_engine_goes_on(tokeni
 
 
 def test_a_dead_stage_ends_the_engine_with_a_clear_error(tokenizer, tmp_path):
-    llm = engine(checkpoint(tmp_path, "llama", tokenizer), 1, pipeline_parallel_size=2)
-    workers = llm.llm_engine.core.engine_core.executor.processes
-    threading.Timer(0.5, os.kill, (workers[0].pid, signal.SIGKILL)).start()
-    deadline = time.monotonic() + 60
-    with pytest.raises(EngineDeadError, match="worker 0 died"):
-        while time.monotonic() < deadline:
-            llm.generate(["Hello"] * 4, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
-    assert workers[1].poll() is not None  # the other stage is stopped with it
+    kill_worker_mid_run(engine(checkpoint(tmp_path, "llama", tokenizer), 1, pipeline_parallel_size=2), 0)
 
 
 @pytest.mark.parametrize("method", ["gptq", "awq"])

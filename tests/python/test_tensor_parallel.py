@@ -143,18 +143,22 @@ def test_each_rank_holds_only_its_part(tokenizer, tmp_path):
         two.llm_engine.shutdown()
 
 
-def test_a_dead_worker_ends_the_engine_with_a_clear_error(tokenizer, tmp_path):
-    path = checkpoint(tmp_path, "llama", tokenizer)
-    llm = engine(path, 2)
+def kill_worker_mid_run(llm: LLM, rank: int) -> None:
+    """Kills worker ``rank`` while the engine runs: the engine must end with an error naming it
+    and stop the other workers, and refuse work from then on."""
     workers = llm.llm_engine.core.engine_core.executor.processes
-    threading.Timer(0.5, os.kill, (workers[1].pid, signal.SIGKILL)).start()
+    threading.Timer(0.5, os.kill, (workers[rank].pid, signal.SIGKILL)).start()
     deadline = time.monotonic() + 60
-    with pytest.raises(EngineDeadError, match="worker 1 died"):
+    with pytest.raises(EngineDeadError, match=f"worker {rank} died"):
         while time.monotonic() < deadline:
             llm.generate(["Hello"] * 4, SamplingParams(max_tokens=100, ignore_eos=True), use_tqdm=False)
-    assert workers[0].poll() is not None  # the other rank is stopped with it
+    assert all(w.poll() is not None for w in workers)  # the other ranks are stopped with it
     with pytest.raises(EngineDeadError):
         llm.generate("Hello", use_tqdm=False)
+
+
+def test_a_dead_worker_ends_the_engine_with_a_clear_error(tokenizer, tmp_path):
+    kill_worker_mid_run(engine(checkpoint(tmp_path, "llama", tokenizer), 2), 1)
 
 
 def test_settings_tensor_parallel_cannot_run_are_refused(tokenizer, tmp_path):
