@@ -57,7 +57,8 @@ def main() -> None:
 
     print(f"machine: {machine()}")
     results = mp.Manager().dict()
-    path = os.path.join("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(), f"octavo-bench-{os.getpid()}")
+    folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    path = os.path.join(folder, f"octavo-bench-{os.getpid()}")
     try:
         mp.spawn(rank_main, (2, free_port(), path, args.calls, results), nprocs=2)
     finally:

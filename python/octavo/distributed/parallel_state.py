@@ -5,8 +5,9 @@ rank = pipeline stage * tensor_parallel_size + tensor-parallel rank. Within a st
 calls ``all_reduce`` after each row-parallel projection (attention output, MLP down) and after
 the vocabulary-parallel embedding lookup, and ``gather_vocab`` to join the LM head's slices into
 whole logits. CPU ranks on one machine all-reduce through shared memory (shm_all_reduce.py)
-where they are given a place for it, gloo otherwise. Between stages each rank sends its activations to the rank of the same
-tensor-parallel index in the next stage (``send_to_next_stage`` / ``recv_from_previous_stage``).
+where they are given a place for it, gloo otherwise. Between stages each rank sends its
+activations to the rank of the same tensor-parallel index in the next stage
+(``send_to_next_stage`` / ``recv_from_previous_stage``).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ class Worker:
     """Rank ``rank`` of ``world_size`` = tensor_parallel_size x pipeline_parallel_size: tensor-
     parallel rank ``rank % tp`` of pipeline stage ``rank // tp``. Every rank runs each step's
     forward pass on its part of the model; the last stage's first rank alone samples (and keeps
-    the requests' sampling state): it is the ``driver``, whose StepOutput the executor returns."""
+    the requests' sampling state): it is the ``driver``, whose StepOutput the executor returns.
+    ``shared_memory``: where CPU ranks of this machine meet to all-reduce (parallel_state.py)."""
 
     def __init__(self, config: WorkerConfig, rank: int = 0, world_size: int = 1, init_method: str | None = None,
                  shared_memory: str | None = None):
