@@ -30,7 +30,7 @@ def isa(request):
 
 @pytest.fixture(scope="session")
 def tiny_path(tmp_path_factory):
-    """A tiny random Llama with a real byte-level BPE tokenizer (for the engine-process tests)."""
+    """A tiny random Llama with a real byte-level BPE tokenizer, shared by the tests that start engines."""
     from test_detokenizer import _byte_level_bpe
     from test_models import tiny_checkpoint
 

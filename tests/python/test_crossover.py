@@ -8,9 +8,6 @@ import pytest
 import torch
 from octavo.layers import crossover, linear
 
-from test_detokenizer import _byte_level_bpe
-from test_models import tiny_checkpoint
-
 
 def test_the_crossover_is_where_torch_stays_ahead():
     rows = (1, 4, 16, 64, 256)
@@ -29,15 +26,6 @@ def test_the_probe_times_both_products(dtype, monkeypatch):
     found = crossover.probe(dtype, [(96, 64), (64, 160)], rows=(1, 8, 64), repeats=2)
     assert found in (1, 8, 64, math.inf)
     assert len(calls[0]) == 3 and all(r > 0 and math.isfinite(r) for r in calls[0])
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny-crossover")
-    tokenizer = _byte_level_bpe()
-    tokenizer.save_pretrained(path)
-    tiny_checkpoint("llama", path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    return path
 
 
 @pytest.fixture
@@ -82,13 +70,13 @@ def test_a_broken_cache_file_is_measured_again(cache, monkeypatch):
         assert json.loads(cache.read_text()) == {key: 32}
 
 
-def test_the_engine_dispatches_from_this_machines_measurement(cache, monkeypatch, tiny_llama):
+def test_the_engine_dispatches_from_this_machines_measurement(cache, monkeypatch, tiny_path):
     from octavo import LLM, SamplingParams
 
     monkeypatch.setenv("OCTAVO_LINEAR_CROSSOVER", "probe")
     seen = []
     monkeypatch.setattr(crossover, "probe", lambda dtype, shapes: seen.append((dtype, shapes)) or 3)
-    llm = LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    llm = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=1 << 22)
     dtype, shapes = seen[0]
     c = llm.llm_engine.model_config
     assert dtype == torch.float32 and (c.intermediate_size * 2, c.hidden_size) in shapes
@@ -98,5 +86,5 @@ def test_the_engine_dispatches_from_this_machines_measurement(cache, monkeypatch
     assert len(out[0].outputs[0].token_ids) == 4
     monkeypatch.setenv("OCTAVO_LINEAR_CROSSOVER", "builtin")
     monkeypatch.setitem(linear.TORCH_FROM_ROWS, torch.float32, math.inf)
-    LLM(model=str(tiny_llama), dtype="float32", kv_cache_memory_bytes=1 << 22)
+    LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=1 << 22)
     assert len(seen) == 1 and linear.TORCH_FROM_ROWS[torch.float32] == math.inf
