@@ -208,17 +208,7 @@ class EngineCore:
         """The oldest step's forward pass failed: its KV may be half written, and the steps in
         flight behind it may read that KV (a continued prompt, a prefix-cache hit), so every open
         step fails; their requests finish with "error" and none of that KV is kept."""
-        failed = self.scheduler.fail_step()
-        for _ in range(len(self._queue)):
-            try:
-                self.executor.receive()  # the workers ran it; its result is dropped
-            except EngineDeadError:
-                raise
-            except Exception:  # noqa: BLE001 - failing it anyway
-                pass
-            failed += self.scheduler.fail_step()
-        self._queue.clear()
-        handles = [h for h in failed if h in self._live]
+        handles = self._end_open_steps()
         request_ids = [self._live[h].request_id for h in handles]
         _log_failure("the forward pass", request_ids, error)
         return self._fail(handles, request_ids)
@@ -228,18 +218,24 @@ class EngineCore:
         scheduled, so that the next step can run."""
         if not self.scheduler.in_step:
             return EngineCoreOutputs.empty(self.stats())
-        for _ in range(len(self._queue)):  # submitted: their results are dropped
+        handles = self._end_open_steps()
+        return self._fail(handles, [self._live[h].request_id for h in handles])
+
+    def _end_open_steps(self) -> list[int]:
+        """Drops the results of the steps submitted and not yet completed (the workers ran them)
+        and closes every open step as failed; returns the live requests those steps ended."""
+        for _ in range(len(self._queue)):
             try:
                 self.executor.receive()
             except EngineDeadError:
                 raise
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - failed anyway
                 pass
         self._queue.clear()
-        handles = []
+        failed = []
         while self.scheduler.in_step:
-            handles += [h for h in self.scheduler.fail_step() if h in self._live]
-        return self._fail(handles, [self._live[h].request_id for h in handles])
+            failed += self.scheduler.fail_step()
+        return [h for h in failed if h in self._live]
 
     def _new_requests(self, out) -> list[NewRequest]:
         """The sampling states of the step's requests that the workers have not seen."""
