@@ -3,8 +3,9 @@
 Each step's StepInput is encoded once and sent to every rank (ZeroMQ over IPC); the ranks run
 the forward pass together (torch.distributed: gloo on the CPU, NCCL on GPUs) and the driver rank
 answers with the sampled tokens. Steps may be submitted before earlier ones are answered (one
-per pipeline stage in flight): every rank runs and answers them in order. A rank that fails or dies leaves the group's collectives in an unknown
-state, so either ends the executor: the engine reports itself dead rather than hang.
+per pipeline stage in flight): every rank runs and answers them in order. A rank that fails or
+dies leaves the group's collectives in an unknown state, so either ends the executor: the engine
+reports itself dead rather than hang.
 """
 
 from __future__ import annotations
