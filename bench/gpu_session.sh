@@ -3,20 +3,29 @@
 # on the GPU machine (no package registry there: --no-build-isolation, --no-deps), run the CUDA
 # tests, then the benchmarks. Logs go to $OUT, which the device tool brings back.
 #
-#   bash bench/gpu_session.sh [tests|kernels|e2e|bench|all] [--quick]   (default: all; bench = kernels + e2e)
+#   bash bench/gpu_session.sh [PART[,PART...]] [--quick]
+#   PART: tests, kernels, e2e, bench (= kernels,e2e) or all (the default)
 #
 # The build uses the machine's own compiler ($CXX; on the lent machines a GCC build that links
 # libstdc++ statically into the module); OCTAVO_CXX=g++ builds with the distribution's instead.
 # Each part fits one device-tool command (10 minutes); `all --quick` fits one with room to spare.
 # Run separate parts within the machine's 30 s of warmth after the last, so that the build
 # directory (pyproject.toml's build/wheel/..., ignored by git and kept on a warm machine) makes
-# the next build quick.
+# the next build quick. The machine lacks pyzmq and msgspec, which the engine core's process and
+# the worker processes need: carry them as wheels in .whl (../.library/device/README.md says how)
+# and they are installed first.
 set -o pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/octavo-gpu}
 mkdir -p "$OUT"
 what=${1:-all}
 quick=${2:-}
+part() { [[ $what == all || ,$what, == *,$1,* || ($what == bench && ($1 == kernels || $1 == e2e)) ]]; }
+if compgen -G ".whl/*.whl" > /dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 if [[ -n ${OCTAVO_CXX:-} ]]; then export CXX=$OCTAVO_CXX CUDAHOSTCXX=$OCTAVO_CXX; fi
 {
   nvidia-smi --query-gpu=name,memory.total,clocks.max.sm --format=csv
@@ -33,7 +42,7 @@ echo "built in $(($(date +%s) - start)) s; $module links: $(ldd "$module" | grep
   | tee -a "$OUT/build.log"
 python3 -c "import octavo, torch; print(octavo._C.cuda_compiled(), octavo._C.cuda_device_count(), torch.__version__)"
 python3 -c "import octavo, sys; sys.exit(octavo._C.cuda_device_count() == 0)" || { echo "no GPU seen"; exit 1; }
-if [[ $what == tests || $what == all ]]; then
+if part tests; then
   # The module as built here, after `import torch`: whole error messages, ops on both devices
   # (the ldd check inside applies to a static libstdc++ build only).
   if ! ldd "$module" | grep -q libstdc++; then
@@ -41,27 +50,34 @@ if [[ $what == tests || $what == all ]]; then
   fi
   # The CUDA test files by name: collecting every file would import the server's packages,
   # which the GPU machine lacks.
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_ops.py tests/python/test_cuda_sampling.py \
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_ops.py tests/python/test_cuda_sampling.py \
     tests/python/test_cuda_elementwise_ops.py tests/python/test_cuda_attention.py tests/python/test_cuda_engine.py \
-    tests/python/test_build_info.py 2>&1 | tail -40 | tee "$OUT/tests.log"
+    tests/python/test_cuda_processes.py tests/python/test_build_info.py 2>&1 | tail -40 | tee "$OUT/tests.log"
 fi
 cli="python3 -m octavo.entrypoints.cli"
-if [[ $what == e2e || $what == bench || $what == all ]]; then
-  timeout 150 $cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 2>&1 \
-    | grep -v "it/s]" | tail -8 | tee "$OUT/latency.log"
+if part e2e; then
+  # In this process, then with the engine core in its own process (as `octavo serve` runs it).
+  for layout in "" --multiprocess; do
+    timeout 150 $cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 $layout 2>&1 \
+      | grep -v "it/s]" | tail -5 | tee -a "$OUT/latency.log"
+  done
+fi
+if part e2e && [[ -z $quick ]]; then
   # The same with cuBLAS for every dense product (the engine before it took Octavo's GEMV).
   timeout 150 python3 -c "import octavo.layers.linear as l; l.CUDA_DENSE_KERNEL_MAX_ROWS.clear()
 from octavo.entrypoints.cli import main
 main('bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16'.split())" 2>&1 \
     | grep -v "it/s]" | tail -4 | sed 's/^/cuBLAS dense: /' | tee -a "$OUT/latency.log"
 fi
-if [[ $what == kernels || $what == bench || $what == all ]]; then
+if part kernels; then
   timeout 240 python3 bench/python/bench_cuda.py $quick 2>&1 | tee "$OUT/bench_cuda.log"
 fi
-if [[ $what == e2e || $what == bench || $what == all ]]; then
+if part e2e; then
   baseline=$([[ -z $quick ]] && echo "32 64")
   timeout 240 $cli bench throughput --device cuda --dummy-shape llama-3-8b --input-len 512 --output-len 256 \
     --num-requests 256 --baseline-batch $baseline 2>&1 | grep -v "it/s]" | tail -8 | tee "$OUT/throughput.log"
+  timeout 150 $cli bench throughput --device cuda --dummy-shape llama-3-8b --input-len 512 --output-len 256 \
+    --num-requests 256 --baseline-batch --multiprocess 2>&1 | grep -v "it/s]" | tail -2 | tee -a "$OUT/throughput.log"
   if [[ -z $quick ]]; then
     timeout 300 $cli bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16 --quantization int4 2>&1 \
       | tail -5 | tee -a "$OUT/latency.log"

@@ -4,6 +4,7 @@ import argparse
 
 import pytest
 
+from octavo import LLM
 from octavo.benchmarks import latency, throughput
 from octavo.benchmarks.memory import decode_weight_bytes
 from octavo.entrypoints.cli import build_parser
@@ -37,12 +38,25 @@ def test_decode_weight_bytes_counts_each_weight_once(tmp_path, tied):
     assert decode_weight_bytes(model) == expected
 
 
-def test_latency_reports_against_the_roofline(tiny_path, capsys):
+@pytest.mark.parametrize("layout", [[], ["--multiprocess"]], ids=["in-process", "core-process"])
+def test_latency_reports_against_the_roofline(tiny_path, capsys, layout):
+    """With the engine core in its own process a step() may bring several tokens or none: the
+    rate still counts every token once."""
     result = latency.run(parse(["bench", "latency", "--model", str(tiny_path), "--prompt-len", "16",
-                                "--max-tokens", "6", "--repeats", "2"]))
+                                "--max-tokens", "6", "--repeats", "2", *layout]))
     assert result["ttft_ms"] > 0 and result["decode_tok_s"] > 0 and result["read_gb_s"] > 0
     assert result["of_roofline"] == pytest.approx(result["decode_tok_s"] / result["roofline_tok_s"])
-    assert "of it" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "of it" in out and ("engine core in its own process" in out) == bool(layout)
+
+
+def test_latency_stamps_each_token_once_from_a_core_process(tiny_path):
+    llm = LLM(model=str(tiny_path), kv_cache_memory_bytes=16 << 20, multiprocess=True)
+    try:
+        ttft, stamps = latency.time_one_request(llm.llm_engine, list(range(3, 19)), 9, "r")
+    finally:
+        llm.llm_engine.shutdown()
+    assert len(stamps) == 9 and ttft > 0 and stamps == sorted(stamps)
 
 
 def test_throughput_runs_octavo_and_the_baseline(tiny_path, capsys):

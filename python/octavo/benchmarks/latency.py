@@ -10,6 +10,7 @@ import time
 import numpy as np
 
 from ..entrypoints.device_arg import add_device_argument
+from . import add_multiprocess_argument
 
 
 def time_one_request(engine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[float]]:
@@ -20,8 +21,11 @@ def time_one_request(engine, prompt: list[int], max_tokens: int, request_id: str
     engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     stamps = []
     while engine.has_unfinished_requests():
-        engine.step()  # one token per step for a single decoding request
-        stamps.append(time.perf_counter())
+        # In-process a step brings one token; from a core in its own process, as many as it
+        # made since the last call (none or several).
+        for output in engine.step():
+            now = time.perf_counter()
+            stamps += [now] * (len(output.outputs[0].token_ids) - len(stamps))
     return stamps[0] - start, stamps
 
 
@@ -33,7 +37,7 @@ def run(args: argparse.Namespace) -> dict:
     from .shapes import model_arguments
 
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024, quantization=args.quantization,
-              device=args.device, **model_arguments(args.model, args.dummy_shape))
+              device=args.device, multiprocess=args.multiprocess, **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
@@ -56,7 +60,7 @@ def run(args: argparse.Namespace) -> dict:
               "read_gb_s": bandwidth / 1e9, "read_gb_s_range": (min(bandwidths) / 1e9, max(bandwidths) / 1e9),
               "roofline_tok_s": roofline}
     result["of_roofline"] = result["decode_tok_s"] / roofline
-    print(f"latency on {device}, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
+    print(f"latency on {device}{', engine core in its own process' if args.multiprocess else ''}, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
           f"median of {args.repeats}")
     print(f"  time to first token {result['ttft_ms']:.1f} ms; decode {result['decode_tok_s']:.1f} tok/s "
           f"(runs: {', '.join(f'{r:.1f}' for r in rates)})")
@@ -77,3 +81,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    add_multiprocess_argument(p)

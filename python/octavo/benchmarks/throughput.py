@@ -19,6 +19,7 @@ import time
 import numpy as np
 
 from ..entrypoints.device_arg import add_device_argument
+from . import add_multiprocess_argument
 
 BASELINE_MIN_REQUESTS = 16
 # torch is imported inside the functions that use it, so that building the `octavo` CLI parser
@@ -112,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     from .shapes import model_arguments
 
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=1024, max_num_seqs=args.max_num_seqs,
-              device=device, **model_arguments(args.model, args.dummy_shape))
+              device=device, multiprocess=args.multiprocess, **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
     requests = workload(args.num_requests, engine.model_config.vocab_size, input_len=args.input_len,
                         output_len=args.output_len)
@@ -162,3 +163,4 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="default: 4 GiB on the CPU, sized from free memory on a GPU")
     p.add_argument("--baseline-batch", type=int, nargs="*", default=[1, 8, 32, 64],
                    help="transformers batch sizes to try (none: skip the baseline)")
+    add_multiprocess_argument(p)
