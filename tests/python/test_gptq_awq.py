@@ -44,13 +44,13 @@ def quantize_layer(n: int, k: int, g: int, method: str, g_idx: torch.Tensor, v1:
     return tensors, weight
 
 
-def write_checkpoints(tmp_path, method: str, g: int, act_order: bool = False, v1: bool = True):
+def write_checkpoints(tmp_path, method: str, g: int, act_order: bool = False, v1: bool = True, **overrides):
     """(quantized checkpoint, float checkpoint of the same weights)."""
     float_dir, quant_dir = tmp_path / "float", tmp_path / method
     tokenizer = _byte_level_bpe()
     for d in (float_dir, quant_dir):
         tokenizer.save_pretrained(d)
-    tiny_checkpoint("llama", float_dir, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    tiny_checkpoint("llama", float_dir, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
     tensors = load_file(str(float_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(g + act_order)
     # Act-order groups follow the input's Hessian, which projections reading the same input
@@ -97,6 +97,52 @@ def test_checkpoint_runs_like_its_float_weights(tmp_path, method, g, act_order, 
     runs = [LLM(model=str(d), kv_cache_memory_bytes=16 << 20, device="cpu").generate(prompts, params, use_tqdm=False)
             for d in (quant_dir, float_dir)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+
+
+def fused_weights(model) -> list:
+    return [w for layer in model.layers for w in (layer.self_attn.qkv_weight, layer.self_attn.o_weight,
+                                                  layer.mlp.gate_up_weight, layer.mlp.down_weight)]
+
+
+@pytest.mark.parametrize("method,g,act_order,overrides", [
+    ("gptq", 32, False, {}), ("gptq", 32, True, {}), ("gptq", 128, False, {}), ("awq", 64, False, {}),
+    # intermediate 192 = 96 + 96 inputs of down_proj a rank: a cut inside a group of 64
+    ("awq", 64, False, {"intermediate_size": 192})], ids=["gptq", "gptq-act-order", "gptq-one-group", "awq",
+                                                            "awq-cut-in-a-group"])
+def test_each_tensor_parallel_rank_holds_its_part_of_the_integers(tmp_path, method, g, act_order, overrides):
+    """At TP = 2 each rank's weights are the float checkpoint's part for that rank, exactly: int4
+    where the cut keeps whole groups (outputs always; inputs on group boundaries, or inside the
+    one group of a group-less checkpoint), floats where an input cut splits groups (act-order
+    groups scattered over the inputs, or a cut inside a group)."""
+    quant_dir, float_dir = write_checkpoints(tmp_path, method, g, act_order, **overrides)
+    for rank in range(2):
+        model = load_model(quant_dir, "float32", tp_rank=rank, tp_size=2)
+        reference = load_model(float_dir, "float32", tp_rank=rank, tp_size=2)
+        for i, (ours, theirs) in enumerate(zip(fused_weights(model), fused_weights(reference))):
+            column_parallel = i % 2 == 0  # qkv and gate_up: cut on outputs, which never splits a group
+            splits_groups = not column_parallel and (act_order or (overrides and i % 4 == 3))
+            assert isinstance(ours, QuantizedWeight) != splits_groups, i
+            if splits_groups:
+                assert torch.equal(ours.data, theirs.data)
+            else:
+                assert (ours.input_order is not None) == act_order
+                assert torch.equal(ours.dequantize(), theirs.data)
+
+
+def test_a_gptq_checkpoint_at_tp2_answers_as_at_tp1(tmp_path):
+    from test_tensor_parallel import assert_same, engine, run
+
+    quant_dir, _ = write_checkpoints(tmp_path, "gptq", 32, act_order=True)
+    two = engine(quant_dir, 2)
+    try:
+        one = engine(quant_dir, 1)
+        assert_same(run(two), run(one))
+        def held(m):
+            return m.layers[0].mlp.gate_up_weight.qweight.numel()
+
+        assert two.apply_model(held) == [one.apply_model(held)[0] // 2] * 2
+    finally:
+        two.llm_engine.shutdown()
 
 
 def test_unsupported_gptq_and_awq_variants_are_named(tmp_path):

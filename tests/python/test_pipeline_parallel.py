@@ -193,5 +193,5 @@ def test_settings_pipeline_parallel_cannot_run_are_refused(tokenizer, tmp_path):
     from octavo.entrypoints.cli import main
 
     assert main(["quantize", str(path), str(tmp_path / "q"), "--method", "int8"]) == 0
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 runs float checkpoints"):
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not run a checkpoint quantized with .octavo."):
         engine(tmp_path / "q", 1, pipeline_parallel_size=2)

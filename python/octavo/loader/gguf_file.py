@@ -18,7 +18,7 @@ import torch
 
 from .. import _C
 from ..config import ModelConfig
-from ..distributed.shards import PPStage
+from ..distributed.shards import PPStage, TPShard
 from ..layers.linear import QuantizedWeight
 from ..layers.quantize import place_quantized
 from ..models import model_class
@@ -126,10 +126,31 @@ def _as_float(weight_format: str | None, data: np.ndarray) -> torch.Tensor:
     return weight.dequantize()
 
 
+def _cut_blocks(weight_format: str, data: np.ndarray, cut: tuple[int, int, int, int] | None) -> np.ndarray | None:
+    """A tensor-parallel rank's part of a block-quantized tensor: rows (outputs) as they are,
+    inputs in whole 32-input blocks; None where an input cut falls inside a block."""
+    if cut is None:
+        return data
+    dim, begin, end, _ = cut
+    if dim == 0:
+        return data[begin:end]
+    if begin % 32 or end % 32:
+        return None
+    block = _C.ops.weight_block_bytes(weight_format)
+    return data[:, begin // 32 * block:end // 32 * block]
+
+
 def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> set[str]:
     """Each matmul weight whose parts share one kept format becomes their blocks, stacked (a tied
-    LM head takes the embedding's); see place_quantized. Returns the tensors so placed."""
-    kept = {name: (fmt, data) for name, (fmt, data) in tensors.items() if fmt is not None}
+    LM head takes the embedding's); see place_quantized. Returns the tensors so placed. Tensor
+    parallel: each part is this rank's (``model.shard_slices``); a part whose cut falls inside a
+    block is not placed, and loads as floats that ``load_weights`` cuts."""
+    slices = model.shard_slices()
+    kept = {}
+    for name, (fmt, data) in tensors.items():
+        part = None if fmt is None else _cut_blocks(fmt, data, slices.get(name))
+        if part is not None:
+            kept[name] = (fmt, part)
 
     def blocks(names: list[str]) -> QuantizedWeight | None:
         formats = {kept[name][0] for name in names}
@@ -142,10 +163,12 @@ def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> s
     return place_quantized(model, shapes, blocks)
 
 
-def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", pp_rank: int = 0, pp_size: int = 1):
+def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", tp_rank: int = 0, tp_size: int = 1,
+                    pp_rank: int = 0, pp_size: int = 1):
     """The model of a Llama GGUF file, with its quantized projections kept quantized. Float
     parts (norms, the embedding table for lookups) are in ``dtype`` ("auto": float32).
-    ``pp_rank`` of ``pp_size``: that pipeline stage's layers only."""
+    ``tp_rank`` of ``tp_size``: that tensor-parallel rank's part of every tensor (quantized ones
+    cut in their blocks); ``pp_rank`` of ``pp_size``: that pipeline stage's layers only."""
     path = Path(path)
     reader = open_reader(path)
     config = gguf_config(path, reader)
@@ -153,7 +176,8 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", pp_rank
         dtype = torch.float32
     elif isinstance(dtype, str):
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = model_class(config.architecture)(config, dtype, stage=PPStage.of(config, pp_rank, pp_size))
+    model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size),
+                                             PPStage.of(config, pp_rank, pp_size))
     tensors = {name: t for name, t in _read_tensors(reader, config).items() if not model.held_by_another_stage(name)}
     quantized = _place_blocks(model, tensors)
     model.load_weights((name, _as_float(fmt, data)) for name, (fmt, data) in tensors.items() if name not in quantized)

@@ -81,14 +81,13 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):  # read on the CPU (numpy), then moved: the quantized size, not the float one
-        _refuse_split(tp_size, 1, "a GGUF file")
-        return _quantized_after(load_gguf_model(path, dtype, pp_rank, pp_size).to(device), quantization)
+        model = load_gguf_model(path, dtype, tp_rank, tp_size, pp_rank, pp_size)
+        return _quantized_after(model.to(device), quantization)
     config = ModelConfig.from_pretrained(path)
-    if quant_method(config) is not None:  # load-time quantization (`quantization`) is cut per rank
-        # A pipeline stage takes whole tensors of its layers, except from `octavo quantize`'s
-        # files, whose tensors are named by the model's own (whole-model) layer indices.
-        _refuse_split(tp_size, pp_size if quant_method(config) == QUANT_METHOD else 1,
-                      f"a checkpoint quantized with {quant_method(config)!r}")
+    if quant_method(config) == QUANT_METHOD:
+        # `octavo quantize` writes the fused, quantized model's own tensors, named by its
+        # whole-model layer indices; loading quantization="int8" / "int4" instead cuts per rank.
+        _refuse_split(tp_size, pp_size, f"a checkpoint quantized with {QUANT_METHOD!r}")
     if dtype == "auto":
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
@@ -123,8 +122,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
 def _refuse_split(tp_size: int, pp_size: int, what: str) -> None:
     for name, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
         if size > 1:
-            raise ValueError(f"{name} > 1 runs float checkpoints (safetensors, quantized at load or not) for now, "
-                             f"not {what}")
+            raise ValueError(f"{name} > 1 does not run {what} yet: load the float checkpoint with "
+                             f"quantization='int8' or 'int4', which quantizes each rank's part as it loads")
 
 
 def _quantized_after(model, quantization: str | None):
