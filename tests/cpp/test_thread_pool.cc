@@ -59,6 +59,29 @@ TEST_F(ThreadPoolTest, FirstExceptionIsRethrownToTheCaller) {
   EXPECT_EQ(sum.load(), 4950);
 }
 
+// Many tiny jobs back to back, with more threads than cores: workers are often late to a job,
+// and a late one must never run a chunk of a job that has returned (a chunk would then count
+// for the next job, or twice).
+TEST_F(ThreadPoolTest, LateWorkersNeverRunAChunkOfAJobThatReturned) {
+  octavo::set_num_threads(4);
+  constexpr int kJobs = 20000;
+  static std::atomic<int> job{0};
+  static std::vector<std::atomic<int>> hits(2 * kJobs);
+  job = 0;
+  for (auto& h : hits) h = 0;
+  auto record = [](void*, int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) hits[static_cast<size_t>(2 * job.load() + i)]++;
+  };
+  for (int j = 0; j < kJobs; ++j) {
+    octavo::parallel_for(2, 1, record, nullptr);
+    job.store(j + 1);
+  }
+  for (int j = 0; j < kJobs; ++j) {
+    ASSERT_EQ(hits[2 * j].load(), 1) << "job " << j;
+    ASSERT_EQ(hits[2 * j + 1].load(), 1) << "job " << j;
+  }
+}
+
 TEST_F(ThreadPoolTest, NestedCallsRunSeriallyInsideTheChunk) {
   octavo::set_num_threads(2);
   std::atomic<int64_t> inner{0};
