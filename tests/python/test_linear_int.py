@@ -167,6 +167,28 @@ def test_octavo_quantize_writes_a_checkpoint_that_loads_as_it_is(tmp_path, metho
     assert main(["quantize", str(src), str(tmp_path / "q"), "--method", method]) == 1  # dst is not empty
 
 
+def test_an_octavo_checkpoint_missing_or_adding_tensors_is_refused(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from octavo.entrypoints.cli import main
+    from octavo.loader import load_model
+    from test_models import tiny_checkpoint
+
+    tiny_checkpoint("llama", tmp_path / "float")
+    assert main(["quantize", str(tmp_path / "float"), str(tmp_path / "q"), "--method", "int4"]) == 0
+    file = tmp_path / "q" / "model.safetensors"
+    tensors = load_file(str(file))
+    for change, message in ((lambda t: t.pop("layers.1.mlp.down_weight.scales"),
+                             "lacks tensor 'layers.1.mlp.down_weight.scales'"),
+                            (lambda t: t.pop("norm.weight"), "lacks tensor 'norm.weight'"),
+                            (lambda t: t.update(extra=torch.zeros(2)), "not used by the model: extra")):
+        changed = dict(tensors)
+        change(changed)
+        save_file(changed, str(file))
+        with pytest.raises(ValueError, match=message):
+            load_model(tmp_path / "q")
+
+
 def test_a_foreign_quantization_method_is_named(tmp_path):
     import json
 

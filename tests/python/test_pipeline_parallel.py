@@ -190,8 +190,3 @@ def test_settings_pipeline_parallel_cannot_run_are_refused(tokenizer, tmp_path):
         engine(path, 1, pipeline_parallel_size=10**6)
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         engine(path, 1, pipeline_parallel_size=2, distributed_executor_backend="uni")
-    from octavo.entrypoints.cli import main
-
-    assert main(["quantize", str(path), str(tmp_path / "q"), "--method", "int8"]) == 0
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 does not run a checkpoint quantized with .octavo."):
-        engine(tmp_path / "q", 1, pipeline_parallel_size=2)

@@ -169,9 +169,25 @@ def test_settings_tensor_parallel_cannot_run_are_refused(tokenizer, tmp_path):
         engine(path, 10**9)
     with pytest.raises(ValueError, match="'uni' runs one rank"):
         engine(path, 2, distributed_executor_backend="uni")
-    assert main(["quantize", str(path), str(tmp_path / "q"), "--method", "int8"]) == 0
-    with pytest.raises(ValueError, match="quantized with 'octavo'"):
-        engine(tmp_path / "q", 2)
+
+
+@pytest.mark.parametrize("method,overrides,tp,pp,o_weight", [
+    ("int4", ALIGNED, 2, 1, "QuantizedWeight"), ("int4", {}, 2, 1, "Parameter"), ("int8", {}, 1, 2, "QuantizedWeight")],
+    ids=["int4-tp2", "int4-tp2-cut-in-a-group", "int8-pp2"])
+def test_an_octavo_quantized_checkpoint_split_answers_as_whole(method, overrides, tp, pp, o_weight, tokenizer,
+                                                                tmp_path):
+    """`octavo quantize`'s files hold the whole quantized model: each rank takes its rows and input
+    columns of the integers (the attention output's as floats where its cut splits an int4 group
+    of 128: the tiny model's 128 inputs cut 64 + 64), each pipeline stage its own layers."""
+    path = checkpoint(tmp_path, "llama", tokenizer, **overrides)
+    assert main(["quantize", str(path), str(tmp_path / "q"), "--method", method]) == 0
+    parted = engine(tmp_path / "q", tp, pipeline_parallel_size=pp)
+    try:
+        assert_same(run(parted), run(engine(tmp_path / "q", 1)))
+        kinds = parted.apply_model(lambda m: {type(layer.self_attn.o_weight).__name__ for layer in m.layers})
+        assert kinds == [{o_weight}] * (tp * pp)
+    finally:
+        parted.llm_engine.shutdown()
 
 
 @pytest.mark.parametrize("split", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"]],

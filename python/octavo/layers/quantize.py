@@ -211,18 +211,100 @@ def quantized_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
     return {k: v.contiguous() for k, v in model.state_dict().items()}, layouts
 
 
+# The tensors a saved quantized weight has, by format.
+_SAVED_PARTS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
+
+
+def _whole_name(model: torch.nn.Module, local: str) -> str:
+    """A pipeline stage's parameter name -> the whole model's (its layers are numbered from the
+    stage's first layer)."""
+    if local.startswith("layers."):
+        _, index, rest = local.split(".", 2)
+        return f"layers.{int(index) + model.first_layer}.{rest}"
+    return local
+
+
+def _rank_cuts(model: torch.nn.Module) -> dict[int, tuple]:
+    """id(parameter) -> ("rows", the whole parameter's rows this rank holds) or ("columns", begin,
+    end), for the fused parameters tensor parallelism cuts (``model.shard_slices`` names the cut of
+    each checkpoint tensor; a fused parameter stacks its tensors' rows in ``weight_targets`` order)."""
+    slices, parts = model.shard_slices(), {}
+    for name, (param, start, rows) in model.weight_targets().items():
+        parts.setdefault(id(param), []).append((start, rows, slices.get(name)))
+    cuts = {}
+    for key, stacked in parts.items():
+        rows, offset = [], 0
+        for _, local_rows, cut in sorted(stacked, key=lambda part: part[0]):
+            if cut is not None and cut[0] == 1:
+                cuts[key] = ("columns", cut[1], cut[2])
+                break
+            begin, end, whole = (cut[1], cut[2], cut[3]) if cut is not None else (0, local_rows, local_rows)
+            rows.append(torch.arange(offset + begin, offset + end))
+            offset += whole
+        else:
+            if any(cut is not None for *_, cut in stacked):
+                cuts[key] = ("rows", torch.cat(rows))
+    return cuts
+
+
+def _cut_quantized(whole: QuantizedWeight, cut: tuple | None) -> QuantizedWeight | torch.Tensor:
+    """This rank's part of a saved quantized weight: rows as they are; input columns on the
+    format's boundaries (``input_columns``), else dequantized floats."""
+    if cut is None:
+        return whole
+    if cut[0] == "rows":
+        rows = cut[1]
+        return QuantizedWeight(whole.qweight[rows], whole.weight_format, whole.in_features,
+                               None if whole.scales is None else whole.scales[rows],
+                               None if whole.zeros is None else whole.zeros[rows], whole.group_size)
+    return input_columns(whole, cut[1], cut[2]) or whole.dequantize()[:, cut[1]:cut[2]]
+
+
 def load_quantized_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor], layouts: dict[str, dict]) -> None:
-    for name, layout in layouts.items():
-        parent, _, attr = name.rpartition(".")
-        module = model.get_submodule(parent)
+    """Fills ``model`` from an ``octavo quantize`` checkpoint, whose tensors are the whole
+    quantized model's state: a tensor-parallel rank takes its rows or input columns of each
+    (an input cut off the format's boundaries dequantizes that part into floats), a pipeline
+    stage its layers (renumbered) and no placeholder's."""
+    cuts, used, filled = _rank_cuts(model), set(), set()
+    names = {id(module): name for name, module in model.named_modules()}
 
-        def saved(part: str) -> torch.Tensor | None:
-            return tensors.get(f"{name}.{part}")
+    def saved(name: str) -> torch.Tensor:
+        if name not in tensors:
+            raise ValueError(f"the checkpoint lacks tensor {name!r}")
+        used.add(name)
+        return tensors[name]
 
-        if saved("qweight") is None:
-            raise ValueError(f"the checkpoint's quantization_config lists {name} but it has no {name}.qweight")
-
-        replace_weight(module, attr, QuantizedWeight(torch.empty_like(saved("qweight")), layout["format"],
-                                                     layout["in_features"], saved("scales"), saved("zeros"),
-                                                     layout["group_size"]))
-    model.load_state_dict(tensors, strict=True)
+    for module, attr, _ in model.matmul_weights():
+        local = f"{names[id(module)]}.{attr}".lstrip(".")
+        param, whole_name = module._parameters[attr], _whole_name(model, local)
+        if whole_name not in layouts or not param.shape[0] or (attr == "lm_head" and not model.stage.is_last):
+            continue  # a float weight, a stage's empty placeholder, or a tied LM head a stage does not use
+        layout = layouts[whole_name]
+        if layout.get("format") not in _SAVED_PARTS:
+            raise ValueError(f"the checkpoint's layout of {whole_name} has format {layout.get('format')!r}, "
+                             f"not one of {', '.join(_SAVED_PARTS)}")
+        parts = {part: saved(f"{whole_name}.{part}") for part in _SAVED_PARTS[layout["format"]]}
+        whole = QuantizedWeight(parts["qweight"], layout["format"], layout["in_features"], parts.get("scales"),
+                                parts.get("zeros"), layout["group_size"])
+        part = _cut_quantized(whole, cuts.get(id(param)))
+        if tuple(part.shape) != tuple(param.shape):
+            raise ValueError(f"checkpoint weight {whole_name!r} is {tuple(whole.shape)}, which does not fit "
+                             f"{tuple(param.shape)} here")
+        if isinstance(part, QuantizedWeight):
+            replace_weight(module, attr, part)
+        else:
+            param.data.copy_(part)
+            filled.add(id(param))
+    for local, param in model.named_parameters():
+        if not param.shape[0] or id(param) in filled:
+            continue
+        tensor, cut = saved(_whole_name(model, local)), cuts.get(id(param))
+        if cut is not None:
+            tensor = tensor[cut[1]] if cut[0] == "rows" else tensor[:, cut[1]:cut[2]]
+        if tensor.shape != param.shape:
+            raise ValueError(f"checkpoint tensor {_whole_name(model, local)!r} has shape {tuple(tensor.shape)}, "
+                             f"expected {tuple(param.shape)}")
+        param.data.copy_(tensor)
+    unused = sorted(set(tensors) - used)
+    if unused and model.stage.world == 1:
+        raise ValueError(f"checkpoint tensors not used by the model: {', '.join(unused[:5])}")

@@ -84,10 +84,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         model = load_gguf_model(path, dtype, tp_rank, tp_size, pp_rank, pp_size)
         return _quantized_after(model.to(device), quantization)
     config = ModelConfig.from_pretrained(path)
-    if quant_method(config) == QUANT_METHOD:
-        # `octavo quantize` writes the fused, quantized model's own tensors, named by its
-        # whole-model layer indices; loading quantization="int8" / "int4" instead cuts per rank.
-        _refuse_split(tp_size, pp_size, f"a checkpoint quantized with {QUANT_METHOD!r}")
     if dtype == "auto":
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
@@ -117,13 +113,6 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     # A model built on the CPU moves now; one built on the device stays (dummy weights are
     # quantized there).
     return _quantized_after(model.eval(), quantization).to(device)
-
-
-def _refuse_split(tp_size: int, pp_size: int, what: str) -> None:
-    for name, size in (("tensor_parallel_size", tp_size), ("pipeline_parallel_size", pp_size)):
-        if size > 1:
-            raise ValueError(f"{name} > 1 does not run {what} yet: load the float checkpoint with "
-                             f"quantization='int8' or 'int4', which quantizes each rank's part as it loads")
 
 
 def _quantized_after(model, quantization: str | None):
