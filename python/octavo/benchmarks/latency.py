@@ -60,7 +60,8 @@ def run(args: argparse.Namespace) -> dict:
               "read_gb_s": bandwidth / 1e9, "read_gb_s_range": (min(bandwidths) / 1e9, max(bandwidths) / 1e9),
               "roofline_tok_s": roofline}
     result["of_roofline"] = result["decode_tok_s"] / roofline
-    print(f"latency on {device}{', engine core in its own process' if args.multiprocess else ''}, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
+    where = f"{device}, engine core in its own process" if args.multiprocess else f"{device}"
+    print(f"latency on {where}, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
           f"median of {args.repeats}")
     print(f"  time to first token {result['ttft_ms']:.1f} ms; decode {result['decode_tok_s']:.1f} tok/s "
           f"(runs: {', '.join(f'{r:.1f}' for r in rates)})")
