@@ -14,6 +14,7 @@ import time
 
 import psutil
 import pytest
+import torch
 
 ray = pytest.importorskip("ray")
 
@@ -153,3 +154,23 @@ def test_backend_names_are_checked(untied):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args(["--distributed-executor-backend", "ray"]).distributed_executor_backend == "ray"
+
+
+def test_the_cluster_not_this_machine_decides_how_many_ranks_fit(untied, monkeypatch):
+    """This machine's CPU count does not bound Ray's ranks (they may run on other nodes); the
+    cluster's resources do, and ranks it has no room for fail with what it has, and leave the
+    engine that was there running."""
+    from octavo.engine.llm_engine import _check_parallel_sizes
+    from octavo.executor import ray_executor
+
+    many = len(os.sched_getaffinity(0)) + 1
+    with pytest.raises(ValueError, match="each rank needs one"):
+        _check_parallel_sizes(torch.device("cpu"), many, 1, 1, "mp")
+    _check_parallel_sizes(torch.device("cpu"), many, 1, 1, "ray")
+    path, llm = untied
+    monkeypatch.setattr(ray_executor, "CPU_BUNDLE", 10**4)
+    monkeypatch.setattr(ray_executor, "PLACEMENT_SECONDS", 2)
+    with pytest.raises(RuntimeError, match=r"the Ray cluster found no room for 2 ranks of \{'CPU': 10000\}"):
+        ray_engine(path, 2)
+    assert len(run(llm)) == 4
+

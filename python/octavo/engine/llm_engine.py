@@ -59,7 +59,8 @@ class LLMEngine:
         if not 0 < gpu_memory_utilization <= 1:  # checked on any device: a bad value is a bad value
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
         self.device = _device(model, device)
-        _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size)
+        _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
+                              distributed_executor_backend)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
                               pipeline_parallel_size)
         self.core = make_client(EngineCoreConfig(
@@ -306,12 +307,15 @@ def _apply_model(worker, func):
     return func(worker.model)
 
 
-def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int) -> None:
-    """Every rank needs a device of its own (a GPU, or on the CPU a core): more ranks than that
-    are refused before any process starts."""
+def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int, backend: str | None = None) -> None:
+    """Every rank needs a device of its own (a GPU, or on the CPU a core): more ranks than this
+    machine has are refused before any process starts. Ray places ranks on the nodes of its
+    cluster, so there the cluster's resources decide (RayExecutor says when they fall short)."""
     for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp), ("data_parallel_size", dp)):
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"{name} must be an integer of at least 1, got {size!r}")
+    if backend == "ray":
+        return
     have, what = (torch.cuda.device_count(), "GPUs") if device.type == "cuda" else \
         (len(os.sched_getaffinity(0)), "CPUs this process may use")
     if tp * pp * dp > have:
