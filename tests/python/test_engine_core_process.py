@@ -42,6 +42,8 @@ def test_a_core_process_gives_the_in_process_outputs(pair):
     hits come back the same across the process boundary."""
     remote, local = pair
     assert remote.llm_engine.core_is_remote and not local.llm_engine.core_is_remote
+    # Once connected the sockets' directory is gone: a SIGKILLed front end leaves nothing in /tmp.
+    assert not os.path.exists(remote.llm_engine.core._dir)
     prompts = ["Hello world", "Emoji time 😀", "x", "Hello world, once more. " * 4, "Stop me"]
     params = [SamplingParams(temperature=0, max_tokens=12, logprobs=3, ignore_eos=True),
               SamplingParams(temperature=1.0, seed=7, n=3, max_tokens=9, ignore_eos=True),

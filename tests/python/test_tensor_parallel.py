@@ -4,6 +4,7 @@ holding only its part, and a dead worker ending the engine with a clear error.""
 
 from __future__ import annotations
 
+import glob
 import os
 import signal
 import threading
@@ -136,6 +137,10 @@ def test_each_rank_holds_only_its_part(tokenizer, tmp_path):
     whole = engine(path, 1).apply_model(weight_bytes)[0]
     two = engine(path, 2)
     try:
+        # Once the ranks are connected, their sockets' directory and all-reduce file have no
+        # names left to leak when the engine core is killed with SIGKILL.
+        executor = two.llm_engine.core.engine_core.executor
+        assert not os.path.exists(executor._dir) and not glob.glob(f"{executor._shm_prefix}*")
         ranks, norms = two.apply_model(weight_bytes), two.apply_model(norm_bytes)
         assert all(r - n <= (whole - n) / 2 + 2 * 128 * 4 for r, n in zip(ranks, norms))  # an odd row at most
         assert sum(ranks) - norms[1] == whole

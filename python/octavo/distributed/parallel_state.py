@@ -12,6 +12,7 @@ activations to the rank of the same tensor-parallel index in the next stage
 
 from __future__ import annotations
 
+import os
 import time
 from datetime import timedelta
 
@@ -56,6 +57,9 @@ def init_model_parallel(rank: int, tp: int, pp: int, init_method: str | None, de
         dist.barrier()
         if rank % tp:
             _shm = shm_all_reduce.ShmAllReduce(path, rank % tp, tp, COLLECTIVE_TIMEOUT.total_seconds())
+        dist.barrier()  # every rank has mapped the file: its name can go, the memory stays
+        if rank % tp == 0:
+            os.unlink(path)
 
 
 def comm_seconds() -> float:

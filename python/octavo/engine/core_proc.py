@@ -170,6 +170,9 @@ class MPClient:
         except BaseException:
             self.shutdown()
             raise
+        # Connected: the sockets need their paths no more, and a front end killed with SIGKILL
+        # (which runs no cleanup) leaves nothing behind in /tmp.
+        shutil.rmtree(self._dir, ignore_errors=True)
 
     def _handshake(self):
         deadline = time.monotonic() + STARTUP_SECONDS

@@ -69,6 +69,7 @@ class MultiprocExecutor(Executor):
         except BaseException:
             self.shutdown()
             raise
+        shutil.rmtree(self._dir, ignore_errors=True)  # connected: nothing is left to leak on a SIGKILL
 
     def collective_rpc(self, method: str | Callable, args: tuple = (), kwargs: dict | None = None) -> list[Any]:
         while self._unanswered:  # the steps' answers come first: keep them for receive()
