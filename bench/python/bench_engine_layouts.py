@@ -1,12 +1,12 @@
 """The engine's process layouts on this machine, on the same offline requests through
 LLM.generate (engines alternating over --rounds): the engine core in the caller's process (LLM's
 default), in a process of its own (the server's default), tensor parallel over 2 worker
-processes, and pipeline parallel over 2 stages. Output tokens per second, and per step the time
+processes, pipeline parallel over 2 stages, and 2 data-parallel engine cores. Output tokens per second, and per step the time
 the last rank spent in collectives (TP: the all-reduce after the attention output and MLP down
 projections and the embedding, the LM head's all-gather; PP: waiting for the first stage's
 activations).
 
-python bench/python/bench_engine_layouts.py [--layouts in-process core-process tp2 pp2] [--num-requests 64]
+python bench/python/bench_engine_layouts.py [--layouts in-process core-process tp2 pp2 dp2] [--num-requests 64]
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from bench_cpu_peers import machine  # noqa: E402
 
 
 LAYOUTS = {"in-process": {}, "core-process": {"multiprocess": True}, "tp2": {"tensor_parallel_size": 2},
-           "pp2": {"pipeline_parallel_size": 2}}
+           "pp2": {"pipeline_parallel_size": 2}, "dp2": {"data_parallel_size": 2}}
 
 
 def counters(worker) -> tuple[float, int]:

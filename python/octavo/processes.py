@@ -31,10 +31,31 @@ def pickle_error(e: BaseException) -> bytes:
         return pickle.dumps(RuntimeError("".join(traceback.format_exception(e))))
 
 
-def start_python(module: str, *args: str) -> subprocess.Popen:
+# The CPUs a child process keeps to (comma-separated), where its parent shares the machine out.
+CPU_AFFINITY = "OCTAVO_CPU_AFFINITY"
+
+
+def keep_to_given_cpus() -> None:
+    """Keeps this process, its threads and the processes it starts to the CPUs its parent gave
+    it in CPU_AFFINITY, with a thread per CPU; without that variable, changes nothing."""
+    listed = os.environ.pop(CPU_AFFINITY, None)
+    if not listed:
+        return
+    import torch
+
+    from . import set_num_threads
+
+    cpus = {int(cpu) for cpu in listed.split(",")}
+    os.sched_setaffinity(0, cpus)
+    set_num_threads(len(cpus))
+    torch.set_num_threads(len(cpus))
+
+
+def start_python(module: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
     """``python -m module args`` with this interpreter, importing the same octavo as this
-    process (its package directory first on the child's path, wherever this one found it)."""
-    env = os.environ.copy()
+    process (its package directory first on the child's path, wherever this one found it);
+    ``env``: variables to set in the child besides this process's."""
+    env = {**os.environ, **(env or {})}
     root = Path(__file__).resolve().parents[1]
     if root.name not in ("site-packages", "dist-packages"):  # an installed octavo is found as it is
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH")) if p)

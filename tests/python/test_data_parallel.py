@@ -12,7 +12,12 @@ import pytest
 
 pytest.importorskip("zmq")
 
-from octavo import LLM, SamplingParams  # noqa: E402
+import torch  # noqa: E402
+
+from octavo import LLM, SamplingParams, get_num_threads  # noqa: E402
+from octavo.engine.core import EngineCoreConfig  # noqa: E402
+from octavo.engine.dp_client import placement  # noqa: E402
+from octavo.executor.configs import WorkerConfig  # noqa: E402
 from octavo.engine.core_messages import EngineDeadError  # noqa: E402
 from test_engine_core_process import core_processes_of  # noqa: E402
 
@@ -36,6 +41,12 @@ def test_two_cores_answer_as_one_and_share_the_load(tiny_path):
         assert view(two.generate(prompts, params, use_tqdm=False)) == view(one.generate(prompts, params, use_tqdm=False))
         steps = two.collective_rpc(lambda worker: (os.getpid(), worker.num_steps))
         assert len({pid for pid, _ in steps}) == 2 and all(n > 0 for _, n in steps)  # both cores ran requests
+        # Each core keeps to its own share of the CPUs, with a thread for each of them.
+        cpus = sorted(os.sched_getaffinity(0))
+        share = len(cpus) // 2
+        placed = two.collective_rpc(lambda worker: (sorted(os.sched_getaffinity(0)), get_num_threads(),
+                                                    torch.get_num_threads()))
+        assert placed == [(cpus[:share], share, share), (cpus[share:2 * share], share, share)]
         assert two.llm_engine.stats.num_used_blocks == 0 and not two.llm_engine.has_unfinished_requests()
         assert two.llm_engine.core._load == [0, 0]
     finally:
@@ -75,3 +86,17 @@ def test_the_server_runs_two_cores(tmp_path):
         assert len(set(texts)) == 1 and texts[0]
     finally:
         server.stop_cleanly(signal.SIGTERM)
+
+
+def test_gpu_cores_get_their_ranks_gpus_in_order():
+    def config(device: str, tp: int) -> EngineCoreConfig:
+        return EngineCoreConfig(WorkerConfig("m", "float32", "dummy", device, None, tp, 1))
+
+    gpus = ["0", "1", "2", "3"]
+    assert [placement(config("cuda:0", 2), core, 2, gpus) for core in range(2)] == \
+        [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
+    assert placement(config("cuda", 1), 2, 4, ["5", "6", "7", "9"]) == {"CUDA_VISIBLE_DEVICES": "7"}
+    assert placement(config("cpu", 1), 1, 2, ["0", "1", "2", "3", "4"]) == {"OCTAVO_CPU_AFFINITY": "2,3"}
+    with pytest.raises(ValueError, match="device must be 'cuda', not 'cuda:1'"):
+        placement(config("cuda:1", 1), 0, 2, gpus)
+

@@ -25,7 +25,7 @@ from collections import deque
 import cloudpickle
 import zmq
 
-from ..processes import die_with_parent, pickle_error, start_python
+from ..processes import die_with_parent, keep_to_given_cpus, pickle_error, start_python
 from .core import EngineCore, EngineCoreConfig
 from .core_messages import EngineCoreOutputs, EngineCoreRequest, EngineDeadError, SchedulerStats
 from .serial import Decoder, Encoder
@@ -44,6 +44,7 @@ STARTUP_SECONDS = 900  # loading a model from a slow disk
 def run_engine_core(config: EngineCoreConfig, input_address: str, output_address: str) -> None:
     """The core process's body (``python -m octavo.engine.core_proc DIRECTORY``)."""
     die_with_parent()
+    keep_to_given_cpus()  # a data-parallel core's share of the CPUs
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C goes to the front end, which shuts us down
     ctx = zmq.Context()
     inbox, outbox = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
@@ -135,9 +136,9 @@ class MPClient:
     """Starts the core process and talks to it. Not thread-safe: one thread uses it (the
     engine thread of AsyncLLM, or LLM's caller)."""
 
-    def __init__(self, config: EngineCoreConfig, wait: bool = True):
+    def __init__(self, config: EngineCoreConfig, wait: bool = True, env: dict[str, str] | None = None):
         """wait=False: return once the process is started; wait_ready() then waits for it
-        (several cores start side by side)."""
+        (several cores start side by side). env: variables set in the core process (its devices)."""
         self._dir = tempfile.mkdtemp(prefix="octavo-core-")
         self._ctx = zmq.Context()
         self._outbox, self._inbox = self._ctx.socket(zmq.PUSH), self._ctx.socket(zmq.PULL)
@@ -148,7 +149,7 @@ class MPClient:
             pickle.dump(config, f)
         # A new interpreter rather than multiprocessing: a fork of a process running torch's
         # threads may deadlock, and spawn would run the caller's unguarded __main__ again.
-        self.process = start_python("octavo.engine.core_proc", self._dir)
+        self.process = start_python("octavo.engine.core_proc", self._dir, env=env)
         self._encoder = Encoder()
         self._outputs = Decoder(EngineCoreOutputs)
         self._unsent: list[EngineCoreRequest] = []  # added since the last message to the core

@@ -2,14 +2,20 @@
 and workers (each may be tensor parallel), behind one front end. A request goes to the core
 with the fewest unfinished requests (its n samples together, so that they share its prompt's
 KV blocks); each core's step outputs come back as they are ready.
+
+Each core gets devices of its own: on GPUs its ranks' GPUs (CUDA_VISIBLE_DEVICES), on the CPU
+its share of this process's cores (its threads, and its workers', stay on them), so that cores
+do not contend for one device.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import fields
 
 from .core import EngineCoreConfig
 from .core_messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
+from ..processes import CPU_AFFINITY
 from .core_proc import MPClient, OutputWaiter
 
 
@@ -17,8 +23,8 @@ class DPClient:
     def __init__(self, config: EngineCoreConfig, size: int):
         self.clients: list[MPClient] = []
         try:
-            for _ in range(size):  # the cores load their models side by side
-                self.clients.append(MPClient(config, wait=False))
+            for core in range(size):  # the cores load their models side by side
+                self.clients.append(MPClient(config, wait=False, env=placement(config, core, size)))
             for client in self.clients:
                 client.wait_ready()
         except BaseException:
@@ -86,3 +92,24 @@ class DPClient:
     def shutdown(self) -> None:
         for client in self.clients:
             client.shutdown()
+
+
+def placement(config: EngineCoreConfig, core: int, size: int, visible: list[str] | None = None) -> dict[str, str]:
+    """The environment that gives data-parallel core ``core`` of ``size`` its devices: a
+    contiguous run of the GPUs (``visible``: this process's, by default) or CPUs this process may
+    use, as many as the core has ranks (the CPUs shared out evenly)."""
+    ranks = config.worker.world_size
+    if config.worker.device.startswith("cuda"):
+        if config.worker.device not in ("cuda", "cuda:0"):
+            raise ValueError(f"data_parallel_size > 1 gives the engine cores the GPUs in order, from the first: "
+                             f"device must be 'cuda', not {config.worker.device!r}")
+        if visible is None:
+            import torch
+
+            listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+            visible = listed.split(",") if listed else [str(i) for i in range(torch.cuda.device_count())]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(visible[core * ranks:(core + 1) * ranks])}
+    cpus = sorted(os.sched_getaffinity(0)) if visible is None else [int(c) for c in visible]
+    share = len(cpus) // size
+    return {CPU_AFFINITY: ",".join(str(c) for c in cpus[core * share:(core + 1) * share])}
+
