@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 from dataclasses import fields
 
+from ..processes import CPU_AFFINITY
 from .core import EngineCoreConfig
 from .core_messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
-from ..processes import CPU_AFFINITY
 from .core_proc import MPClient, OutputWaiter
 
 
@@ -112,4 +112,3 @@ def placement(config: EngineCoreConfig, core: int, size: int, visible: list[str]
     cpus = sorted(os.sched_getaffinity(0)) if visible is None else [int(c) for c in visible]
     share = len(cpus) // size
     return {CPU_AFFINITY: ",".join(str(c) for c in cpus[core * share:(core + 1) * share])}
-
