@@ -208,6 +208,12 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {min(self.stop_token_ids)}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
+        for s in self.stop:  # text that cannot be UTF-8 cannot reach an engine core in another process
+            try:
+                s.encode()
+            except UnicodeEncodeError as e:
+                raise ValueError(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate at {e.start}).") \
+                    from None
         if self.stop and not self.detokenize:
             raise ValueError(
                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")

@@ -258,3 +258,20 @@ def test_a_request_the_core_refuses_fails_alone(pair):
     assert core.scheduler.handle_of("b#0") is None and core.scheduler.handle_of("b#1") is None
     core.abort_requests(["a#0", "c#0"])
     assert not core.has_unfinished_requests()
+
+
+def test_text_that_cannot_cross_to_the_core_is_refused_before_it(pair):
+    """A lone surrogate cannot be UTF-8, so a stop string or request id holding one could not
+    reach a core in another process: the request is refused with a ValueError up front, and the
+    requests beside it run."""
+    remote, _ = pair
+    engine = remote.llm_engine
+    engine.add_request("fine", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    with pytest.raises(ValueError, match="stop strings must be valid Unicode"):
+        engine.add_request("stop", [5, 6], SamplingParams(stop=["a\ud800"], max_tokens=3))
+    with pytest.raises(ValueError, match="request_id must be a string of valid Unicode"):
+        engine.add_request("id\udfff", [5, 6], SamplingParams(max_tokens=3))
+    done = []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+    assert [(o.request_id, len(o.outputs[0].token_ids)) for o in done] == [("fine", 3)]

@@ -98,6 +98,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, priority: int = 0) -> None:
+        try:
+            request_id.encode()  # it crosses to an engine core in another process as UTF-8
+        except (AttributeError, UnicodeEncodeError):
+            raise ValueError(f"request_id must be a string of valid Unicode, got {request_id!r}") from None
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if priority != 0 and self.info.scheduling_policy != "priority":
