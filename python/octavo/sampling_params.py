@@ -39,6 +39,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_utf8(what: str, text: Any) -> None:
+    """Text sent to an engine core in another process travels as UTF-8: a string holding a lone
+    surrogate (which JSON's \\ud800 escapes make) is refused here, before it could fail a batch."""
+    try:
+        text.encode()
+    except (AttributeError, UnicodeEncodeError):
+        raise ValueError(f"{what} must be a string of valid Unicode, got {text!r}.") from None
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for text generation.
@@ -208,12 +217,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be non-negative, got {min(self.stop_token_ids)}.")
         if any(not s for s in self.stop):
             raise ValueError("stop cannot contain an empty string.")
-        for s in self.stop:  # text that cannot be UTF-8 cannot reach an engine core in another process
-            try:
-                s.encode()
-            except UnicodeEncodeError as e:
-                raise ValueError(f"stop strings must be valid Unicode, got {s!r} (a lone surrogate at {e.start}).") \
-                    from None
+        for s in self.stop:
+            check_utf8("a stop string", s)
         if self.stop and not self.detokenize:
             raise ValueError(
                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")

@@ -267,7 +267,7 @@ def test_text_that_cannot_cross_to_the_core_is_refused_before_it(pair):
     remote, _ = pair
     engine = remote.llm_engine
     engine.add_request("fine", [5, 6, 7], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
-    with pytest.raises(ValueError, match="stop strings must be valid Unicode"):
+    with pytest.raises(ValueError, match="a stop string must be a string of valid Unicode"):
         engine.add_request("stop", [5, 6], SamplingParams(stop=["a\ud800"], max_tokens=3))
     with pytest.raises(ValueError, match="request_id must be a string of valid Unicode"):
         engine.add_request("id\udfff", [5, 6], SamplingParams(max_tokens=3))

@@ -20,7 +20,7 @@ from ..device import cpu_only_reason, resolve_device
 from ..executor.configs import WorkerConfig
 from ..generation_config import load_generation_config
 from ..outputs import RequestMetrics, RequestOutput
-from ..sampling_params import SamplingParams
+from ..sampling_params import SamplingParams, check_utf8
 from .core import EngineCoreConfig
 from .core_client import InprocClient, make_client
 from .core_messages import ERROR, FINISH_REASON_NAMES, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -98,10 +98,7 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     prompt: str | None = None, priority: int = 0) -> None:
-        try:
-            request_id.encode()  # it crosses to an engine core in another process as UTF-8
-        except (AttributeError, UnicodeEncodeError):
-            raise ValueError(f"request_id must be a string of valid Unicode, got {request_id!r}") from None
+        check_utf8("request_id", request_id)
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if priority != 0 and self.info.scheduling_policy != "priority":
