@@ -137,7 +137,8 @@ def test_a_gptq_checkpoint_at_tp2_answers_as_at_tp1(tmp_path):
     try:
         one = engine(quant_dir, 1)
         assert_same(run(two), run(one))
-        def held(m):
+
+        def held(m):  # a rank's bytes of the first layer's gate_up integers
             return m.layers[0].mlp.gate_up_weight.qweight.numel()
 
         assert two.apply_model(held) == [one.apply_model(held)[0] // 2] * 2
