@@ -77,6 +77,43 @@ struct LinearParams {
   WeightFormat weight_format;
 };
 
+struct TopkParams {
+  float* topk_weights;        // [tokens, top_k]
+  int32_t* topk_ids;          // [tokens, top_k]
+  const void* gating_output;  // [tokens, num_experts], row stride gating_stride
+  int64_t tokens, num_experts, top_k, gating_stride;
+  DType dtype;                // of gating_output
+  TopkArgs args;
+};
+
+struct MoeAlignParams {
+  const int32_t* topk_ids;         // [pairs] (tokens * top_k)
+  int32_t* sorted_token_ids;       // [capacity]
+  int32_t* expert_ids;             // [capacity / block_size]
+  int32_t* num_tokens_post_padded; // [1]
+  int64_t pairs, num_experts, block_size, capacity;
+};
+
+// One expert stack in launcher form: expert e's rows start at weight + e * expert_bytes (and its
+// scales / zero points at e * expert_scales / e * expert_zeros elements).
+struct ExpertStack {
+  const void* weight;
+  const float* scales;
+  const uint8_t* zeros;
+  int64_t rows, expert_bytes, expert_scales, expert_zeros, group_size;  // rows: N per expert
+  WeightFormat format;
+};
+
+struct FusedMoeParams {
+  void* out;                  // [tokens, hidden], row stride out_stride
+  const void* hidden_states;  // [tokens, hidden], row stride in_stride
+  const float* topk_weights;  // [tokens, top_k]
+  const int32_t* topk_ids;    // [tokens, top_k], in [0, num_experts) or -1
+  ExpertStack w13, w2;        // [E, 2 * intermediate, hidden], [E, hidden, intermediate]
+  int64_t tokens, hidden, intermediate, num_experts, top_k, in_stride, out_stride;
+  DType dtype;
+};
+
 struct SampleParams {
   const float* logits;  // [num_reqs, vocab_size], row stride logits_stride
   int64_t num_reqs, vocab_size, logits_stride;

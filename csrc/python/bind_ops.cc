@@ -134,6 +134,62 @@ void bind_kernels(py::module_& ops) {
       py::arg("out"), py::arg("weight"),
       "out uint8 [N, K * 2] = the bfloat16 weight [N, K] (CPU, N and K multiples of 32) in weight format "
       "'bf16_tiles': AMX weight tiles, read by linear without repacking; dequantize restores it exactly.");
+  ops.def(
+      "topk_softmax",
+      [](py::handle topk_weights, py::handle topk_ids, py::handle gating_output, bool renormalize,
+         const std::string& scoring, int64_t num_expert_group, int64_t topk_group, double softcap) {
+        PyTensor w = tensor(topk_weights, "topk_weights"), i = tensor(topk_ids, "topk_ids"),
+                 g = tensor(gating_output, "gating_output");
+        OCTAVO_CHECK(scoring == "softmax" || scoring == "sigmoid",
+                     "scoring must be 'softmax' or 'sigmoid', got '" << scoring << "'");
+        const TopkArgs args{renormalize, scoring == "softmax" ? MoeScoring::kSoftmax : MoeScoring::kSigmoid,
+                            num_expert_group, topk_group, softcap};
+        py::gil_scoped_release nogil;
+        topk_softmax(w.view, i.view, g.view, args);
+      },
+      py::arg("topk_weights"), py::arg("topk_ids"), py::arg("gating_output"), py::arg("renormalize") = false,
+      py::arg("scoring") = "softmax", py::arg("num_expert_group") = 0, py::arg("topk_group") = 0,
+      py::arg("softcap") = 0.0,
+      "The router: topk_weights float32 [T, k] and topk_ids int32 [T, k] = each token's k best experts by "
+      "softmax (or sigmoid) of gating_output [T, E] (soft-capped first when softcap > 0); num_expert_group / "
+      "topk_group: only the experts of the topk_group best groups compete; renormalize: weights sum to 1.");
+  ops.def(
+      "moe_align",
+      [](py::handle topk_ids, int64_t num_experts, int64_t block_size, py::handle sorted_token_ids,
+         py::handle expert_ids, py::handle num_tokens_post_padded) {
+        PyTensor i = tensor(topk_ids, "topk_ids"), s = tensor(sorted_token_ids, "sorted_token_ids"),
+                 e = tensor(expert_ids, "expert_ids"), n = tensor(num_tokens_post_padded, "num_tokens_post_padded");
+        py::gil_scoped_release nogil;
+        moe_align(i.view, num_experts, block_size, s.view, e.view, n.view);
+      },
+      py::arg("topk_ids"), py::arg("num_experts"), py::arg("block_size"), py::arg("sorted_token_ids"),
+      py::arg("expert_ids"), py::arg("num_tokens_post_padded"),
+      "vLLM's moe_align_block_size: the flat (token * k + slot) indices of topk_ids grouped by expert, each "
+      "expert's run padded with T * k to a multiple of block_size; expert_ids names each block's expert.");
+  ops.def(
+      "fused_moe",
+      [](py::handle out, py::handle hidden_states, py::handle w13, py::handle w2, py::handle topk_weights,
+         py::handle topk_ids, const std::string& w13_format, py::handle w13_scales, py::handle w13_zeros,
+         int64_t w13_group_size, const std::string& w2_format, py::handle w2_scales, py::handle w2_zeros,
+         int64_t w2_group_size) {
+        PyTensor o = tensor(out, "out"), h = tensor(hidden_states, "hidden_states"), a = tensor(w13, "w13"),
+                 b = tensor(w2, "w2"), w = tensor(topk_weights, "topk_weights"), i = tensor(topk_ids, "topk_ids");
+        OptTensor as(w13_scales, "w13_scales"), az(w13_zeros, "w13_zeros"), bs(w2_scales, "w2_scales"),
+            bz(w2_zeros, "w2_zeros");
+        const ExpertWeights gate_up{&a.view, parse_weight_format(w13_format.c_str()),
+                                    WeightQuant{as.view(), az.view(), w13_group_size}};
+        const ExpertWeights down{&b.view, parse_weight_format(w2_format.c_str()),
+                                 WeightQuant{bs.view(), bz.view(), w2_group_size}};
+        py::gil_scoped_release nogil;
+        fused_moe(o.view, h.view, gate_up, down, w.view, i.view);
+      },
+      py::arg("out"), py::arg("hidden_states"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"),
+      py::arg("topk_ids"), py::arg("w13_format") = "dense", py::arg("w13_scales") = py::none(),
+      py::arg("w13_zeros") = py::none(), py::arg("w13_group_size") = 0, py::arg("w2_format") = "dense",
+      py::arg("w2_scales") = py::none(), py::arg("w2_zeros") = py::none(), py::arg("w2_group_size") = 0,
+      "out [T, H] = sum over k of topk_weights * down_e(silu(gate_e(x)) * up_e(x)), e = topk_ids (-1: none). "
+      "w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], dense or in a linear weight format with "
+      "scales / zeros stacked per expert.");
   ops.def("weight_block_bytes", [](const std::string& f) { return weight_block_bytes(parse_weight_format(f.c_str())); },
           py::arg("weight_format"), "Bytes per block of 32 weights in weight_format (0 for 'dense').");
   ops.def(

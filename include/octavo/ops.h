@@ -118,6 +118,54 @@ void dequantize(const TensorView& out, const TensorView& weight, WeightFormat fo
 // 32) in WeightFormat::kBf16Tiles; `dequantize` gives the weight back bit for bit.
 void pack_bf16_tiles(const TensorView& out, const TensorView& weight);
 
+// ---- Mixture of experts ------------------------------------------------------------------
+// The router: each token's top_k experts by score, where scores are softmax (or, with
+// `scoring` kSigmoid, sigmoid) of the router logits, after logits = softcap * tanh(logits /
+// softcap) when softcap > 0. With num_expert_group > 0 (DeepSeek's grouped routing) the experts
+// form that many equal groups, a group's score is its best expert's, and only the topk_group best
+// groups' experts are eligible. renormalize: the chosen weights are divided by their sum.
+// Ties go to the lower expert id; ids come out in descending weight.
+// gating_output: [T, E] float32, bfloat16 or float16; topk_weights: [T, k] float32;
+// topk_ids: [T, k] int32.
+enum class MoeScoring : uint8_t { kSoftmax, kSigmoid };
+struct TopkArgs {
+  bool renormalize = false;
+  MoeScoring scoring = MoeScoring::kSoftmax;
+  int64_t num_expert_group = 0;  // 0: plain top-k over all experts
+  int64_t topk_group = 0;        // groups kept, in [1, num_expert_group]
+  double softcap = 0.0;          // 0: off
+};
+void topk_softmax(const TensorView& topk_weights, const TensorView& topk_ids, const TensorView& gating_output,
+                  const TopkArgs& args = {});
+
+// vLLM's moe_align_block_size: the T * k (token, slot) pairs of topk_ids grouped by expert, in
+// ascending flat index (t * k + slot) within an expert, each expert's run padded with the
+// value T * k to a multiple of block_size, so a block of rows belongs to one expert.
+// topk_ids: [T, k] int32, ids in [0, num_experts) or -1 (an expert this rank does not hold:
+// left out); sorted_token_ids: [T * k + num_experts * (block_size - 1)] int32 (the tail past
+// the used length is padding too); expert_ids: [that / block_size] int32, each block's expert
+// (-1 past the used blocks); num_tokens_post_padded: [1] int32, the used length.
+void moe_align(const TensorView& topk_ids, int64_t num_experts, int64_t block_size, const TensorView& sorted_token_ids,
+               const TensorView& expert_ids, const TensorView& num_tokens_post_padded);
+
+// One expert projection stack: weight [E, N, K] dense, or [E, N, K / 32 * block bytes] in a
+// quantized format, with its scales / zero points stacked the same way ([E, N] for int8,
+// [E, N, K / group_size] for int4).
+struct ExpertWeights {
+  const TensorView* weight = nullptr;
+  WeightFormat format = WeightFormat::kDense;
+  WeightQuant quant;
+};
+
+// out[t] = sum over slots s of topk_weights[t, s] * down_e(silu(gate_e(x)) * up_e(x)), e =
+// topk_ids[t, s] (ids of -1 add nothing), x = hidden[t]: the MoE MLP in one op. Each expert's
+// weights are read once per call for all the tokens routed to it (by the `linear` kernel, so
+// every weight format linear reads works); the sum over slots runs in float32 in ascending expert
+// order, whatever the batch. w13: [E, 2I, H] gate rows then up rows; w2: [E, H, I].
+// out, hidden: [T, H] in one float dtype (dense weights too); out must not overlap hidden.
+void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeights& w13, const ExpertWeights& w2,
+               const TensorView& topk_weights, const TensorView& topk_ids);
+
 // Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,
 // penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones
 // may be null. The draw of request b depends only on (seeds[b], counters[b]) and its own row, so

@@ -56,8 +56,10 @@ class ModelConfig:
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             max_position_embeddings=hf.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            # Qwen2 has q/k/v biases without saying so in its config.
-            attention_bias=bool(hf.get("attention_bias", archs[0] == "Qwen2ForCausalLM")),
+            # Qwen2 and Qwen2-MoE have q/k/v biases without saying so in their configs (newer
+            # transformers write Qwen2-MoE's as qkv_bias).
+            attention_bias=bool(hf.get("attention_bias", hf.get(
+                "qkv_bias", archs[0] in ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")))),
             sliding_window=int(window or 0),
             torch_dtype=_DTYPES.get(str(dtype_name).removeprefix("torch."), torch.float32),
             hf=hf,

@@ -17,6 +17,9 @@
   void sample(const SampleParams& p);                                    \
   void linear(const LinearParams& p);                                    \
   void dequantize(const LinearParams& p);                                \
+  void topk_softmax(const TopkParams& p);                                \
+  void moe_align(const MoeAlignParams& p);                               \
+  void fused_moe(const FusedMoeParams& p);                               \
   }
 
 OCTAVO_DECLARE_CPU_KERNELS(scalar)

@@ -11,11 +11,11 @@
 namespace octavo {
 
 namespace {
-
 constexpr int64_t kBlockWeights = 32;  // weights per GGUF block, in every format here
+}  // namespace
 
-// Checks a weight standing for `k` inputs per row in `format`, and its scales / zero points, on
-// ref's device; fills p's weight fields and returns the number of rows (output features).
+namespace ops {
+
 int64_t check_weight(const TensorView& weight, WeightFormat format, const WeightQuant& quant, const TensorView& ref,
                      const char* ref_arg, int64_t k, LinearParams& p) {
   ops::check_same_device(weight, "weight", ref, ref_arg);
@@ -67,7 +67,7 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   return n;
 }
 
-}  // namespace
+}  // namespace ops
 
 const char* weight_format_name(WeightFormat format) {
   switch (format) {
@@ -107,7 +107,7 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
             WeightFormat format, const WeightQuant& quant) {
   const auto [in, o] = ops::float_in_out(out, "out", input);
   LinearParams p{};
-  const int64_t n = check_weight(weight, format, quant, input, "input", in.cols, p);
+  const int64_t n = ops::check_weight(weight, format, quant, input, "input", in.cols, p);
   OCTAVO_CHECK(o.rows == in.rows && o.cols == n, "argument 'out' must be [" << in.rows << ", " << n << "], got "
                                                                              << o.rows << " rows of " << o.cols);
   if (bias != nullptr) {
@@ -135,7 +135,7 @@ void dequantize(const TensorView& out, const TensorView& weight, WeightFormat fo
   OCTAVO_CHECK(out.dtype == DType::kFloat32 || out.dtype == DType::kBFloat16 || out.dtype == DType::kFloat16,
                "argument 'out' must be float32, bfloat16 or float16, got " << dtype_name(out.dtype));
   LinearParams p{};
-  const int64_t n = check_weight(weight, format, quant, out, "out", out.shape[1], p);
+  const int64_t n = ops::check_weight(weight, format, quant, out, "out", out.shape[1], p);
   check_size(out, "out", 0, n);
   p.out = out.data;
   p.out_features = n;

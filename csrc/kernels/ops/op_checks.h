@@ -4,7 +4,12 @@
 
 #include <cstdint>
 
+#include "octavo/ops.h"
 #include "octavo/tensor_view.h"
+
+namespace octavo {
+struct LinearParams;
+}
 
 namespace octavo::ops {
 
@@ -46,5 +51,11 @@ void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t siz
 // A paged KV cache [num_blocks, num_kv_heads, block_size, head_size]: contiguous, on the device
 // and of the dtype of ref.
 void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg);
+
+// A `linear` weight standing for `k` inputs per row in `format`, and its scales / zero points, on
+// ref's device (ops/linear.cc); fills p's weight fields and returns the number of rows (output
+// features).
+int64_t check_weight(const TensorView& weight, WeightFormat format, const WeightQuant& quant, const TensorView& ref,
+                     const char* ref_arg, int64_t k, LinearParams& p);
 
 }  // namespace octavo::ops

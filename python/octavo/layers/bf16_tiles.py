@@ -35,9 +35,11 @@ def pack(weight: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(data, FORMAT, weight.shape[1])
 
 
-def packable(weight) -> bool:
+def packable(weight, part_rows: int = 32) -> bool:
+    """``part_rows``: rows of each matrix stacked in ``weight`` (an expert's, layers/moe.py); the
+    tiles hold 32 rows, so a part must not end inside one."""
     return (isinstance(weight, torch.Tensor) and weight.dtype == torch.bfloat16 and weight.device.type == "cpu"
-            and weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0)
+            and weight.dim() == 2 and weight.shape[0] % 32 == 0 and weight.shape[1] % 32 == 0 and part_rows % 32 == 0)
 
 
 def worth_packing(model) -> bool:
@@ -51,7 +53,7 @@ def pack_model(model) -> int:
     packed = 0
     for module, attr, _ in model.matmul_weights():
         weight = getattr(module, attr)
-        if packable(weight):
+        if packable(weight, getattr(module, "expert_rows", {}).get(attr, 32)):
             replace_weight(module, attr, pack(weight.data))
             packed += 1
     return packed

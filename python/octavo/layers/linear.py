@@ -65,6 +65,11 @@ CUDA_DENSE_KERNEL_MAX_ROWS = {torch.float32: 8, torch.float16: 1, torch.bfloat16
 DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
 
 
+def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
+    """An uninitialized weight for a loader to fill (no gradients: inference only)."""
+    return torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+
+
 class QuantizedWeight(torch.nn.Module):
     """A projection weight in a quantized format that ``linear`` decodes as it reads: on the CPU in
     registers below 8 input rows, once per weight tile from 8 rows on; on CUDA in registers up to

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from .llama import LlamaForCausalLM, Qwen3ForCausalLM
+from .mixtral import MixtralForCausalLM
+from .olmoe import OlmoeForCausalLM
+from .qwen_moe import Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 
 # Mistral and Qwen2 are Llama with a sliding window / q,k,v biases, both read from the config.
 MODELS = {
@@ -10,6 +13,11 @@ MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    # Mixture of experts (layers/moe.py)
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "OlmoeForCausalLM": OlmoeForCausalLM,
+    "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

@@ -1,9 +1,11 @@
-"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) on Octavo's kernels.
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) on Octavo's kernels, and
+the base of the mixture-of-experts models (models/mixtral.py, qwen_moe.py, olmoe.py).
 
 Dense projections go through ``layers.linear`` (Octavo's kernel or torch) with fused weights
-(one QKV and one gate_up matrix); norms, RoPE, attention over the paged cache and the activation go through ``octavo._C.ops``.
-The variants differ only in flags read from the config: q/k/v biases (Qwen2), per-head q/k
-RMSNorm (Qwen3) and a sliding window (Mistral).
+(one QKV and one gate_up matrix); norms, RoPE, attention over the paged cache and the activation
+go through ``octavo._C.ops``. The dense variants differ only in flags read from the config: q/k/v
+biases (Qwen2), per-head q/k RMSNorm (Qwen3) and a sliding window (Mistral). A decoder layer is
+built from parts (its attention and its MLP), so an MoE model is a subclass that picks its MLP.
 """
 
 from __future__ import annotations
@@ -18,63 +20,86 @@ from ..config import ModelConfig
 from ..distributed.parallel_state import all_reduce, gather_vocab
 from ..distributed.shards import PPStage, TPShard, split
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.linear import QuantizedWeight, linear
+from ..layers.linear import QuantizedWeight, linear, param
+from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin_cache, rope_is_neox
 
 
-def _param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
-    return torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
-
-
 class LlamaAttention(torch.nn.Module):
-    """Column-parallel QKV (this rank's heads), row-parallel output projection."""
+    """Column-parallel QKV (this rank's heads), row-parallel output projection.
 
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool, shard: TPShard):
+    ``qk_norm``: None, "head" (Qwen3: an RMSNorm over each head of q and k) or "whole" (OLMoE:
+    one RMSNorm over all of q and one over all of k, so every rank would need every head).
+    ``clip_qkv`` > 0 clamps q, k and v to [-clip_qkv, clip_qkv] after the norms (OLMoE)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard, qk_norm: str | None = None,
+                 clip_qkv: float = 0.0):
         super().__init__()
         heads, kv_heads, d = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size, self.kv_size, self.head_dim = heads * d, kv_heads * d, d
-        self.qkv_weight = _param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
-        self.qkv_bias = _param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
-        self.o_weight = _param(config.hidden_size, self.q_size, dtype=dtype)
-        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
-        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype) if qk_norm else None
+        self.qk_norm, self.clip_qkv, self.shard = qk_norm, clip_qkv, shard
+        if qk_norm == "whole" and shard.world > 1:
+            raise ValueError(f"{config.architecture} normalizes q and k over all heads at once; "
+                             f"tensor parallel is not supported for it")
+        self.qkv_weight = param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        self.qkv_bias = param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
+        self.o_weight = param(config.hidden_size, self.q_size, dtype=dtype)
+        norm_sizes = {None: None, "head": (d, d), "whole": (self.q_size, self.kv_size)}[qk_norm]
+        self.q_norm = RMSNorm(norm_sizes[0], config.rms_norm_eps, dtype) if norm_sizes else None
+        self.k_norm = RMSNorm(norm_sizes[1], config.rms_norm_eps, dtype) if norm_sizes else None
         self.attn = Attention(heads, kv_heads, d, d**-0.5, config.sliding_window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, bool],
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.q_norm is not None:  # Qwen3: RMSNorm over each head before RoPE
+        if self.qk_norm == "head":  # Qwen3: RMSNorm over each head before RoPE
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        elif self.qk_norm == "whole":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         cos_sin_cache, is_neox = rope
         _C.ops.rotary_embedding(positions, q, k, self.head_dim, cos_sin_cache, is_neox)
         return all_reduce(linear(self.attn(q, k, v, meta), self.o_weight))
 
+    def weight_targets(self, prefix: str) -> dict:
+        q, kv = self.q_size, self.kv_size
+        targets = {}
+        for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
+            targets[f"{prefix}{name}.weight"] = (self.qkv_weight, start, rows)
+            if self.qkv_bias is not None:
+                targets[f"{prefix}{name}.bias"] = (self.qkv_bias, start, rows)
+        targets[f"{prefix}o_proj.weight"] = (self.o_weight, 0, self.o_weight.shape[0])
+        if self.q_norm is not None:
+            targets[f"{prefix}q_norm.weight"] = (self.q_norm.weight, 0, self.q_norm.weight.shape[0])
+            targets[f"{prefix}k_norm.weight"] = (self.k_norm.weight, 0, self.k_norm.weight.shape[0])
+        return targets
 
-class LlamaMLP(torch.nn.Module):
-    """Column-parallel gate_up (this rank's intermediate rows), row-parallel down projection."""
-
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard):
-        super().__init__()
-        self.gate_up_weight = _param(2 * shard.intermediate_size, config.hidden_size, dtype=dtype)
-        self.down_weight = _param(config.hidden_size, shard.intermediate_size, dtype=dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = linear(x, self.gate_up_weight)
-        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
-        _C.ops.silu_and_mul(out, gate_up)
-        return all_reduce(linear(out, self.down_weight))
+    def shard_slices(self, prefix: str, config: ModelConfig) -> dict:
+        s, d = self.shard, self.head_dim
+        q, kv = (s.q_heads[0] * d, s.q_heads[1] * d), (s.kv_heads[0] * d, s.kv_heads[1] * d)
+        heads, kv_heads = config.num_attention_heads * d, config.num_key_value_heads * d
+        slices = {}
+        for kind in ("weight", "bias"):
+            slices[f"{prefix}q_proj.{kind}"] = (0, *q, heads)
+            slices[f"{prefix}k_proj.{kind}"] = (0, *kv, kv_heads)
+            slices[f"{prefix}v_proj.{kind}"] = (0, *kv, kv_heads)
+        slices[f"{prefix}o_proj.weight"] = (1, *q, heads)
+        return slices
 
 
 class LlamaDecoderLayer(torch.nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, qk_norm: bool, shard: TPShard):
+    """Pre-norm attention and MLP with residuals; the MLP is a part (dense or mixture of experts)."""
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, self_attn: LlamaAttention, mlp: torch.nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, dtype, qk_norm, shard)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, shard)
+        self.mlp = mlp
 
     def forward(self, x, residual, positions, rope, meta):
         if residual is None:
@@ -93,9 +118,14 @@ class LlamaForCausalLM(torch.nn.Module):
     ``shard``: the part a tensor-parallel rank holds (distributed/shards.py; default: all of it).
     The embedding and the LM head hold the rank's vocabulary rows. ``stage``: the layers a
     pipeline stage holds; a stage before the last returns its activations for the next one
-    (forward's ``intermediate``) instead of hidden states, and holds no LM head."""
+    (forward's ``intermediate``) instead of hidden states, and holds no LM head.
 
-    qk_norm = False
+    A variant is a subclass that changes the parts: ``qk_norm`` (see LlamaAttention), the MLP a
+    layer gets (``make_mlp``: dense here, a mixture of experts in the MoE models) and the prefix
+    its checkpoint names the MLP's tensors under."""
+
+    qk_norm: str | None = None
+    mlp_prefix = "mlp."
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard | None = None,
                  stage: PPStage | None = None):
@@ -108,17 +138,24 @@ class LlamaForCausalLM(torch.nn.Module):
                                                            for r in range(shard.world))]
         # A stage without the embedding keeps an empty one: where the model lives, for its users.
         embeds = stage.is_first or (stage.is_last and config.tie_word_embeddings)
-        self.embed_tokens = _param(shard.vocab_size if embeds else 0, config.hidden_size, dtype=dtype)
+        self.embed_tokens = param(shard.vocab_size if embeds else 0, config.hidden_size, dtype=dtype)
         self.first_layer = stage.layers[0]
         self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, self.qk_norm, shard) for _ in range(*stage.layers))
+            LlamaDecoderLayer(config, dtype, self.make_attention(), self.make_mlp(i)) for i in range(*stage.layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.lm_head = self.embed_tokens if config.tie_word_embeddings else _param(
+        self.lm_head = self.embed_tokens if config.tie_word_embeddings else param(
             shard.vocab_size if stage.is_last else 0, config.hidden_size, dtype=dtype)
         with torch.device("cpu"):  # the table is built in float64 on the CPU, wherever the model lives
             table = rope_cos_sin_cache(config.hf)
         self.register_buffer("cos_sin_cache", table.to(self.embed_tokens.device), persistent=False)
         self.rope_is_neox = rope_is_neox(config.hf)
+
+    def make_attention(self) -> LlamaAttention:
+        return LlamaAttention(self.config, self.dtype, self.shard, self.qk_norm)
+
+    def make_mlp(self, layer: int) -> torch.nn.Module:
+        """The MLP of decoder layer ``layer`` (its index in the whole model)."""
+        return GatedMLP(self.config.hidden_size, self.config.intermediate_size, self.dtype, self.shard)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -156,7 +193,7 @@ class LlamaForCausalLM(torch.nn.Module):
     def weight_targets(self) -> dict[str, tuple[torch.Tensor | QuantizedWeight, int, int]]:
         """HF tensor name -> (destination parameter, first row, rows) for every expected tensor;
         a quantized loader may have put a ``QuantizedWeight`` in a parameter's place."""
-        c, vocab, intermediate = self.config, self.shard.vocab_size, self.shard.intermediate_size
+        c, vocab = self.config, self.shard.vocab_size
         targets = {}
         if self.embed_tokens.shape[0]:
             targets["model.embed_tokens.weight"] = (self.embed_tokens, 0, vocab)
@@ -165,19 +202,9 @@ class LlamaForCausalLM(torch.nn.Module):
             if not c.tie_word_embeddings:
                 targets["lm_head.weight"] = (self.lm_head, 0, vocab)
         for i, layer in enumerate(self.layers, self.first_layer):
-            p, a, m = f"model.layers.{i}.", layer.self_attn, layer.mlp
-            q, kv = a.q_size, a.kv_size
-            for name, start, rows in (("q_proj", 0, q), ("k_proj", q, kv), ("v_proj", q + kv, kv)):
-                targets[f"{p}self_attn.{name}.weight"] = (a.qkv_weight, start, rows)
-                if a.qkv_bias is not None:
-                    targets[f"{p}self_attn.{name}.bias"] = (a.qkv_bias, start, rows)
-            targets[f"{p}self_attn.o_proj.weight"] = (a.o_weight, 0, c.hidden_size)
-            if a.q_norm is not None:
-                targets[f"{p}self_attn.q_norm.weight"] = (a.q_norm.weight, 0, c.head_dim)
-                targets[f"{p}self_attn.k_norm.weight"] = (a.k_norm.weight, 0, c.head_dim)
-            targets[f"{p}mlp.gate_proj.weight"] = (m.gate_up_weight, 0, intermediate)
-            targets[f"{p}mlp.up_proj.weight"] = (m.gate_up_weight, intermediate, intermediate)
-            targets[f"{p}mlp.down_proj.weight"] = (m.down_weight, 0, c.hidden_size)
+            p = f"model.layers.{i}."
+            targets.update(layer.self_attn.weight_targets(f"{p}self_attn."))
+            targets.update(layer.mlp.weight_targets(p + self.mlp_prefix))
             targets[f"{p}input_layernorm.weight"] = (layer.input_layernorm.weight, 0, c.hidden_size)
             targets[f"{p}post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, 0, c.hidden_size)
         return targets
@@ -185,37 +212,31 @@ class LlamaForCausalLM(torch.nn.Module):
     def shard_slices(self) -> dict[str, tuple[int, int, int, int]]:
         """HF tensor name -> (dim, begin, end, full size of dim) of the part of it this rank
         holds, for the tensors tensor parallelism cuts (none on one rank)."""
-        c, s, d = self.config, self.shard, self.config.head_dim
+        c, s = self.config, self.shard
         if s.world == 1:
             return {}
-        q, kv = (s.q_heads[0] * d, s.q_heads[1] * d), (s.kv_heads[0] * d, s.kv_heads[1] * d)
-        heads, kv_heads = c.num_attention_heads * d, c.num_key_value_heads * d
         slices = {"model.embed_tokens.weight": (0, *s.vocab, c.vocab_size)}
         if not c.tie_word_embeddings:
             slices["lm_head.weight"] = (0, *s.vocab, c.vocab_size)
-        for i in range(*self.stage.layers):
+        for i, layer in enumerate(self.layers, self.first_layer):
             p = f"model.layers.{i}."
-            for kind in ("weight", "bias"):
-                slices[f"{p}self_attn.q_proj.{kind}"] = (0, *q, heads)
-                slices[f"{p}self_attn.k_proj.{kind}"] = (0, *kv, kv_heads)
-                slices[f"{p}self_attn.v_proj.{kind}"] = (0, *kv, kv_heads)
-            slices[f"{p}self_attn.o_proj.weight"] = (1, *q, heads)
-            slices[f"{p}mlp.gate_proj.weight"] = (0, *s.intermediate, c.intermediate_size)
-            slices[f"{p}mlp.up_proj.weight"] = (0, *s.intermediate, c.intermediate_size)
-            slices[f"{p}mlp.down_proj.weight"] = (1, *s.intermediate, c.intermediate_size)
+            slices.update(layer.self_attn.shard_slices(f"{p}self_attn.", c))
+            slices.update(layer.mlp.shard_slices(p + self.mlp_prefix))
         return slices
 
     def matmul_weights(self) -> list[tuple[torch.nn.Module, str, list[str]]]:
         """Every weight ``linear`` reads, as (owner module, attribute, the checkpoint tensors
         stacked in it, in row order): the fused projections and the LM head, whose part is the
         embedding's tensor when the two are tied. Quantized loaders replace these attributes;
-        the embedding itself stays a float table for lookups."""
+        the embedding itself stays a float table for lookups, and a part's ``float_weights``
+        (an MoE router) stay floats too."""
         parts: dict[int, list[tuple[int, str]]] = {}
-        for name, (param, start, _) in self.weight_targets().items():
-            parts.setdefault(id(param), []).append((start, name))
+        for name, (target, start, _) in self.weight_targets().items():
+            parts.setdefault(id(target), []).append((start, name))
         return [(module, attr, [name for _, name in sorted(parts[id(p)])])
                 for module in self.modules() for attr, p in module._parameters.items()
-                if p is not None and p.dim() == 2 and attr != "embed_tokens" and id(p) in parts]
+                if p is not None and p.dim() == 2 and attr != "embed_tokens" and id(p) in parts
+                and attr not in getattr(module, "float_weights", ())]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copies checkpoint tensors (HF names) into the fused parameters, casting to the model
@@ -229,10 +250,10 @@ class LlamaForCausalLM(torch.nn.Module):
                 continue
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} is not used by {self.config.architecture}")
-            param, start, rows = targets[name]
-            if isinstance(param, QuantizedWeight):
+            target, start, rows = targets[name]
+            if isinstance(target, QuantizedWeight):
                 raise ValueError(f"checkpoint tensor {name!r} is part of a quantized weight placed already")
-            dest = param.data[start:start + rows]
+            dest = target.data[start:start + rows]
             expected, cut = list(dest.shape), slices.get(name)
             if cut is not None:  # tensor parallel: this rank's part of the tensor
                 expected[cut[0]] = cut[3]
@@ -241,7 +262,7 @@ class LlamaForCausalLM(torch.nn.Module):
                                  f"expected {tuple(expected)} from config.json")
             dest.copy_(tensor if cut is None else tensor.narrow(cut[0], cut[1], cut[2] - cut[1]))
             seen.add(name)
-        placed = {name for name, (param, _, _) in self.weight_targets().items() if isinstance(param, QuantizedWeight)}
+        placed = {name for name, (target, _, _) in self.weight_targets().items() if isinstance(target, QuantizedWeight)}
         missing = sorted(set(targets) - placed - seen)  # `weights` may place quantized weights as it goes
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -262,4 +283,4 @@ class LlamaForCausalLM(torch.nn.Module):
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    qk_norm = True
+    qk_norm = "head"

@@ -1,0 +1,126 @@
+"""Octavo's `fused_moe` against the torch loop over experts (per expert: index_select of its
+tokens, two F.linear, silu, weighted index_add: what transformers does) on one MoE layer.
+
+    python bench/python/bench_moe.py [--shapes mixtral qwen3] [--tokens 1 4 16 64 512 2048 4096]
+                                     [--dtype bfloat16] [--formats dense int8 int4] [--repeats 5]
+
+Shapes: Mixtral-8x7B-like (8 experts, top-2, hidden 4096, expert width 14336) and
+Qwen3-30B-A3B-like (128 experts, top-8, hidden 2048, expert width 768); random weights, routing
+by topk_softmax of random router logits. Per row: milliseconds per call of each (best of
+--repeats, taken in turn), the speedup, and at decode sizes the active experts' weight bytes read
+per second as a fraction of the machine's read bandwidth (measured first). Quantized formats
+(load-time int8 / int4 of the same weights) run only Octavo's op; their torch column is the
+loop on the dense weights.
+"""
+import argparse
+import platform
+import time
+from pathlib import Path
+
+import octavo  # noqa: F401  (before torch: OMP_WAIT_POLICY)
+import torch
+from octavo import _C
+from octavo.benchmarks.memory import read_bandwidth
+from octavo.layers.moe import fused_moe_torch
+from octavo.layers.quantize import quantize
+
+SHAPES = {"mixtral": (8, 2, 4096, 14336), "qwen3": (128, 8, 2048, 768)}  # experts, top-k, hidden, width
+DECODE_TOKENS = 64  # up to here a row reports bandwidth
+# Calls cycle through this many routings, so that successive calls read different experts (as
+# successive layers of a model do) instead of finding the last call's experts in the cache.
+ROUTINGS = 8
+
+
+def route(tokens: int, num: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = torch.empty(tokens, top_k)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32)
+    _C.ops.topk_softmax(weights, ids, torch.randn(tokens, num), True)
+    return weights, ids
+
+
+class Cycle:
+    """fn(weights, ids) over the routings in turn, one per call."""
+
+    def __init__(self, routes, fn):
+        self.routes, self.fn, self.calls = routes, fn, 0
+
+    def __call__(self):
+        self.calls += 1
+        return self.fn(*self.routes[self.calls % len(self.routes)])
+
+
+def cpu_line() -> str:
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
+                 platform.processor())
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = [f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2"))]
+    return f"{model}; flags {' '.join(sorted(set(wanted)))}"
+
+
+def best_seconds(fns, repeats: int) -> list[float]:
+    """Best time of each of fns over `repeats` rounds, the fns taken in turn each round."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:
+        fn()  # warm: page faults, thread start
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            best[i] = min(best[i], time.perf_counter() - start)
+    return best
+
+
+def stack_args(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, int]:
+    """The op's arguments for the [E, N, K] stack in `fmt`, and its bytes per expert."""
+    if fmt == "dense":
+        return {prefix: w}, w[0].numel() * w.element_size()
+    e, n, k = w.shape
+    q = quantize(w.reshape(e * n, k), fmt)
+    stacked = {prefix: q.qweight.view(e, n, -1), f"{prefix}_format": fmt, f"{prefix}_group_size": q.group_size,
+               f"{prefix}_scales": q.scales.view(e, n, *q.scales.shape[1:])}
+    if q.zeros is not None:
+        stacked[f"{prefix}_zeros"] = q.zeros.view(e, n, *q.zeros.shape[1:])
+    per_expert = sum(t.numel() * t.element_size() for t in (q.qweight, q.scales, q.zeros) if t is not None) // e
+    return stacked, per_expert
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512, 2048, 4096])
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--formats", nargs="+", default=["dense", "int8", "int4"])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    bandwidth = read_bandwidth()
+    print(f"{cpu_line()}\nthreads {octavo.get_num_threads()} (torch {torch.get_num_threads()}), cpu isa "
+          f"{octavo.cpu_isa()}, torch {torch.__version__}, activations {args.dtype}; "
+          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(f"{'shape':>8} {'format':>6} {'T':>5} {'octavo ms':>10} {'torch ms':>9} {'speedup':>7} {'active GB/s':>11} "
+          f"{'of bw':>6}")
+    for name in args.shapes:
+        num, top_k, hidden, width = SHAPES[name]
+        torch.manual_seed(0)
+        w13 = (torch.randn(num, 2 * width, hidden) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num, hidden, width) / width**0.5).to(dtype)
+        for fmt in args.formats:
+            a, a_bytes = stack_args(w13, fmt, "w13")
+            b, b_bytes = stack_args(w2, fmt, "w2")
+            for tokens in args.tokens:
+                x = torch.randn(tokens, hidden).to(dtype)
+                routes = [route(tokens, num, top_k) for _ in range(ROUTINGS)]
+                out = torch.empty_like(x)
+                ours = Cycle(routes, lambda w, i: _C.ops.fused_moe(out, x, topk_weights=w, topk_ids=i, **a, **b))
+                loop = Cycle(routes, lambda w, i: fused_moe_torch(x, w13, w2, w, i, num))
+                repeats = args.repeats if tokens <= 512 else max(1, args.repeats // 3)
+                mine, theirs = best_seconds([ours, loop], repeats)
+                active = min(ids.unique().numel() for _, ids in routes) * (a_bytes + b_bytes)
+                gbs = f"{active / mine / 1e9:11.1f} {active / mine / bandwidth:6.2f}" if tokens <= DECODE_TOKENS else ""
+                print(f"{name:>8} {fmt:>6} {tokens:5d} {mine * 1e3:10.2f} {theirs * 1e3:9.2f} "
+                      f"{theirs / mine:7.2f} {gbs}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+"""The dense gated MLP of Llama-family models (and Qwen2-MoE's shared expert)."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _C
+from ..distributed.parallel_state import all_reduce
+from ..distributed.shards import TPShard, split
+from .linear import linear, param
+
+
+class GatedMLP(torch.nn.Module):
+    """silu(gate(x)) * up(x) -> down, column-parallel gate_up, row-parallel down (the rank's
+    part of ``intermediate_size``). ``partial`` leaves the sum over ranks to the caller."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, shard: TPShard):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.cut = split(intermediate_size, shard.world, shard.rank)
+        rows = self.cut[1] - self.cut[0]
+        self.gate_up_weight = param(2 * rows, hidden_size, dtype=dtype)
+        self.down_weight = param(hidden_size, rows, dtype=dtype)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = linear(x, self.gate_up_weight)
+        out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
+        _C.ops.silu_and_mul(out, gate_up)
+        return linear(out, self.down_weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return all_reduce(self.partial(x))
+
+    def weight_targets(self, prefix: str) -> dict:
+        rows, hidden = self.down_weight.shape[1], self.down_weight.shape[0]
+        return {f"{prefix}gate_proj.weight": (self.gate_up_weight, 0, rows),
+                f"{prefix}up_proj.weight": (self.gate_up_weight, rows, rows),
+                f"{prefix}down_proj.weight": (self.down_weight, 0, hidden)}
+
+    def shard_slices(self, prefix: str) -> dict:
+        whole = (*self.cut, self.intermediate_size)
+        return {f"{prefix}gate_proj.weight": (0, *whole), f"{prefix}up_proj.weight": (0, *whole),
+                f"{prefix}down_proj.weight": (1, *whole)}

@@ -1,0 +1,171 @@
+"""Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against Hugging Face
+transformers on tiny random checkpoints made here: logits position by position over a prompt
+and 32 greedy steps, greedy outputs through the step loop with chunked prefill, prefix-cache
+hits, preemption and mixed batches, load-time int8 / int4 experts, and tensor / pipeline parallel."""
+import pytest
+import torch
+import transformers
+
+from octavo.layers.linear import QuantizedWeight
+from octavo.layers.moe import FusedMoE
+from octavo.layers.quantize import quantize_model
+from octavo.loader import load_model
+from test_models import TINY, attach_kv_cache, step
+from test_step_loop import hf_greedy, prompts, run
+
+MOE = dict(num_experts_per_tok=2)
+ARCHITECTURES = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM, dict(num_local_experts=8, intermediate_size=96)),
+    "qwen2-moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM, dict(
+        num_experts=8, moe_intermediate_size=64, shared_expert_intermediate_size=96)),
+    # Renormalized weights, and a dense MLP in layer 0 (mlp_only_layers) next to an MoE one.
+    "qwen3-moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM, dict(
+        num_experts=8, moe_intermediate_size=64, norm_topk_prob=True, mlp_only_layers=[0])),
+    "olmoe": (transformers.OlmoeConfig, transformers.OlmoeForCausalLM, dict(num_experts=8, intermediate_size=64, clip_qkv=4.0)),
+}
+STEPS = 32
+MOE_WIDTH = {"mixtral": 96, "qwen2-moe": 64, "qwen3-moe": 64, "olmoe": 64}  # each expert's intermediate rows
+
+
+def tiny_moe_checkpoint(kind: str, path, **overrides) -> torch.nn.Module:
+    config_cls, model_cls, extra = ARCHITECTURES[kind]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**{**TINY, **MOE, **extra, **overrides})).float().eval()
+    for name, p in model.named_parameters():
+        if name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            p.data.normal_(0, 0.5)  # decisive routing: no near-ties between a token's experts
+        elif name.endswith("bias"):
+            p.data.normal_()  # random init leaves Qwen2-MoE's q/k/v biases at zero; make them count
+    model.save_pretrained(path)
+    return model
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    return path, tiny_moe_checkpoint(request.param, path)
+
+
+def decode(model, prompt: list[int], steps: int) -> tuple[torch.Tensor, list[int]]:
+    """Logits of the prompt and of `steps` greedy tokens, one step at a time through the cache."""
+    logits, tokens = [step(model, prompt, 0)], list(prompt)
+    for _ in range(steps):
+        tokens.append(int(logits[-1][-1].argmax()))
+        logits.append(step(model, tokens[-1:], len(tokens) - 1))
+    return torch.cat(logits), tokens
+
+
+def test_logits_match_transformers_for_32_greedy_steps(checkpoint):
+    path, reference = checkpoint
+    model = load_model(path, dtype="float32")
+    assert any(isinstance(layer.mlp, FusedMoE) for layer in model.layers)
+    attach_kv_cache(model, num_blocks=8)
+    prompt = torch.randint(0, TINY["vocab_size"], (21,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours, tokens = decode(model, prompt, STEPS)
+    with torch.no_grad():
+        theirs = reference(torch.tensor([tokens[:-1] + tokens[-1:]])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert ours.argmax(-1)[len(prompt) - 1:-1].tolist() == tokens[len(prompt):]
+
+
+@pytest.mark.parametrize("num_blocks,budget", [
+    (64, 256),  # everything at once, prefix-cache hits on the shared prompts
+    (64, 16),   # chunked prefill on a small token budget
+    (12, 64),   # a pool too small for the batch: preemption and recompute
+])
+def test_step_loop_greedy_outputs_match_transformers(checkpoint, num_blocks, budget):
+    path, reference = checkpoint
+    batch = prompts()
+    outputs, sched = run(path, batch, num_blocks, budget)
+    assert outputs == [hf_greedy(reference, p) for p in batch]
+    if num_blocks == 12:
+        assert sched.num_preemptions > 0
+    assert sched.block_pool.num_used_blocks == 0
+
+
+def test_output_is_the_same_alone_and_in_a_batch(checkpoint):
+    path, _ = checkpoint
+    batch = prompts()
+    together, _ = run(path, batch, 64, 64)
+    assert [run(path, [p], 64, 64)[0][0] for p in batch] == together
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_compute_their_dequantized_floats(checkpoint, method):
+    """Load-time quantization covers the experts (not the router); the model then computes what
+    the float model computes on the dequantized weights, and quantizing while loading equals
+    quantizing the loaded model."""
+    path, _ = checkpoint
+    quantized = load_model(path, dtype="float32", quantization=method)
+    after = quantize_model(load_model(path, dtype="float32"), method)
+    floats = load_model(path, dtype="float32")
+    for q_layer, a_layer, f_layer in zip(quantized.layers, after.layers, floats.layers):
+        if not isinstance(q_layer.mlp, FusedMoE):
+            continue
+        assert isinstance(q_layer.mlp.router_weight, torch.nn.Parameter)
+        for attr in ("w13", "w2"):
+            weight = getattr(q_layer.mlp, attr)
+            assert isinstance(weight, QuantizedWeight) and weight.weight_format == method
+            assert torch.equal(weight.qweight, getattr(a_layer.mlp, attr).qweight)
+        for name, weight in q_layer.mlp.named_modules():  # the experts and a shared expert
+            if isinstance(weight, QuantizedWeight):
+                f_layer.mlp.get_parameter(name).data.copy_(weight.dequantize())
+    x = torch.randn(9, TINY["hidden_size"])
+    for q_layer, f_layer in zip(quantized.layers, floats.layers):
+        if isinstance(q_layer.mlp, FusedMoE):
+            torch.testing.assert_close(q_layer.mlp(x), f_layer.mlp(x), rtol=1e-5, atol=1e-6)
+    attach_kv_cache(quantized, num_blocks=8)
+    assert torch.isfinite(step(quantized, [1, 2, 3, 4], 0)).all()
+
+
+@pytest.mark.parametrize("kind,tp,pp", [("mixtral", 2, 1), ("qwen2-moe", 2, 1), ("qwen3-moe", 1, 2)])
+def test_split_over_ranks_answers_as_one(kind, tp, pp, tmp_path):
+    """Tensor parallel cuts every expert's intermediate rows (and the shared expert's); pipeline
+    parallel gives each stage its layers' experts. Both answer as one rank does."""
+    pytest.importorskip("zmq")
+    from test_detokenizer import _byte_level_bpe
+    from test_tensor_parallel import assert_same, engine
+    from test_tensor_parallel import run as generate
+
+    tokenizer = _byte_level_bpe()
+    tokenizer.save_pretrained(tmp_path)
+    tiny_moe_checkpoint(kind, tmp_path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    split = engine(tmp_path, tp, pipeline_parallel_size=pp)
+    try:
+        assert_same(generate(split), generate(engine(tmp_path, 1)))
+        if tp > 1:
+            rows = split.apply_model(lambda m: m.layers[0].mlp.w2.shape[1])
+            assert rows == [MOE_WIDTH[kind] // 2] * 2
+    finally:
+        split.llm_engine.shutdown()
+
+
+def test_olmoe_refuses_tensor_parallel(tmp_path):
+    tiny_moe_checkpoint("olmoe", tmp_path)
+    with pytest.raises(ValueError, match="normalizes q and k over all heads at once"):
+        load_model(tmp_path, tp_rank=0, tp_size=2)
+
+
+@pytest.mark.parametrize("width,packed", [(64, True), (40, False)])
+def test_bf16_experts_pack_into_tiles_only_whole(width, packed, tmp_path):
+    """On AMX, bfloat16 expert stacks are packed into 32-row weight tiles where each expert's
+    rows fill whole tiles, and compute what the dense stacks do; an expert ending inside a tile
+    keeps its dense rows."""
+    from octavo import _C
+    from octavo.layers import bf16_tiles
+
+    if "amx" not in _C.supported_cpu_isas():
+        pytest.skip("needs a CPU with AMX")
+    tiny_moe_checkpoint("qwen3-moe", tmp_path, moe_intermediate_size=width)
+    dense, tiled = load_model(tmp_path, dtype="bfloat16"), load_model(tmp_path, dtype="bfloat16")
+    bf16_tiles.pack_model(tiled)
+    moe = tiled.layers[1].mlp
+    assert isinstance(moe.w13, QuantizedWeight) == packed and isinstance(moe.router_weight, torch.nn.Parameter)
+    previous = _C.cpu_isa()
+    _C.set_cpu_isa("amx")
+    try:
+        for tokens in (1, 5, 40):
+            x = torch.randn(tokens, TINY["hidden_size"]).bfloat16()
+            torch.testing.assert_close(moe(x), dense.layers[1].mlp(x), rtol=0.02, atol=0.02)
+    finally:
+        _C.set_cpu_isa(previous)
