@@ -24,7 +24,8 @@ from octavo.benchmarks.memory import read_bandwidth
 from octavo.layers.moe import fused_moe_torch
 from octavo.layers.quantize import quantize
 
-SHAPES = {"mixtral": (8, 2, 4096, 14336), "qwen3": (128, 8, 2048, 768)}  # experts, top-k, hidden, width
+SHAPES = {"mixtral": (8, 2, 4096, 14336), "qwen3": (128, 8, 2048, 768),  # experts, top-k, hidden, width
+          "olmoe": (64, 8, 2048, 1024)}
 DECODE_TOKENS = 64  # up to here a row reports bandwidth
 # Calls cycle through this many routings, so that successive calls read different experts (as
 # successive layers of a model do) instead of finding the last call's experts in the cache.

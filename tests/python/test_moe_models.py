@@ -2,6 +2,7 @@
 transformers on tiny random checkpoints made here: logits position by position over a prompt
 and 32 greedy steps, greedy outputs through the step loop with chunked prefill, prefix-cache
 hits, preemption and mixed batches, load-time int8 / int4 experts, and tensor / pipeline parallel."""
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -11,7 +12,7 @@ from octavo.layers.moe import FusedMoE
 from octavo.layers.quantize import quantize_model
 from octavo.loader import load_model
 from test_models import TINY, attach_kv_cache, step
-from test_step_loop import hf_greedy, prompts, run
+from test_step_loop import POOLS_AND_BUDGETS, assert_greedy_matches, prompts, run
 
 MOE = dict(num_experts_per_tok=2)
 ARCHITECTURES = {
@@ -68,19 +69,9 @@ def test_logits_match_transformers_for_32_greedy_steps(checkpoint):
     assert ours.argmax(-1)[len(prompt) - 1:-1].tolist() == tokens[len(prompt):]
 
 
-@pytest.mark.parametrize("num_blocks,budget", [
-    (64, 256),  # everything at once, prefix-cache hits on the shared prompts
-    (64, 16),   # chunked prefill on a small token budget
-    (12, 64),   # a pool too small for the batch: preemption and recompute
-])
+@pytest.mark.parametrize("num_blocks,budget", POOLS_AND_BUDGETS)
 def test_step_loop_greedy_outputs_match_transformers(checkpoint, num_blocks, budget):
-    path, reference = checkpoint
-    batch = prompts()
-    outputs, sched = run(path, batch, num_blocks, budget)
-    assert outputs == [hf_greedy(reference, p) for p in batch]
-    if num_blocks == 12:
-        assert sched.num_preemptions > 0
-    assert sched.block_pool.num_used_blocks == 0
+    assert_greedy_matches(*checkpoint, num_blocks, budget)
 
 
 def test_output_is_the_same_alone_and_in_a_batch(checkpoint):
@@ -118,10 +109,12 @@ def test_quantized_experts_compute_their_dequantized_floats(checkpoint, method):
     assert torch.isfinite(step(quantized, [1, 2, 3, 4], 0)).all()
 
 
-@pytest.mark.parametrize("kind,tp,pp", [("mixtral", 2, 1), ("qwen2-moe", 2, 1), ("qwen3-moe", 1, 2)])
-def test_split_over_ranks_answers_as_one(kind, tp, pp, tmp_path):
-    """Tensor parallel cuts every expert's intermediate rows (and the shared expert's); pipeline
-    parallel gives each stage its layers' experts. Both answer as one rank does."""
+@pytest.mark.parametrize("kind,tp,pp,ep", [("mixtral", 2, 1, False), ("qwen2-moe", 2, 1, False), ("qwen3-moe", 1, 2, False),
+                                         ("mixtral", 2, 1, True), ("qwen2-moe", 2, 1, True)])
+def test_split_over_ranks_answers_as_one(kind, tp, pp, ep, tmp_path):
+    """Tensor parallel cuts every expert's intermediate rows (and the shared expert's); expert
+    parallel gives each rank whole experts; pipeline parallel gives each stage its layers'
+    experts. All answer as one rank does."""
     pytest.importorskip("zmq")
     from test_detokenizer import _byte_level_bpe
     from test_tensor_parallel import assert_same, engine
@@ -130,12 +123,17 @@ def test_split_over_ranks_answers_as_one(kind, tp, pp, tmp_path):
     tokenizer = _byte_level_bpe()
     tokenizer.save_pretrained(tmp_path)
     tiny_moe_checkpoint(kind, tmp_path, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
-    split = engine(tmp_path, tp, pipeline_parallel_size=pp)
+    split = engine(tmp_path, tp, pipeline_parallel_size=pp, enable_expert_parallel=ep)
     try:
         assert_same(generate(split), generate(engine(tmp_path, 1)))
         if tp > 1:
-            rows = split.apply_model(lambda m: m.layers[0].mlp.w2.shape[1])
-            assert rows == [MOE_WIDTH[kind] // 2] * 2
+            moe = 1 if kind == "qwen3-moe" else 0  # layer 0 of the Qwen3-MoE checkpoint is dense
+            shapes = split.apply_model(lambda m: (m.layers[moe].mlp.experts, tuple(m.layers[moe].mlp.w2.shape)))
+            width, hidden = MOE_WIDTH[kind], TINY["hidden_size"]
+            if ep:  # four whole experts each
+                assert shapes == [((0, 4), (4 * hidden, width)), ((4, 8), (4 * hidden, width))]
+            else:  # every expert, half its rows each
+                assert shapes == [((0, 8), (8 * hidden, width // 2))] * 2
     finally:
         split.llm_engine.shutdown()
 
@@ -169,3 +167,77 @@ def test_bf16_experts_pack_into_tiles_only_whole(width, packed, tmp_path):
             torch.testing.assert_close(moe(x), dense.layers[1].mlp(x), rtol=0.02, atol=0.02)
     finally:
         _C.set_cpu_isa(previous)
+
+
+def _write_mixtral_gguf(hf_dir, path) -> None:
+    """The checkpoint in hf_dir as a llama.cpp Mixtral GGUF (llama with experts): experts' gate and
+    up in Q4_0 blocks, down and attention in Q8_0, the rest in floats. The checkpoint's tensors
+    are rewritten as their blocks' values, so both files hold the same weights."""
+    import json
+
+    import gguf
+    from safetensors.torch import load_file, save_file
+
+    q = gguf.GGMLQuantizationType
+    config = json.loads((hf_dir / "config.json").read_text())
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    tensors = load_file(hf_dir / "model.safetensors")
+
+    def blocks(name: str, qtype):
+        data = gguf.quants.quantize(tensors[name].numpy(), qtype)
+        tensors[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).copy())
+        return data
+
+    def interleave(data, n):  # llama.cpp's q/k row order (loader/gguf_file.py undoes it)
+        return data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for add, value in ((writer.add_block_count, config["num_hidden_layers"]), (writer.add_context_length, 256),
+                       (writer.add_embedding_length, config["hidden_size"]),
+                       (writer.add_feed_forward_length, config["intermediate_size"]), (writer.add_head_count, heads),
+                       (writer.add_head_count_kv, kv_heads), (writer.add_layer_norm_rms_eps, config["rms_norm_eps"]),
+                       (writer.add_rope_freq_base, config.get("rope_theta") or config["rope_parameters"]["rope_theta"]),
+                       (writer.add_rope_dimension_count, config["head_dim"]), (writer.add_vocab_size, config["vocab_size"]),
+                       (writer.add_expert_count, config["num_local_experts"]),
+                       (writer.add_expert_used_count, config["num_experts_per_tok"])):
+        add(value)
+    writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"].numpy())
+    writer.add_tensor("output_norm.weight", tensors["model.norm.weight"].numpy())
+    writer.add_tensor("output.weight", blocks("lm_head.weight", q.Q8_0), raw_dtype=q.Q8_0)
+    for i in range(config["num_hidden_layers"]):
+        p, b = f"model.layers.{i}.", f"blk.{i}."
+        for ours, theirs in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
+                             ("block_sparse_moe.gate", "ffn_gate_inp")):
+            writer.add_tensor(f"{b}{theirs}.weight", tensors[f"{p}{ours}.weight"].numpy())
+        for ours, theirs, n in (("q_proj", "attn_q", heads), ("k_proj", "attn_k", kv_heads), ("v_proj", "attn_v", 0),
+                                ("o_proj", "attn_output", 0)):
+            data = blocks(f"{p}self_attn.{ours}.weight", q.Q8_0)
+            writer.add_tensor(f"{b}{theirs}.weight", interleave(data, n) if n else data, raw_dtype=q.Q8_0)
+        for ours, theirs, qtype in (("w1", "ffn_gate_exps", q.Q4_0), ("w3", "ffn_up_exps", q.Q4_0),
+                                    ("w2", "ffn_down_exps", q.Q8_0)):
+            stack = [blocks(f"{p}block_sparse_moe.experts.{j}.{ours}.weight", qtype)
+                     for j in range(config["num_local_experts"])]
+            writer.add_tensor(f"{b}{theirs}.weight", np.stack(stack), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
+
+
+def test_a_mixtral_gguf_runs_on_its_expert_blocks(tmp_path):
+    pytest.importorskip("gguf")
+    hf_dir, path = tmp_path / "hf", tmp_path / "tiny-mixtral.gguf"
+    tiny_moe_checkpoint("mixtral", hf_dir)
+    _write_mixtral_gguf(hf_dir, path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    model = load_model(path)
+    moe = model.layers[0].mlp
+    assert type(model).__name__ == "MixtralForCausalLM" and isinstance(moe, FusedMoE)
+    assert (moe.w13.weight_format, moe.w2.weight_format) == ("q4_0", "q8_0")
+    attach_kv_cache(model, num_blocks=8)
+    prompt = torch.randint(0, TINY["vocab_size"], (13,), generator=torch.Generator().manual_seed(2)).tolist()
+    ours, tokens = decode(model, prompt, 8)
+    with torch.no_grad():
+        theirs = reference(torch.tensor([tokens])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

@@ -250,3 +250,26 @@ def test_fused_moe_refuses_bad_arguments():
         _C.ops.fused_moe(out, x, w13, w2, weights, ids[:2])
     with pytest.raises(ValueError, match="int8 needs scales"):
         _C.ops.fused_moe(out, x, w13.to(torch.int8), w2, weights, ids, w13_format="int8")
+
+
+@pytest.mark.parametrize("method", ["int8", "int4", "q4_0"])
+def test_quantized_experts_with_bf16_activations(isa, method):
+    """Few rows per expert compute in float32 (the bits of a float32 call, rounded once); from 32
+    rows per expert on, each expert's weights are dequantized to bfloat16 and multiplied as a
+    bfloat16 checkpoint's would be (the bits of the dense op on those weights)."""
+    if method.startswith("q"):
+        pytest.importorskip("gguf")
+    w13, w2 = experts(4, 64, 96)
+    a, w13_floats = _quantized_stack(w13, method)
+    b, w2_floats = _quantized_stack(w2, method)
+    quant = {**{f"w13_{key}": a[key] for key in ("format", "scales", "zeros", "group_size")},
+             **{f"w2_{key}": b[key] for key in ("format", "scales", "zeros", "group_size")}}
+    for tokens, k in ((5, 2), (70, 2)):  # 2.5 and 35 rows per expert
+        x = torch.randn(tokens, 64).bfloat16()
+        weights, ids = routing(tokens, 4, k)
+        out = run_moe(x, a["weight"], b["weight"], weights, ids, **quant)
+        if tokens == 5:
+            expected = run_moe(x.float(), a["weight"], b["weight"], weights, ids, **quant).bfloat16()
+        else:
+            expected = run_moe(x, w13_floats.bfloat16(), w2_floats.bfloat16(), weights, ids)
+        assert torch.equal(out, expected)

@@ -107,8 +107,7 @@ def test_priority_field(client, server):
     assert r.status_code == 400 and "32-bit" in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("argv,feature", [(["--enable-expert-parallel"], "expert parallelism"),
-                                          (["--enable-lora"], "LoRA adapters"),
+@pytest.mark.parametrize("argv,feature", [(["--enable-lora"], "LoRA adapters"),
                                           (["--speculative-config", "{}"], "speculative decoding"),
                                           (["--enable-auto-tool-choice"], "tool calling")])
 def test_options_of_missing_features_are_refused_by_name(argv, feature, capsys):

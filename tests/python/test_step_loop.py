@@ -59,19 +59,25 @@ def run(path, batch: list[list[int]], num_blocks: int, budget: int) -> tuple[lis
     return [states[h].output_token_ids for h in order], sched
 
 
-@pytest.mark.parametrize("num_blocks,budget", [
-    (64, 256),  # everything at once
+POOLS_AND_BUDGETS = [
+    (64, 256),  # everything at once, prefix-cache hits on the shared prompts
     (64, 16),   # chunked prefill on a small token budget
     (12, 64),   # a pool too small for the batch: preemption and recompute
-])
-def test_greedy_outputs_match_transformers(checkpoint, num_blocks, budget):
-    path, reference = checkpoint
+]
+
+
+def assert_greedy_matches(path, reference, num_blocks: int, budget: int) -> None:
     batch = prompts()
     outputs, sched = run(path, batch, num_blocks, budget)
     assert outputs == [hf_greedy(reference, p) for p in batch]
     if num_blocks == 12:
         assert sched.num_preemptions > 0
     assert sched.block_pool.num_used_blocks == 0  # every block back in the pool (cached or free)
+
+
+@pytest.mark.parametrize("num_blocks,budget", POOLS_AND_BUDGETS)
+def test_greedy_outputs_match_transformers(checkpoint, num_blocks, budget):
+    assert_greedy_matches(*checkpoint, num_blocks, budget)
 
 
 def test_output_is_the_same_alone_and_in_a_batch(checkpoint):

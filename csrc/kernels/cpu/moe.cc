@@ -3,13 +3,15 @@
 //
 // fused_moe gathers the rows routed to each expert into one matrix and runs that expert's two
 // projections through `linear` (this level's kernel: decode rows in registers, prefill on
-// panels or AMX tiles, threads over slabs of the expert's output features), so each expert's
-// weights stream once per call however many of the batch's tokens chose it. The weighted sum
+// panels or AMX tiles), so each expert's weights stream once per call however many of the
+// batch's tokens chose it. Threads take slabs of (expert, output features) from one job per
+// projection for all the experts at once. The weighted sum
 // over a token's experts is kept in float32 and added in ascending expert order, the same for
 // a token alone or in any batch.
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #include "isa_kernels.h"
@@ -22,10 +24,19 @@ namespace {
 
 // Routers of fewer tokens than this run on the calling thread.
 constexpr int64_t kSerialRouterTokens = 64;
-// An expert's rows are projected this many at a time: bounds the scratch (a Mixtral-sized
-// expert's gate_up rows are 28672 floats) while each chunk is still large enough for the
-// prefill kernels to run at full speed.
-constexpr int64_t kExpertRowChunk = 512;
+// (token, expert) pairs are projected this many at a time: bounds the scratch (a Mixtral-sized
+// expert's gate_up rows are 28672 floats) while each batch is still large enough for the prefill
+// kernels to run at full speed.
+constexpr int64_t kBatchRows = 1024;
+// A projection's jobs: about this many slabs of output features per thread (uneven experts
+// still balance), each at least 32 rows.
+constexpr int64_t kSlabsPerThread = 4;
+// Copies and sums below this many elements run on the calling thread; larger ones in chunks of
+// at least kMinChunkElems.
+constexpr int64_t kSerialElems = 1 << 15;
+constexpr int64_t kMinChunkElems = 1 << 13;
+constexpr int64_t kAddColumns = 256;  // columns per job of the weighted sum
+constexpr int64_t kBf16FromRows = 32;  // see dispatch_compute
 
 // ---- topk_softmax -------------------------------------------------------------------------
 
@@ -122,72 +133,170 @@ ExpertGroups group_by_expert(const int32_t* ids, int64_t pairs, int64_t num_expe
 
 // ---- fused_moe ------------------------------------------------------------------------------
 
-// Expert e's slice of a stack as linear's weight, for `rows` input rows of `in_features`.
-LinearParams expert_linear(const ExpertStack& w, int64_t e, void* out, const void* input, int64_t rows,
-                           int64_t in_features, DType dtype) {
-  LinearParams lp{};
-  lp.out = out;
-  lp.input = input;
-  lp.weight = static_cast<const uint8_t*>(w.weight) + e * w.expert_bytes;
-  lp.scales = w.scales != nullptr ? w.scales + e * w.expert_scales : nullptr;
-  lp.zeros = w.zeros != nullptr ? w.zeros + e * w.expert_zeros : nullptr;
-  lp.rows = rows;
-  lp.in_features = in_features;
-  lp.out_features = w.rows;
-  lp.in_stride = in_features;
-  lp.out_stride = w.rows;
-  lp.group_size = w.group_size;
-  lp.dtype = dtype;
-  lp.weight_format = w.format;
-  return lp;
-}
-
-template <typename T>
-struct ExpertScratch {
-  std::unique_ptr<T[]> x, gate_up, act, y;  // [chunk, H], [chunk, 2I], [chunk, I], [chunk, H]
-  ExpertScratch(int64_t rows, int64_t H, int64_t I)
-      : x(new T[rows * H]), gate_up(new T[rows * 2 * I]), act(new T[rows * I]), y(new T[rows * H]) {}
+// A run of the batch's rows that one expert takes: rows [begin, end) of the batch matrices.
+struct Segment {
+  int64_t expert, begin, end;
 };
 
-// Rows order[0, m) of the step through expert e, each added into acc with its routing weight.
-template <typename T>
-void run_expert_rows(const FusedMoeParams& p, int64_t e, const int32_t* order, int64_t m, ExpertScratch<T>& s,
-                     float* acc) {
-  const int64_t H = p.hidden, I = p.intermediate;
-  const T* hidden = static_cast<const T*>(p.hidden_states);
-  for (int64_t i = 0; i < m; ++i) {
-    const T* row = hidden + order[i] / p.top_k * p.in_stride;
-    std::copy(row, row + H, s.x.get() + i * H);
-  }
-  linear(expert_linear(p.w13, e, s.gate_up.get(), s.x.get(), m, H, p.dtype));
-  silu_and_mul(GatedActivationParams{s.act.get(), s.gate_up.get(), m, I, 2 * I, I, p.dtype});
-  linear(expert_linear(p.w2, e, s.y.get(), s.act.get(), m, I, p.dtype));
-  for (int64_t i = 0; i < m; ++i) {
-    const float w = p.topk_weights[order[i]];
-    float* a = acc + order[i] / p.top_k * H;
-    const T* y = s.y.get() + i * H;
-    for (int64_t h = 0; h < H; ++h) a[h] += w * to_float(y[h]);
-  }
+// One job of a projection: output features [first, first + count) of a segment's rows.
+struct Slab {
+  int64_t segment, first, count;
+};
+
+// Slabs of each segment's `n` output features, about kSlabsPerThread per thread over the batch,
+// in multiples of 32 rows (the tile layout's panels never split).
+std::vector<Slab> slabs_of(const std::vector<Segment>& segments, int64_t n) {
+  const int64_t wanted = static_cast<int64_t>(get_num_threads()) * kSlabsPerThread;
+  int64_t size = (static_cast<int64_t>(segments.size()) * n + wanted - 1) / wanted;
+  size = std::min(n, std::max<int64_t>(32, (size + 31) / 32 * 32));
+  std::vector<Slab> slabs;
+  for (int64_t seg = 0; seg < static_cast<int64_t>(segments.size()); ++seg)
+    for (int64_t first = 0; first < n; first += size) slabs.push_back({seg, first, std::min(size, n - first)});
+  return slabs;
 }
 
-template <typename T>
+// Whether a stack's weights decode to float32 in `linear` (every format but dense and the
+// bfloat16 tiles, which multiply in the activations' type).
+bool decodes_to_float(const ExpertStack& w) {
+  return w.format != WeightFormat::kDense && w.format != WeightFormat::kBf16Tiles;
+}
+
+// A slab's weights as `linear` takes them: its part of the stack, or with `to_bf16`, that part of
+// a quantized stack dequantized into `buffer` as a dense bfloat16 matrix (bfloat16 products run
+// on AMX tiles or vdpbf16ps, at several times float32's rate for prefill-sized row counts).
+void slab_weight(const ExpertStack& w, int64_t expert, const Slab& slab, int64_t in_features, bool to_bf16,
+                 std::vector<bf16>& buffer, LinearParams& lp) {
+  const int64_t n = w.rows, row_bytes = w.expert_bytes / n;
+  lp.weight = static_cast<const uint8_t*>(w.weight) + expert * w.expert_bytes + slab.first * row_bytes;
+  lp.scales = w.scales != nullptr ? w.scales + expert * w.expert_scales + slab.first * (w.expert_scales / n) : nullptr;
+  lp.zeros = w.zeros != nullptr ? w.zeros + expert * w.expert_zeros + slab.first * (w.expert_zeros / n) : nullptr;
+  lp.group_size = w.group_size;
+  lp.weight_format = w.format;
+  if (!to_bf16) return;
+  buffer.resize(slab.count * in_features);
+  LinearParams dq = lp;
+  dq.out = buffer.data();
+  dq.out_features = slab.count;
+  dq.in_features = in_features;
+  dq.dtype = DType::kBFloat16;
+  dequantize(dq);
+  lp.weight = buffer.data();
+  lp.scales = nullptr;
+  lp.zeros = nullptr;
+  lp.weight_format = WeightFormat::kDense;
+}
+
+// out[begin:end, :] = in[begin:end, :] · expert's weightᵀ for every segment, all segments' slabs
+// in one parallel job (each slab runs `linear` on the calling thread), so a decode step's few rows
+// per expert wake the pool once per projection, not once per expert.
+void project(const ExpertStack& w, const std::vector<Segment>& segments, void* out, const void* in,
+             int64_t in_features, DType dtype) {
+  const int64_t n = w.rows, elem = static_cast<int64_t>(dtype_size(dtype));
+  const bool to_bf16 = dtype == DType::kBFloat16 && decodes_to_float(w);
+  const std::vector<Slab> slabs = slabs_of(segments, n);
+  parallel_for(static_cast<int64_t>(slabs.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<bf16> buffer;
+    for (int64_t i = begin; i < end; ++i) {
+      const Slab& slab = slabs[i];
+      const Segment& seg = segments[slab.segment];
+      LinearParams lp{};
+      slab_weight(w, seg.expert, slab, in_features, to_bf16, buffer, lp);
+      lp.out = static_cast<uint8_t*>(out) + (seg.begin * n + slab.first) * elem;
+      lp.input = static_cast<const uint8_t*>(in) + seg.begin * in_features * elem;
+      lp.rows = seg.end - seg.begin;
+      lp.in_features = in_features;
+      lp.out_features = slab.count;
+      lp.in_stride = in_features;
+      lp.out_stride = n;
+      lp.dtype = dtype;
+      linear(lp);
+    }
+  });
+}
+
+// C: the type the experts compute in (see run_fused_moe).
+template <typename C>
+struct BatchScratch {
+  std::unique_ptr<C[]> x, gate_up, act, y;  // [rows, H], [rows, 2I], [rows, I], [rows, H]
+  BatchScratch(int64_t rows, int64_t H, int64_t I)
+      : x(new C[rows * H]), gate_up(new C[rows * 2 * I]), act(new C[rows * I]), y(new C[rows * H]) {}
+};
+
+// The pairs order[0, rows) (grouped by expert in `segments`) through their experts, each result
+// added into acc with its routing weight. T: the activations' type.
+template <typename T, typename C>
+void run_batch(const FusedMoeParams& p, const int32_t* order, int64_t rows, const std::vector<Segment>& segments,
+               BatchScratch<C>& s, float* acc) {
+  const int64_t H = p.hidden, I = p.intermediate;
+  const T* hidden = static_cast<const T*>(p.hidden_states);
+  parallel_for(rows, grain_for(rows, H, kSerialElems, kMinChunkElems), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const T* row = hidden + order[i] / p.top_k * p.in_stride;
+      C* x = s.x.get() + i * H;
+      for (int64_t h = 0; h < H; ++h) x[h] = from_float<C>(to_float(row[h]));
+    }
+  });
+  const DType compute = std::is_same_v<C, float> ? DType::kFloat32 : p.dtype;
+  project(p.w13, segments, s.gate_up.get(), s.x.get(), H, compute);
+  silu_and_mul(GatedActivationParams{s.act.get(), s.gate_up.get(), rows, I, 2 * I, I, compute});
+  project(p.w2, segments, s.y.get(), s.act.get(), I, compute);
+  // Columns split over threads, rows in order: each token's sum keeps ascending expert order.
+  const int64_t blocks = (H + kAddColumns - 1) / kAddColumns;
+  parallel_for(blocks, grain_for(blocks, rows * kAddColumns, kSerialElems, kMinChunkElems), [&](int64_t b0, int64_t b1) {
+    const int64_t h0 = b0 * kAddColumns, h1 = std::min(H, b1 * kAddColumns);
+    for (int64_t i = 0; i < rows; ++i) {
+      const float w = p.topk_weights[order[i]];
+      float* a = acc + order[i] / p.top_k * H;
+      const C* y = s.y.get() + i * H;
+      for (int64_t h = h0; h < h1; ++h) a[h] += w * to_float(y[h]);
+    }
+  });
+}
+
+template <typename T, typename C>
 void run_fused_moe(const FusedMoeParams& p) {
   const int64_t H = p.hidden;
   const ExpertGroups groups = group_by_expert(p.topk_ids, p.tokens * p.top_k, p.num_experts);
+  const int64_t total = static_cast<int64_t>(groups.order.size());
   std::vector<float> acc(p.tokens * H, 0.0f);
-  int64_t most_rows = 0;
-  for (int64_t e = 0; e < p.num_experts; ++e) most_rows = std::max(most_rows, groups.start[e + 1] - groups.start[e]);
-  ExpertScratch<T> scratch(std::min(most_rows, kExpertRowChunk), H, p.intermediate);
-  for (int64_t e = 0; e < p.num_experts; ++e)
-    for (int64_t first = groups.start[e]; first < groups.start[e + 1]; first += kExpertRowChunk) {
-      const int64_t m = std::min(kExpertRowChunk, groups.start[e + 1] - first);
-      run_expert_rows<T>(p, e, groups.order.data() + first, m, scratch, acc.data());
+  BatchScratch<C> scratch(std::min(total, kBatchRows), H, p.intermediate);
+  int64_t expert = 0;
+  for (int64_t first = 0; first < total; first += kBatchRows) {
+    const int64_t last = std::min(total, first + kBatchRows);
+    std::vector<Segment> segments;
+    for (; expert < p.num_experts && groups.start[expert] < last; ++expert) {
+      const int64_t begin = std::max(groups.start[expert], first), end = std::min(groups.start[expert + 1], last);
+      if (begin < end) segments.push_back({expert, begin - first, end - first});
+      if (groups.start[expert + 1] > last) break;  // the expert goes on in the next batch
     }
+    run_batch<T, C>(p, groups.order.data() + first, last - first, segments, scratch, acc.data());
+  }
   T* out = static_cast<T*>(p.out);
-  parallel_for(p.tokens, grain_for(p.tokens, H, 1 << 15, 1 << 13), [&](int64_t begin, int64_t end) {
+  parallel_for(p.tokens, grain_for(p.tokens, H, kSerialElems, kMinChunkElems), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t)
       for (int64_t h = 0; h < H; ++h) out[t * p.out_stride + h] = from_float<T>(acc[t * H + h]);
   });
+}
+
+// Quantized experts with 16-bit activations: a call whose experts average fewer rows than
+// kBf16FromRows computes in float32 (the kernel then skips converting the activations on every
+// read: int4 at one token about 1.25x as fast, and intermediate results are not rounded to 16
+// bits); from kBf16FromRows on, bfloat16 activations multiply each slab's weights dequantized to
+// bfloat16 (OLMoE-sized int4 experts at 512 tokens: about 2.7x the float32 path on AMX, see
+// bench/RESULTS.md), which rounds the weights to bfloat16 as a bfloat16 checkpoint's would be.
+template <typename T>
+void dispatch_compute(const FusedMoeParams& p) {
+  if (std::is_same_v<T, float> || !decodes_to_float(p.w13) || !decodes_to_float(p.w2)) return run_fused_moe<T, T>(p);
+  int64_t pairs = 0, experts = 0;
+  std::vector<char> active(p.num_experts, 0);
+  for (int64_t i = 0; i < p.tokens * p.top_k; ++i)
+    if (p.topk_ids[i] >= 0) {
+      ++pairs;
+      experts += !active[p.topk_ids[i]];
+      active[p.topk_ids[i]] = 1;
+    }
+  if (std::is_same_v<T, bf16> && pairs >= kBf16FromRows * experts) return run_fused_moe<T, T>(p);
+  run_fused_moe<T, float>(p);
 }
 
 }  // namespace
@@ -222,9 +331,9 @@ void moe_align(const MoeAlignParams& p) {
 void fused_moe(const FusedMoeParams& p) {
   if (p.tokens == 0) return;
   switch (p.dtype) {
-    case DType::kFloat32: return run_fused_moe<float>(p);
-    case DType::kBFloat16: return run_fused_moe<bf16>(p);
-    case DType::kFloat16: return run_fused_moe<f16>(p);
+    case DType::kFloat32: return dispatch_compute<float>(p);
+    case DType::kBFloat16: return dispatch_compute<bf16>(p);
+    case DType::kFloat16: return dispatch_compute<f16>(p);
     default: OCTAVO_CHECK(false, "fused_moe: unsupported dtype " << dtype_name(p.dtype));
   }
 }

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..entrypoints.device_arg import add_device_argument
 from . import add_multiprocess_argument
+from .shapes import SHAPES
 
 
 def time_one_request(engine, prompt: list[int], max_tokens: int, request_id: str) -> tuple[float, list[float]]:
@@ -77,7 +78,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="quantize the projections at load time (round to nearest)")
     add_device_argument(p)
-    p.add_argument("--dummy-shape", default=None, choices=["llama-3-8b"],
+    p.add_argument("--dummy-shape", default=None, choices=list(SHAPES),
                    help="benchmark this model shape with random weights instead of --model")
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)

@@ -28,7 +28,8 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     """Weight bytes one decode step reads: every parameter and buffer once (a tied embedding counts
     once, as the LM head; quantized weights count their blocks), except that an input embedding
     the LM head does not read contributes one row, not the table. The RoPE table is not a
-    weight: a step reads one row of it per token."""
+    weight: a step reads one row of it per token. A mixture-of-experts layer's expert stacks
+    count as the share one token reads (top_k of num_experts): the single-stream roofline."""
     seen, total = {id(getattr(model, "cos_sin_cache", None))}, 0
     for p in [*model.parameters(), *model.buffers()]:
         if id(p) not in seen:
@@ -37,4 +38,15 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
     if embed is not None and embed is not head:
         total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+    for module in model.modules():
+        moe = getattr(module, "moe", None)
+        if moe is not None:
+            stacks = sum(_bytes(getattr(module, name)) for name in ("w13", "w2"))
+            total -= stacks - stacks * moe.top_k // moe.num_experts
     return total
+
+
+def _bytes(weight) -> int:
+    """A parameter's bytes, or a quantized weight's (its blocks, scales and zero points)."""
+    tensors = [weight] if isinstance(weight, torch.Tensor) else list(weight.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)

@@ -15,7 +15,17 @@ LLAMA_3_8B = {
     "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "attention_bias": False,
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
 }
-SHAPES = {"llama-3-8b": LLAMA_3_8B}
+# allenai/OLMoE-1B-7B-0924's published config.json (64 experts, 8 per token; 1.3B of its 6.9B
+# parameters active per token), less what Octavo does not read.
+OLMOE_1B_7B = {
+    "architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "torch_dtype": "bfloat16",
+    "vocab_size": 50304, "hidden_size": 2048, "intermediate_size": 1024, "num_hidden_layers": 16,
+    "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+    "norm_topk_prob": False, "clip_qkv": None, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0, "attention_bias": False, "tie_word_embeddings": False, "hidden_act": "silu",
+    "pad_token_id": 1, "eos_token_id": 50279,
+}
+SHAPES = {"llama-3-8b": LLAMA_3_8B, "olmoe-1b-7b": OLMOE_1B_7B}
 
 
 def dummy_model_dir(name: str) -> Path:

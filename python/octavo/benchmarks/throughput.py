@@ -20,6 +20,7 @@ import numpy as np
 
 from ..entrypoints.device_arg import add_device_argument
 from . import add_multiprocess_argument
+from .shapes import SHAPES
 
 BASELINE_MIN_REQUESTS = 16
 # torch is imported inside the functions that use it, so that building the `octavo` CLI parser
@@ -113,14 +114,16 @@ def run(args: argparse.Namespace) -> dict:
     from .shapes import model_arguments
 
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=kv_bytes, max_model_len=1024, max_num_seqs=args.max_num_seqs,
-              device=device, multiprocess=args.multiprocess, **model_arguments(args.model, args.dummy_shape))
+              device=device, multiprocess=args.multiprocess, quantization=args.quantization,
+              **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
     requests = workload(args.num_requests, engine.model_config.vocab_size, input_len=args.input_len,
                         output_len=args.output_len)
     dtype = engine.info.model_dtype
     seconds = run_octavo(llm, requests)
     ours = rates(requests, seconds)
-    print(f"octavo ({dtype}): {len(requests)} requests, "
+    quantized = f", {args.quantization} weights" if args.quantization else ""
+    print(f"octavo ({dtype}{quantized}): {len(requests)} requests, "
           f"{sum(len(p) for p, _ in requests)} prompt + {sum(o for _, o in requests)} output tokens in "
           f"{seconds:.1f} s: {ours[0]:.1f} output tok/s, {ours[1]:.1f} total tok/s")
     result = {"octavo_seconds": seconds, "octavo_output_tok_s": ours[0], "octavo_total_tok_s": ours[1]}
@@ -152,8 +155,10 @@ def run(args: argparse.Namespace) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the default model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="quantize Octavo's projections at load time (transformers keeps --dtype)")
     add_device_argument(p)
-    p.add_argument("--dummy-shape", default=None, choices=["llama-3-8b"],
+    p.add_argument("--dummy-shape", default=None, choices=list(SHAPES),
                    help="benchmark this model shape with random weights instead of --model")
     p.add_argument("--input-len", type=int, default=None, help="fixed prompt length (default: uniform 32-512)")
     p.add_argument("--output-len", type=int, default=None, help="fixed output length (default: uniform 32-256)")

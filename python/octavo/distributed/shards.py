@@ -31,9 +31,12 @@ class TPShard:
     kv_heads: tuple[int, int] = (0, 0)  # [begin, end) of its KV heads
     intermediate: tuple[int, int] = (0, 0)
     vocab: tuple[int, int] = (0, 0)
+    # Mixture-of-experts layers place whole experts on ranks instead of cutting every expert
+    # (layers/moe.py); attention and dense layers are cut as without it.
+    expert_parallel: bool = False
 
     @classmethod
-    def of(cls, config, rank: int = 0, world: int = 1) -> TPShard:
+    def of(cls, config, rank: int = 0, world: int = 1, expert_parallel: bool = False) -> TPShard:
         heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
         if not 0 <= rank < world:
             raise ValueError(f"rank {rank} is not in a tensor-parallel group of {world}")
@@ -54,7 +57,8 @@ class TPShard:
             q = (head * group + first, head * group + last)
         if config.intermediate_size < world or config.vocab_size < world:
             raise ValueError(f"tensor_parallel_size {world} is larger than the model's layers can be cut")
-        return cls(rank, world, q, kv, split(config.intermediate_size, world, rank), split(config.vocab_size, world, rank))
+        return cls(rank, world, q, kv, split(config.intermediate_size, world, rank), split(config.vocab_size, world, rank),
+                   expert_parallel)
 
     @property
     def num_heads(self) -> int:

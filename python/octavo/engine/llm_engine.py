@@ -41,7 +41,7 @@ class LLMEngine:
                  enforce_eager: bool = False, max_logprobs: int = 20, scheduling_policy: str = "fcfs",
                  generation_config: str = "auto", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, multiprocess: bool = False,
-                 pipeline_parallel_size: int = 1):
+                 pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
         scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
         where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's.
@@ -50,7 +50,9 @@ class LLMEngine:
         process of its own (as the server does); data_parallel_size: that many engine cores, each
         in its own process with its own KV cache, requests going to the least loaded;
         pipeline_parallel_size: stages the layers are split over, a worker process each, with a
-        batch per stage in flight."""
+        batch per stage in flight; enable_expert_parallel: mixture-of-experts layers place whole
+        experts on the tensor-parallel ranks (each engine's own: data-parallel engines each hold
+        every expert) instead of cutting each expert over them."""
         self.model_path = Path(model)
         self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
@@ -62,7 +64,7 @@ class LLMEngine:
         _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                               distributed_executor_backend)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
-                              pipeline_parallel_size)
+                              pipeline_parallel_size, enable_expert_parallel)
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,

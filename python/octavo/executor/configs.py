@@ -16,6 +16,7 @@ class WorkerConfig:
     quantization: str | None = None  # "int8" / "int4": rounded to nearest as the weights are read
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages, each holding a contiguous range of the layers
+    enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank
 
     @property
     def world_size(self) -> int:

@@ -9,7 +9,11 @@ rows (never holding a second float copy), load-time int8 / int4 quantization wor
 (quantizing it would change which experts a token picks).
 
 Tensor parallel cuts every expert's intermediate dimension, as vLLM does without expert
-parallel: each rank holds all experts' slices and the MLP's output is summed over ranks.
+parallel: each rank holds all experts' slices and the MLP's output is summed over ranks. With
+expert parallel (``enable_expert_parallel``) each rank holds whole experts, a contiguous range of
+them; every rank routes every token, runs the pairs its experts take (the others' ids become -1,
+which the op skips), and the sum over ranks joins them: the all-reduce the layer ends with anyway,
+so expert parallel costs no other collective.
 """
 
 from __future__ import annotations
@@ -61,14 +65,21 @@ class FusedMoE(torch.nn.Module):
         if not 1 <= moe.top_k <= moe.num_experts:
             raise ValueError(f"num_experts_per_tok must be in [1, {moe.num_experts}], got {moe.top_k}")
         self.moe, self.hidden_size = moe, hidden_size
-        self.cut = split(moe.intermediate_size, shard.world, shard.rank)
-        rows = self.cut[1] - self.cut[0]
+        # Expert parallel: whole experts [first, end) on this rank; else every expert, cut.
+        expert_parallel = shard.expert_parallel and shard.world > 1
+        if expert_parallel and moe.num_experts < shard.world:
+            raise ValueError(f"expert parallel over {shard.world} ranks needs at least as many experts, "
+                             f"got {moe.num_experts}")
+        self.experts = split(moe.num_experts, shard.world, shard.rank) if expert_parallel else (0, moe.num_experts)
+        self.cut = (0, moe.intermediate_size) if expert_parallel else split(moe.intermediate_size, shard.world,
+                                                                              shard.rank)
+        rows, local = self.cut[1] - self.cut[0], self.experts[1] - self.experts[0]
         if rows < 1:
             raise ValueError(f"tensor_parallel_size {shard.world} is more than the experts' "
                              f"{moe.intermediate_size} intermediate rows")
         self.router_weight = param(moe.num_experts, hidden_size, dtype=dtype)
-        self.w13 = param(moe.num_experts * 2 * rows, hidden_size, dtype=dtype)
-        self.w2 = param(moe.num_experts * hidden_size, rows, dtype=dtype)
+        self.w13 = param(local * 2 * rows, hidden_size, dtype=dtype)
+        self.w2 = param(local * hidden_size, rows, dtype=dtype)
         # Rows of each expert in the stacks: a repacking that works on panels of rows keeps to these.
         self.expert_rows = {"w13": 2 * rows, "w2": hidden_size}
         self.shared = None
@@ -82,7 +93,10 @@ class FusedMoE(torch.nn.Module):
         topk_ids = torch.empty(x.shape[0], m.top_k, dtype=torch.int32, device=x.device)
         router_logits = linear(x, self.router_weight)
         _C.ops.topk_softmax(topk_weights, topk_ids, router_logits, m.renormalize, m.scoring, softcap=m.softcap)
-        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, m.num_experts)
+        first, end = self.experts
+        if end - first < m.num_experts:  # expert parallel: this rank's experts, -1 for the others'
+            topk_ids = torch.where((topk_ids >= first) & (topk_ids < end), topk_ids - first, -1).int()
+        out = fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, end - first)
         if self.shared is not None:
             out += torch.sigmoid(linear(x, self.shared_gate_weight)) * self.shared.partial(x)
         return all_reduce(out)
@@ -91,21 +105,28 @@ class FusedMoE(torch.nn.Module):
         m, rows = self.moe, self.cut[1] - self.cut[0]
         gate, up, down = m.expert_names
         targets = {f"{prefix}{m.router_name}.weight": (self.router_weight, 0, m.num_experts)}
-        for j in range(m.num_experts):
-            p = f"{prefix}experts.{j}."
-            targets[f"{p}{gate}.weight"] = (self.w13, 2 * rows * j, rows)
-            targets[f"{p}{up}.weight"] = (self.w13, 2 * rows * j + rows, rows)
-            targets[f"{p}{down}.weight"] = (self.w2, self.hidden_size * j, self.hidden_size)
+        for j in range(*self.experts):
+            p, i = f"{prefix}experts.{j}.", j - self.experts[0]  # i: its place in this rank's stacks
+            targets[f"{p}{gate}.weight"] = (self.w13, 2 * rows * i, rows)
+            targets[f"{p}{up}.weight"] = (self.w13, 2 * rows * i + rows, rows)
+            targets[f"{p}{down}.weight"] = (self.w2, self.hidden_size * i, self.hidden_size)
         if self.shared is not None:
             targets.update(self.shared.weight_targets(f"{prefix}shared_expert."))
             targets[f"{prefix}shared_expert_gate.weight"] = (self.shared_gate_weight, 0, 1)
         return targets
 
+    def held_elsewhere(self, prefix: str) -> set[str]:
+        """The checkpoint names of the experts other expert-parallel ranks hold."""
+        gate, up, down = self.moe.expert_names
+        return {f"{prefix}experts.{j}.{name}.weight" for j in range(self.moe.num_experts)
+                if not self.experts[0] <= j < self.experts[1] for name in (gate, up, down)}
+
     def shard_slices(self, prefix: str) -> dict:
         m, whole = self.moe, (*self.cut, self.moe.intermediate_size)
         gate, up, down = m.expert_names
         slices = {}
-        for j in range(m.num_experts):
+        cut = self.cut[1] - self.cut[0] < m.intermediate_size  # else whole experts: nothing cut
+        for j in range(*self.experts) if cut else ():
             p = f"{prefix}experts.{j}."
             slices.update({f"{p}{gate}.weight": (0, *whole), f"{p}{up}.weight": (0, *whole),
                            f"{p}{down}.weight": (1, *whole)})

@@ -1,5 +1,8 @@
 """Llama-architecture GGUF files run as they are: the model's projections keep the file's Q8_0 /
-Q4_0 / Q4_1 blocks (``QuantizedWeight``), everything else is read as floats.
+Q4_0 / Q4_1 blocks (``QuantizedWeight``), everything else is read as floats. A llama file with
+experts (``llama.expert_count``: Mixtral) runs as MixtralForCausalLM, each 3-D expert tensor
+(``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``) read as its experts' matrices, whose
+blocks are stacked into the MoE layer's expert stacks as they are.
 
 The config is read from the file's metadata (as transformers' GGUF loader names it), the tokenizer
 through transformers' GGUF support. The header and tensors are read by ``gguf_reader.py`` (the
@@ -31,7 +34,10 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM"}
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+          "ffn_gate_inp": "block_sparse_moe.gate"}
+# A layer's 3-D expert tensor -> the Mixtral name of each expert's matrix in it.
+_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -46,6 +52,17 @@ def hf_name(name: str) -> str:
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
     raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model")
+
+
+def expert_names(name: str, count: int) -> list[str] | None:
+    """The Hugging Face names of the experts stacked in a 3-D expert tensor ("blk.3.ffn_up_exps.weight"
+    -> "model.layers.3.block_sparse_moe.experts.{j}.w3.weight" for j < count); None for any
+    other tensor."""
+    parts = name.split(".")
+    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in _EXPERTS:
+        return None
+    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{j}.{_EXPERTS[parts[2]]}.{parts[3]}"
+            for j in range(count)]
 
 
 def open_reader(path: Path) -> GgufReader:
@@ -77,6 +94,9 @@ def gguf_config(path: Path, reader=None) -> ModelConfig:
         raise ValueError(f"{path} uses RoPE scaling, which Octavo does not read from GGUF metadata yet")
     hf = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu", "torch_dtype": "float32",
           "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
+    if fields.get(f"{arch}.expert_count"):  # llama.cpp writes Mixtral as llama with experts
+        hf.update(architectures=["MixtralForCausalLM"], num_local_experts=fields[f"{arch}.expert_count"],
+                  num_experts_per_tok=fields[f"{arch}.expert_used_count"])
     hf.update((name, fields[f"{arch}.{key}"]) for name, key in _CONFIG_KEYS.items() if f"{arch}.{key}" in fields)
     hf.update((name, fields[f"tokenizer.ggml.{key}"]) for name, key in _TOKEN_IDS.items()
               if f"tokenizer.ggml.{key}" in fields)
@@ -97,7 +117,8 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
 
     tensors = {}
     for t in reader.tensors:
-        name, kind = hf_name(t.name), t.tensor_type.name
+        experts = expert_names(t.name, t.data.shape[0]) if t.data.ndim == 3 else None
+        name, kind = experts[0] if experts else hf_name(t.name), t.tensor_type.name
         data = t.data
         if kind == "BF16":  # its bytes: the upper halves of float32s
             data, kind = (data.view("<u2").astype(np.uint32) << 16).view(np.float32), "F32"
@@ -111,7 +132,8 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _unpermute_rows(data, heads)
-        tensors[name] = (KEPT_FORMATS.get(kind), data)
+        for j, expert in enumerate(experts or [name]):
+            tensors[expert] = (KEPT_FORMATS.get(kind), data[j] if experts else data)
     return tensors
 
 
@@ -164,7 +186,7 @@ def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> s
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", tp_rank: int = 0, tp_size: int = 1,
-                    pp_rank: int = 0, pp_size: int = 1):
+                    pp_rank: int = 0, pp_size: int = 1, expert_parallel: bool = False):
     """The model of a Llama GGUF file, with its quantized projections kept quantized. Float
     parts (norms, the embedding table for lookups) are in ``dtype`` ("auto": float32).
     ``tp_rank`` of ``tp_size``: that tensor-parallel rank's part of every tensor (quantized ones
@@ -176,7 +198,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", tp_rank
         dtype = torch.float32
     elif isinstance(dtype, str):
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size),
+    model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size, expert_parallel),
                                              PPStage.of(config, pp_rank, pp_size))
     tensors = {name: t for name, t in _read_tensors(reader, config).items() if not model.held_by_another_stage(name)}
     quantized = _place_blocks(model, tensors)

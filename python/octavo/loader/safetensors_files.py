@@ -56,7 +56,7 @@ def iter_safetensors(path: str | Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format: str = "safetensors",
                device: torch.device | str = "cpu", quantization: str | None = None, tp_rank: int = 0,
-               tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1):
+               tp_size: int = 1, pp_rank: int = 0, pp_size: int = 1, expert_parallel: bool = False):
     """Builds the model for ``path``'s config.json and fills its weights (or, for a ``.gguf``
     file, the model it holds, see gguf_file.py).
 
@@ -69,7 +69,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     that quantized weights replace before they are filled take no pages (on a GPU they would
     take their full size). ``tp_rank`` of ``tp_size``: build and fill only that tensor-parallel
     rank's part (distributed/shards.py), reading each checkpoint tensor's slice; ``pp_rank`` of
-    ``pp_size``: only that pipeline stage's layers.
+    ``pp_size``: only that pipeline stage's layers. ``expert_parallel``: mixture-of-experts
+    layers hold whole experts of the tensor-parallel rank instead of a cut of every expert.
     """
     from .gguf_file import is_gguf, load_gguf_model
 
@@ -81,7 +82,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):  # read on the CPU (numpy), then moved: the quantized size, not the float one
-        model = load_gguf_model(path, dtype, tp_rank, tp_size, pp_rank, pp_size)
+        model = load_gguf_model(path, dtype, tp_rank, tp_size, pp_rank, pp_size, expert_parallel)
         return _quantized_after(model.to(device), quantization)
     config = ModelConfig.from_pretrained(path)
     if dtype == "auto":
@@ -90,7 +91,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     quantized_files = load_format == "safetensors" and (quantization is not None or quant_method(config) is not None)
     with torch.device("cpu") if quantized_files else device:
-        model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size),
+        model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size, expert_parallel),
                                                  PPStage.of(config, pp_rank, pp_size))
     if load_format == "dummy":
         generator = torch.Generator(device=device).manual_seed(0)

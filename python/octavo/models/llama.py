@@ -271,15 +271,25 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def held_by_another_stage(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` (any HF name: weight, bias, a quantized weight's
-        parts) belongs to a pipeline stage other than this one."""
-        if self.stage.world == 1:
-            return False
+        parts) belongs to a pipeline stage other than this one, or to another rank's experts
+        (expert parallel)."""
         if name.startswith("model.layers."):
             begin, end = self.stage.layers
-            return not begin <= int(name.split(".")[2]) < end
+            if not begin <= int(name.split(".")[2]) < end:
+                return True
+            return ".experts." in name and name in self._other_ranks_experts()
+        if self.stage.world == 1:
+            return False
         if name == "model.embed_tokens.weight":
             return not self.embed_tokens.shape[0]
         return name in ("model.norm.weight", "lm_head.weight") and not self.stage.is_last
+
+    def _other_ranks_experts(self) -> set[str]:
+        if not hasattr(self, "_elsewhere"):
+            self._elsewhere = {name for i, layer in enumerate(self.layers, self.first_layer)
+                               if hasattr(layer.mlp, "held_elsewhere")
+                               for name in layer.mlp.held_elsewhere(f"model.layers.{i}.{self.mlp_prefix}")}
+        return self._elsewhere
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):

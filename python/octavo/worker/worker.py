@@ -48,7 +48,8 @@ class Worker:
     def load_model(self) -> None:
         c = self.config
         self.model = load_model(c.model, c.dtype, c.load_format, self.device, c.quantization, self.tp_rank,
-                                c.tensor_parallel_size, self.pp_rank, c.pipeline_parallel_size)
+                                c.tensor_parallel_size, self.pp_rank, c.pipeline_parallel_size,
+                                c.enable_expert_parallel)
         calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
         if bf16_tiles.worth_packing(self.model):  # AMX: bfloat16 weights packed into tiles once
             bf16_tiles.pack_model(self.model)

@@ -339,7 +339,7 @@ def served_model(args) -> ServedModel:
               quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
-              data_parallel_size=args.data_parallel_size,
+              data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
               distributed_executor_backend=args.distributed_executor_backend,
               multiprocess=core_in_own_process())
     engine = llm.llm_engine

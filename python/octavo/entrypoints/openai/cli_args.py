@@ -7,7 +7,6 @@ from ..device_arg import add_device_argument
 # `vllm serve` options for features Octavo does not have yet: refused with the feature's name
 # rather than argparse's bare "unrecognized arguments".
 UNSUPPORTED_VLLM_OPTIONS = {
-    ("--enable-expert-parallel",): "expert parallelism",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
     ("--speculative-config",): "speculative decoding",
     ("--enable-auto-tool-choice", "--tool-call-parser"): "tool calling",
@@ -56,6 +55,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                         help="split the model's layers into this many stages, a worker process each, one batch "
                              "per stage in flight (pipeline parallel)")
+    parser.add_argument("--enable-expert-parallel", action="store_true",
+                        help="mixture-of-experts layers: place whole experts on the tensor-parallel ranks "
+                             "instead of cutting every expert over them")
     parser.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                         help="run this many engine cores (each with the whole model and its own KV cache); "
                              "requests go to the least loaded")
