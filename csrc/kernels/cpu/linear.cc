@@ -9,9 +9,6 @@
 // order whatever M is and whichever thread computes it (batch invariant). From 16 rows on, float32
 // runs on transposed weight panels instead (linear_panels.h) and bfloat16 on AMX tiles where the
 // CPU has them (linear_amx.h); each is batch invariant on its side of its threshold.
-#include <type_traits>
-#include <vector>
-
 #include "bf16_tiles.h"
 #include "isa_kernels.h"
 #include "linear_panels.h"
@@ -355,9 +352,10 @@ void for_each_block(const Rows& w, int first_row, int64_t blocks, const Body& bo
   }
 }
 
-// Row r of w as floats, out[0, blocks * kBlock): what dot_tile_quant multiplies.
-template <typename Rows>
-void decode_row(const Rows& w, int r, int64_t blocks, float* out) {
+// Row r of w as floats, out[0, blocks * kBlock): what dot_tile_quant multiplies (or those floats
+// rounded to out's 16-bit type, for dequantize).
+template <typename Rows, typename O>
+void decode_row(const Rows& w, int r, int64_t blocks, O* out) {
   for_each_block<1>(w, r, blocks, [&](int64_t blk, const BlockScale* scale) {
     for (int j = 0; j < kBlock; j += kW) w.decode(r, blk, j, scale[0]).store(out + blk * kBlock + j);
   });
@@ -560,20 +558,14 @@ void run_typed(const LinearParams& p) {
   }
 }
 
-// Each row decoded to float32, in place when out is float32, else through a row buffer and
-// rounded to out's dtype.
+// Each row decoded to float32 and stored as out's dtype (16-bit types rounded to nearest even
+// by the vector stores: 1.5x the rate of converting a float32 row element by element (int4
+// 6144x2048 to bfloat16, 2 threads: 2.25 -> 1.54 ms), for bfloat16 prefill on dequantized weights).
 template <typename Rows, typename T>
 void dequantize_rows(const LinearParams& p) {
   const int64_t K = p.in_features;
   parallel_for(p.out_features, 64, [&](int64_t begin, int64_t end) {
-    std::vector<float> row(std::is_same_v<T, float> ? 0 : K);
-    for (int64_t n = begin; n < end; ++n) {
-      T* out = static_cast<T*>(p.out) + n * K;
-      float* floats = std::is_same_v<T, float> ? reinterpret_cast<float*>(out) : row.data();
-      decode_row(Rows(p, n, 1), 0, K / kBlock, floats);
-      if constexpr (!std::is_same_v<T, float>)
-        for (int64_t k = 0; k < K; ++k) out[k] = from_float<T>(floats[k]);
-    }
+    for (int64_t n = begin; n < end; ++n) decode_row(Rows(p, n, 1), 0, K / kBlock, static_cast<T*>(p.out) + n * K);
   });
 }
 

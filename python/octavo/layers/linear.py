@@ -66,6 +66,12 @@ DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
 # On the CPU, 16-bit activations of a quantized product with fewer rows than this are multiplied
 # as float32 (see linear); from 16 rows float32 runs on other kernels than 16-bit inputs do.
 FLOAT_INPUT_MAX_ROWS = 16
+# On the CPU, bfloat16 activations of a quantized product with at least this many rows go to
+# torch's bfloat16 GEMM on the weights dequantized to bfloat16 (oneDNN, AMX tiles where the CPU
+# has them), as on CUDA: int4 6144x2048 on an AMX Xeon, 2 threads, 1024 rows 130 -> 17 ms, 128
+# rows 17 -> 7 ms, even at 32 (bench/RESULTS.md, MoE section). Rows then multiply the weights
+# rounded to bfloat16, as a bfloat16 checkpoint's would be.
+CPU_BF16_GEMM_FROM_ROWS = 64
 
 
 def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -146,6 +152,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         if input_order is not None:
             x = x.index_select(-1, input_order)
         if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS:
+            return _gemm_on_dequantized(x, weight, bias)
+        if x.dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS and weight_format != "bf16_tiles":
             return _gemm_on_dequantized(x, weight, bias)
         if x.dtype != torch.float32 and x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format != "bf16_tiles" \
                 and x.device.type == "cpu":
