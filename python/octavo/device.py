@@ -33,6 +33,8 @@ def cpu_only_reason(model) -> str | None:
     group = config.num_attention_heads // config.num_key_value_heads
     if group > CUDA_MAX_GROUP:
         return f"{group} query heads per KV head; the CUDA attention kernels take at most {CUDA_MAX_GROUP}"
+    if config.hf.get("num_experts") or config.hf.get("num_local_experts"):
+        return "its mixture-of-experts layers have no CUDA kernels yet (topk_softmax, fused_moe)"
     return None
 
 

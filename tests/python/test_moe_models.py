@@ -241,3 +241,11 @@ def test_a_mixtral_gguf_runs_on_its_expert_blocks(tmp_path):
     with torch.no_grad():
         theirs = reference(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_models_stay_off_gpus_until_their_kernels_exist(tmp_path):
+    """device='auto' runs an MoE model on the CPU; naming a GPU says why it cannot."""
+    from octavo.device import cpu_only_reason
+
+    tiny_moe_checkpoint("olmoe", tmp_path, head_dim=64, hidden_size=256)  # a head size CUDA has
+    assert "mixture-of-experts layers have no CUDA kernels yet" in cpu_only_reason(tmp_path)

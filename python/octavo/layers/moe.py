@@ -149,18 +149,12 @@ def _expert_args(weight: torch.Tensor | QuantizedWeight, num_experts: int, prefi
 
 def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               num_experts: int) -> torch.Tensor:
-    """x [T, H] through stacked experts (2-D stacks, dense or quantized) -> [T, H]. On the CPU
-    Octavo's ``fused_moe`` op; on a GPU, until that op has a CUDA kernel, the torch loop."""
-    if x.device.type != "cpu":
-        return fused_moe_torch(x, _dense(w13, x.dtype), _dense(w2, x.dtype), topk_weights, topk_ids, num_experts)
+    """x [T, H] through stacked experts (2-D stacks, dense or quantized) -> [T, H] by Octavo's
+    ``fused_moe`` op (CPU only for now: device.cpu_only_reason keeps MoE models off GPUs)."""
     out = torch.empty_like(x)
     _C.ops.fused_moe(out, x, topk_weights=topk_weights, topk_ids=topk_ids, **_expert_args(w13, num_experts, "w13"),
                      **_expert_args(w2, num_experts, "w2"))
     return out
-
-
-def _dense(weight, dtype: torch.dtype) -> torch.Tensor:
-    return weight.dequantize(dtype) if isinstance(weight, QuantizedWeight) else weight
 
 
 def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
