@@ -161,7 +161,10 @@ struct ExpertWeights {
 // topk_ids[t, s] (ids of -1 add nothing), x = hidden[t]: the MoE MLP in one op. Each expert's
 // weights are read once per call for all the tokens routed to it (by the `linear` kernel, so
 // every weight format linear reads works); the sum over slots runs in float32 in ascending expert
-// order, whatever the batch. w13: [E, 2I, H] gate rows then up rows; w2: [E, H, I].
+// order (a token alone or in a batch: the same bits on the same side of linear's row-count
+// switches). Quantized experts with 16-bit activations compute in float32 where experts average
+// fewer than 32 rows, and from there bfloat16 activations multiply the weights dequantized to
+// bfloat16. w13: [E, 2I, H] gate rows then up rows; w2: [E, H, I].
 // out, hidden: [T, H] in one float dtype (dense weights too); out must not overlap hidden.
 void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeights& w13, const ExpertWeights& w2,
                const TensorView& topk_weights, const TensorView& topk_ids);

@@ -5,9 +5,10 @@
 // projections through `linear` (this level's kernel: decode rows in registers, prefill on
 // panels or AMX tiles), so each expert's weights stream once per call however many of the
 // batch's tokens chose it. Threads take slabs of (expert, output features) from one job per
-// projection for all the experts at once. The weighted sum
-// over a token's experts is kept in float32 and added in ascending expert order, the same for
-// a token alone or in any batch.
+// projection for all the experts at once. The weighted sum over a token's experts is kept in
+// float32 and added in ascending expert order: a token gets the same bits alone or in any batch
+// that keeps each of its experts on the same side of linear's row-count switches (and, for
+// quantized experts with 16-bit activations, of dispatch_compute's).
 #include <algorithm>
 #include <cmath>
 #include <memory>
