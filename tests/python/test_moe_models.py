@@ -249,3 +249,17 @@ def test_moe_models_stay_off_gpus_until_their_kernels_exist(tmp_path):
 
     tiny_moe_checkpoint("olmoe", tmp_path, head_dim=64, hidden_size=256)  # a head size CUDA has
     assert "mixture-of-experts layers have no CUDA kernels yet" in cpu_only_reason(tmp_path)
+
+
+def test_impossible_expert_layouts_are_refused():
+    from octavo.distributed.shards import TPShard
+    from octavo.layers.moe import MoEConfig
+
+    moe = MoEConfig(num_experts=4, top_k=2, intermediate_size=64, renormalize=True)
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, 4\], got 5"):
+        FusedMoE(128, MoEConfig(num_experts=4, top_k=5, intermediate_size=64, renormalize=True), torch.float32,
+                 TPShard())
+    with pytest.raises(ValueError, match="expert parallel over 8 ranks needs at least as many experts, got 4"):
+        FusedMoE(128, moe, torch.float32, TPShard(rank=0, world=8, expert_parallel=True))
+    with pytest.raises(ValueError, match="more than the experts' 64 intermediate rows"):
+        FusedMoE(128, moe, torch.float32, TPShard(rank=70, world=71))
