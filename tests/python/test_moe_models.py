@@ -12,7 +12,7 @@ from octavo.layers.moe import FusedMoE
 from octavo.layers.quantize import quantize_model
 from octavo.loader import load_model
 from test_models import TINY, attach_kv_cache, step
-from test_step_loop import POOLS_AND_BUDGETS, assert_greedy_matches, prompts, run
+from test_step_loop import POOLS_AND_BUDGETS, assert_batch_invariant, assert_greedy_matches
 
 MOE = dict(num_experts_per_tok=2)
 ARCHITECTURES = {
@@ -75,10 +75,7 @@ def test_step_loop_greedy_outputs_match_transformers(checkpoint, num_blocks, bud
 
 
 def test_output_is_the_same_alone_and_in_a_batch(checkpoint):
-    path, _ = checkpoint
-    batch = prompts()
-    together, _ = run(path, batch, 64, 64)
-    assert [run(path, [p], 64, 64)[0][0] for p in batch] == together
+    assert_batch_invariant(checkpoint[0])
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])

@@ -80,8 +80,11 @@ def test_greedy_outputs_match_transformers(checkpoint, num_blocks, budget):
     assert_greedy_matches(*checkpoint, num_blocks, budget)
 
 
-def test_output_is_the_same_alone_and_in_a_batch(checkpoint):
-    path, _ = checkpoint
+def assert_batch_invariant(path) -> None:
     batch = prompts()
     together, _ = run(path, batch, 64, 64)
     assert [run(path, [p], 64, 64)[0][0] for p in batch] == together
+
+
+def test_output_is_the_same_alone_and_in_a_batch(checkpoint):
+    assert_batch_invariant(checkpoint[0])
