@@ -115,3 +115,8 @@ def test_options_of_missing_features_are_refused_by_name(argv, feature, capsys):
         build_parser().parse_args(["serve", *argv])
     assert exit_.value.code == 2
     assert f"{feature} is not supported by Octavo yet" in capsys.readouterr().err
+
+
+def test_expert_parallel_is_an_option_now():
+    assert build_parser().parse_args(["serve", "--enable-expert-parallel"]).enable_expert_parallel is True
+    assert build_parser().parse_args(["serve"]).enable_expert_parallel is False
