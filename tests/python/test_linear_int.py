@@ -205,3 +205,16 @@ def test_a_foreign_quantization_method_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="'bitsandbytes'"):
         load_model(tmp_path)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_a_permuted_input_order_applies_once_at_every_row_count(dtype):
+    """Act-order GPTQ weights read the activations' columns in their stored order: once, on each
+    side of the row counts where 16-bit activations change path (float32 inputs, torch's GEMM)."""
+    whole = quantize_int4(torch.randn(40, 128), 32)
+    qw = QuantizedWeight(whole.qweight, "int4", 128, scales=whole.scales, zeros=whole.zeros, group_size=32,
+                         input_order=torch.randperm(128))
+    w = qw.dequantize()  # in the activations' order
+    for m in (1, 5, 16, 64):
+        x = torch.randn(m, 128).to(dtype)
+        assert_close(linear(x, qw), reference(x, w, None), dtype)

@@ -153,17 +153,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
             x = x.index_select(-1, input_order)
         if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS:
             return _gemm_on_dequantized(x, weight, bias)
-        if x.dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS and weight_format != "bf16_tiles":
-            return _gemm_on_dequantized(x, weight, bias)
-        if x.dtype != torch.float32 and x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format != "bf16_tiles" \
-                and x.device.type == "cpu":
-            # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads directly
-            # (int4 at M = 1: about 1.3x as fast), and below FLOAT_INPUT_MAX_ROWS either way it
-            # rounds the same float32 sums once: the same bits.
-            return linear(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
+        dtype = x.dtype
+        if x.device.type == "cpu" and dtype != torch.float32 and weight_format != "bf16_tiles":
+            if dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS:
+                return _gemm_on_dequantized(x, weight, bias)
+            if x.shape[0] < FLOAT_INPUT_MAX_ROWS:
+                # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads
+                # directly (int4 at M = 1: about 1.3x as fast), and below FLOAT_INPUT_MAX_ROWS
+                # either way it rounds the same float32 sums once: the same bits.
+                x, bias = x.float(), None if bias is None else bias.float()
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size)
-        return out
+        return out.to(dtype)
     if not _dense_kernel_takes(x, weight):
         return F.linear(x, weight, bias)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
