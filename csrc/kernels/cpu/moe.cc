@@ -255,9 +255,8 @@ void run_batch(const FusedMoeParams& p, const int32_t* order, int64_t rows, cons
 }
 
 template <typename T, typename C>
-void run_fused_moe(const FusedMoeParams& p) {
+void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
   const int64_t H = p.hidden;
-  const ExpertGroups groups = group_by_expert(p.topk_ids, p.tokens * p.top_k, p.num_experts);
   const int64_t total = static_cast<int64_t>(groups.order.size());
   std::vector<float> acc(p.tokens * H, 0.0f);
   BatchScratch<C> scratch(std::min(total, kBatchRows), H, p.intermediate);
@@ -287,17 +286,14 @@ void run_fused_moe(const FusedMoeParams& p) {
 // bench/RESULTS.md), which rounds the weights to bfloat16 as a bfloat16 checkpoint's would be.
 template <typename T>
 void dispatch_compute(const FusedMoeParams& p) {
-  if (std::is_same_v<T, float> || !decodes_to_float(p.w13) || !decodes_to_float(p.w2)) return run_fused_moe<T, T>(p);
-  int64_t pairs = 0, experts = 0;
-  std::vector<char> active(p.num_experts, 0);
-  for (int64_t i = 0; i < p.tokens * p.top_k; ++i)
-    if (p.topk_ids[i] >= 0) {
-      ++pairs;
-      experts += !active[p.topk_ids[i]];
-      active[p.topk_ids[i]] = 1;
-    }
-  if (std::is_same_v<T, bf16> && pairs >= kBf16FromRows * experts) return run_fused_moe<T, T>(p);
-  run_fused_moe<T, float>(p);
+  const ExpertGroups groups = group_by_expert(p.topk_ids, p.tokens * p.top_k, p.num_experts);
+  if (std::is_same_v<T, float> || !decodes_to_float(p.w13) || !decodes_to_float(p.w2))
+    return run_fused_moe<T, T>(p, groups);
+  int64_t experts = 0;  // those with rows
+  for (int64_t e = 0; e < p.num_experts; ++e) experts += groups.start[e + 1] > groups.start[e];
+  const int64_t pairs = groups.start[p.num_experts];
+  if (std::is_same_v<T, bf16> && pairs >= kBf16FromRows * experts) return run_fused_moe<T, T>(p, groups);
+  run_fused_moe<T, float>(p, groups);
 }
 
 }  // namespace

@@ -200,7 +200,7 @@ def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", tp_rank
         dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
     model = model_class(config.architecture)(config, dtype, TPShard.of(config, tp_rank, tp_size, expert_parallel),
                                              PPStage.of(config, pp_rank, pp_size))
-    tensors = {name: t for name, t in _read_tensors(reader, config).items() if not model.held_by_another_stage(name)}
+    tensors = {name: t for name, t in _read_tensors(reader, config).items() if not model.held_by_another_rank(name)}
     quantized = _place_blocks(model, tensors)
     model.load_weights((name, _as_float(fmt, data)) for name, (fmt, data) in tensors.items() if name not in quantized)
     return model.eval()

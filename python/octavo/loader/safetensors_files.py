@@ -101,7 +101,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         tensors = dict(iter_safetensors(path))  # written by `octavo quantize`
         load_quantized_state(model, tensors, config.hf["quantization_config"]["layouts"])
     elif load_format == "safetensors" and quant_method(config) in GPTQ_AWQ:
-        tensors = {name: t for name, t in iter_safetensors(path) if not model.held_by_another_stage(name)}
+        tensors = {name: t for name, t in iter_safetensors(path) if not model.held_by_another_rank(name)}
         load_gptq_awq(model, tensors, config.hf["quantization_config"])
     elif load_format == "safetensors":
         reject_foreign_quantization(config)

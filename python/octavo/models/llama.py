@@ -246,7 +246,7 @@ class LlamaForCausalLM(torch.nn.Module):
         for name, tensor in weights:
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # derived from the config / the same tensor as the embedding
-            if name not in targets and self.held_by_another_stage(name):
+            if name not in targets and self.held_by_another_rank(name):
                 continue
             if name not in targets:
                 raise ValueError(f"checkpoint tensor {name!r} is not used by {self.config.architecture}")
@@ -268,8 +268,7 @@ class LlamaForCausalLM(torch.nn.Module):
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks tensors {', '.join(missing[:5])}{more}")
 
-
-    def held_by_another_stage(self, name: str) -> bool:
+    def held_by_another_rank(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` (any HF name: weight, bias, a quantized weight's
         parts) belongs to a pipeline stage other than this one, or to another rank's experts
         (expert parallel)."""
