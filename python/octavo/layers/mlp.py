@@ -16,7 +16,7 @@ class GatedMLP(torch.nn.Module):
 
     def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, shard: TPShard):
         super().__init__()
-        self.intermediate_size = intermediate_size
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.cut = split(intermediate_size, shard.world, shard.rank)
         rows = self.cut[1] - self.cut[0]
         self.gate_up_weight = param(2 * rows, hidden_size, dtype=dtype)
@@ -32,10 +32,10 @@ class GatedMLP(torch.nn.Module):
         return all_reduce(self.partial(x))
 
     def weight_targets(self, prefix: str) -> dict:
-        rows, hidden = self.down_weight.shape[1], self.down_weight.shape[0]
+        rows = self.cut[1] - self.cut[0]
         return {f"{prefix}gate_proj.weight": (self.gate_up_weight, 0, rows),
                 f"{prefix}up_proj.weight": (self.gate_up_weight, rows, rows),
-                f"{prefix}down_proj.weight": (self.down_weight, 0, hidden)}
+                f"{prefix}down_proj.weight": (self.down_weight, 0, self.hidden_size)}
 
     def shard_slices(self, prefix: str) -> dict:
         whole = (*self.cut, self.intermediate_size)
