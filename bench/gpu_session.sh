@@ -52,6 +52,7 @@ if part tests; then
   # which the GPU machine lacks.
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_ops.py tests/python/test_cuda_sampling.py \
     tests/python/test_cuda_elementwise_ops.py tests/python/test_cuda_attention.py tests/python/test_cuda_engine.py \
+    tests/python/test_cuda_moe_ops.py tests/python/test_moe_models.py::test_greedy_tokens_match_transformers_on_the_gpu \
     tests/python/test_cuda_processes.py tests/python/test_build_info.py 2>&1 | tail -40 | tee "$OUT/tests.log"
 fi
 cli="python3 -m octavo.entrypoints.cli"

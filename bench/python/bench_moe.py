@@ -3,6 +3,7 @@ tokens, two F.linear, silu, weighted index_add: what transformers does) on one M
 
     python bench/python/bench_moe.py [--shapes mixtral qwen3] [--tokens 1 4 16 64 512 2048 4096]
                                      [--dtype bfloat16] [--formats dense int8 int4] [--repeats 5]
+                                     [--device cpu|cuda]
 
 Shapes: Mixtral-8x7B-like (8 experts, top-2, hidden 4096, expert width 14336) and
 Qwen3-30B-A3B-like (128 experts, top-8, hidden 2048, expert width 768); random weights, routing
@@ -10,7 +11,8 @@ by topk_softmax of random router logits. Per row: milliseconds per call of each 
 --repeats, taken in turn), the speedup, and at decode sizes the active experts' weight bytes read
 per second as a fraction of the machine's read bandwidth (measured first). Quantized formats
 (load-time int8 / int4 of the same weights) run only Octavo's op; their torch column is the
-loop on the dense weights.
+loop on the dense weights. On CUDA the bandwidth is a device-to-device copy's (read + write) and
+each call is timed to its end on the device.
 """
 import argparse
 import platform
@@ -32,10 +34,10 @@ DECODE_TOKENS = 64  # up to here a row reports bandwidth
 ROUTINGS = 8
 
 
-def route(tokens: int, num: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    weights = torch.empty(tokens, top_k)
-    ids = torch.empty(tokens, top_k, dtype=torch.int32)
-    _C.ops.topk_softmax(weights, ids, torch.randn(tokens, num), True)
+def route(tokens: int, num: int, top_k: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    weights = torch.empty(tokens, top_k, device=device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32, device=device)
+    _C.ops.topk_softmax(weights, ids, torch.randn(tokens, num, device=device), True)
     return weights, ids
 
 
@@ -59,25 +61,43 @@ def cpu_line() -> str:
     return f"{model}; flags {' '.join(sorted(set(wanted)))}"
 
 
-def best_seconds(fns, repeats: int) -> list[float]:
-    """Best time of each of fns over `repeats` rounds, the fns taken in turn each round."""
+def device_line(device: str) -> tuple[str, float]:
+    """What runs the benchmark, and its memory bandwidth in bytes/s."""
+    if device == "cpu":
+        bandwidth = read_bandwidth()
+        return (f"{cpu_line()}\nthreads {octavo.get_num_threads()} (torch {torch.get_num_threads()}), cpu isa "
+                f"{octavo.cpu_isa()}; read bandwidth {bandwidth / 1e9:.1f} GB/s"), bandwidth
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")  # 1 GiB, far past the L2
+    dst = torch.empty_like(src)
+    copy = best_seconds([lambda: dst.copy_(src)], 10, "cuda")[0]
+    bandwidth = 2 * src.numel() / copy
+    return (f"{torch.cuda.get_device_name()}; host {cpu_line()}\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s "
+            f"(read + write)"), bandwidth
+
+
+def best_seconds(fns, repeats: int, device: str = "cpu") -> list[float]:
+    """Best time of each of fns over `repeats` rounds, the fns taken in turn each round (on CUDA,
+    to the end of its work on the device)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     best = [float("inf")] * len(fns)
     for fn in fns:
-        fn()  # warm: page faults, thread start
+        fn()  # warm: page faults, thread start, workspaces
+    sync()
     for _ in range(repeats):
         for i, fn in enumerate(fns):
             start = time.perf_counter()
             fn()
+            sync()
             best[i] = min(best[i], time.perf_counter() - start)
     return best
 
 
-def stack_args(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, int]:
-    """The op's arguments for the [E, N, K] stack in `fmt`, and its bytes per expert."""
+def stack_args(w: torch.Tensor, fmt: str, prefix: str, device: str) -> tuple[dict, int]:
+    """The op's arguments for the [E, N, K] stack in `fmt` on `device`, and its bytes per expert."""
     if fmt == "dense":
-        return {prefix: w}, w[0].numel() * w.element_size()
+        return {prefix: w.to(device)}, w[0].numel() * w.element_size()
     e, n, k = w.shape
-    q = quantize(w.reshape(e * n, k), fmt)
+    q = quantize(w.cpu().reshape(e * n, k), fmt).to(device)
     stacked = {prefix: q.qweight.view(e, n, -1), f"{prefix}_format": fmt, f"{prefix}_group_size": q.group_size,
                f"{prefix}_scales": q.scales.view(e, n, *q.scales.shape[1:])}
     if q.zeros is not None:
@@ -93,12 +113,11 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--formats", nargs="+", default=["dense", "int8", "int4"])
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = parser.parse_args()
-    dtype = getattr(torch, args.dtype)
-    bandwidth = read_bandwidth()
-    print(f"{cpu_line()}\nthreads {octavo.get_num_threads()} (torch {torch.get_num_threads()}), cpu isa "
-          f"{octavo.cpu_isa()}, torch {torch.__version__}, activations {args.dtype}; "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    dtype, device = getattr(torch, args.dtype), args.device
+    line, bandwidth = device_line(device)
+    print(f"{line}\ntorch {torch.__version__}, activations {args.dtype}")
     print(f"{'shape':>8} {'format':>6} {'T':>5} {'octavo ms':>10} {'torch ms':>9} {'speedup':>7} {'active GB/s':>11} "
           f"{'of bw':>6}")
     for name in args.shapes:
@@ -107,16 +126,17 @@ def main() -> None:
         w13 = (torch.randn(num, 2 * width, hidden) / hidden**0.5).to(dtype)
         w2 = (torch.randn(num, hidden, width) / width**0.5).to(dtype)
         for fmt in args.formats:
-            a, a_bytes = stack_args(w13, fmt, "w13")
-            b, b_bytes = stack_args(w2, fmt, "w2")
+            a, a_bytes = stack_args(w13, fmt, "w13", device)
+            b, b_bytes = stack_args(w2, fmt, "w2", device)
+            w13, w2 = w13.to(device), w2.to(device)
             for tokens in args.tokens:
-                x = torch.randn(tokens, hidden).to(dtype)
-                routes = [route(tokens, num, top_k) for _ in range(ROUTINGS)]
+                x = torch.randn(tokens, hidden).to(dtype).to(device)
+                routes = [route(tokens, num, top_k, device) for _ in range(ROUTINGS)]
                 out = torch.empty_like(x)
                 ours = Cycle(routes, lambda w, i: _C.ops.fused_moe(out, x, topk_weights=w, topk_ids=i, **a, **b))
                 loop = Cycle(routes, lambda w, i: fused_moe_torch(x, w13, w2, w, i, num))
                 repeats = args.repeats if tokens <= 512 else max(1, args.repeats // 3)
-                mine, theirs = best_seconds([ours, loop], repeats)
+                mine, theirs = best_seconds([ours, loop], repeats, device)
                 active = min(ids.unique().numel() for _, ids in routes) * (a_bytes + b_bytes)
                 gbs = f"{active / mine / 1e9:11.1f} {active / mine / bandwidth:6.2f}" if tokens <= DECODE_TOKENS else ""
                 print(f"{name:>8} {fmt:>6} {tokens:5d} {mine * 1e3:10.2f} {theirs * 1e3:9.2f} "

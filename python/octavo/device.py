@@ -33,8 +33,18 @@ def cpu_only_reason(model) -> str | None:
     group = config.num_attention_heads // config.num_key_value_heads
     if group > CUDA_MAX_GROUP:
         return f"{group} query heads per KV head; the CUDA attention kernels take at most {CUDA_MAX_GROUP}"
-    if config.hf.get("num_experts") or config.hf.get("num_local_experts"):
-        return "its mixture-of-experts layers have no CUDA kernels yet (topk_softmax, fused_moe)"
+    return _experts_cpu_only_reason(config.hf)
+
+
+def _experts_cpu_only_reason(hf: dict) -> str | None:
+    """The CUDA fused_moe reads rows of 32 inputs: the hidden size and each expert's width must be
+    multiples of 32 (every released MoE model's are)."""
+    if not (hf.get("num_experts") or hf.get("num_local_experts")):
+        return None
+    width = hf.get("moe_intermediate_size") or hf.get("intermediate_size")
+    for name, size in (("hidden size", hf.get("hidden_size")), ("expert intermediate size", width)):
+        if size and size % 32:
+            return f"its {name} {size} is not a multiple of 32, which the CUDA fused_moe kernel reads in"
     return None
 
 

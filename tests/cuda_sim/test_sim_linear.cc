@@ -16,61 +16,11 @@ namespace {
 
 using octavo::WeightFormat;
 using sim_test::DType;
+using sim_test::expect_refusal;
+using sim_test::kQuantized;
 using sim_test::Tensor;
 using sim_test::TensorView;
-
-const WeightFormat kQuantized[] = {WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
-                                   WeightFormat::kInt8, WeightFormat::kInt4};
-
-// A quantized weight of n rows standing for k inputs, with random quants and scales: GGUF blocks
-// get float16 scales (and Q4_1 minimums) of either sign written into the bytes.
-struct Weight {
-  WeightFormat format;
-  Tensor data, scales, zeros;
-  int64_t group_size = 0;
-
-  Weight(WeightFormat f, int64_t n, int64_t k, std::mt19937& gen) : format(f) {
-    const int64_t block_bytes = octavo::weight_block_bytes(f);
-    data = Tensor({n, k / 32 * block_bytes}, f == WeightFormat::kInt8 ? DType::kInt8 : DType::kUInt8);
-    uint8_t* bytes = data.as<uint8_t>();
-    for (int64_t i = 0; i < data.numel(); ++i) bytes[i] = static_cast<uint8_t>(gen());
-    std::normal_distribution<float> normal(0.0f, 0.05f);
-    if (f == WeightFormat::kQ8_0 || f == WeightFormat::kQ4_0 || f == WeightFormat::kQ4_1) {
-      const int halves = f == WeightFormat::kQ4_1 ? 2 : 1;  // scale, then the minimum
-      for (int64_t b = 0; b < n * k / 32; ++b)
-        for (int h = 0; h < halves; ++h) {
-          const __half v = __float2half_rn(normal(gen));
-          std::memcpy(bytes + b * block_bytes + 2 * h, &v, 2);
-        }
-    } else if (f == WeightFormat::kInt8) {
-      scales = Tensor({n}, DType::kFloat32);
-      for (int64_t i = 0; i < n; ++i) scales.set(i, std::fabs(normal(gen)) / 16);
-    } else {
-      group_size = k % 64 == 0 ? 64 : 32;
-      scales = Tensor({n, k / group_size}, DType::kFloat32);
-      zeros = Tensor({n, k / group_size}, DType::kUInt8);
-      for (int64_t i = 0; i < scales.numel(); ++i) {
-        scales.set(i, std::fabs(normal(gen)) / 4);
-        zeros.as<uint8_t>()[i] = static_cast<uint8_t>(gen() % 16);
-      }
-    }
-  }
-
-  // The views of one device; quant() points into them, so they must outlive its use.
-  struct Views {
-    TensorView data, scales, zeros;
-    int64_t group_size;
-    octavo::WeightQuant quant() const {
-      return {scales.data ? &scales : nullptr, zeros.data ? &zeros : nullptr, group_size};
-    }
-  };
-  Views on(bool cuda) const {
-    Views v{cuda ? data.cuda() : data.cpu(), TensorView{}, TensorView{}, group_size};
-    if (!scales.shape().empty()) v.scales = cuda ? scales.cuda() : scales.cpu();
-    if (format == WeightFormat::kInt4) v.zeros = cuda ? zeros.cuda() : zeros.cpu();
-    return v;
-  }
-};
+using sim_test::Weight;
 
 // Calls octavo::linear / dequantize with w's views of one device.
 void run_linear(Tensor& out, const Tensor& x, const Weight& w, const Tensor* bias, bool cuda) {
@@ -199,17 +149,6 @@ TEST(SimLinear, TakesStridedInputAndOutput) {
   sim_test::expect_matches_cpu(gpu, cpu);
   for (int64_t r = 0; r < m; ++r)
     for (int64_t c = n; c < out_stride; ++c) ASSERT_EQ(gpu.get(r * out_stride + c), 0.0f) << "the gap is untouched";
-}
-
-// Calls op, which must throw an octavo::Error whose message contains `says`.
-template <typename Op>
-void expect_refusal(Op op, const std::string& says) {
-  try {
-    op();
-    ADD_FAILURE() << "no error; expected one saying: " << says;
-  } catch (const octavo::Error& e) {
-    EXPECT_NE(std::string(e.what()).find(says), std::string::npos) << e.what();
-  }
 }
 
 TEST(SimLinear, WhatCudaCannotReadIsRefusedByName) {

@@ -240,12 +240,38 @@ def test_a_mixtral_gguf_runs_on_its_expert_blocks(tmp_path):
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
 
-def test_moe_models_stay_off_gpus_until_their_kernels_exist(tmp_path):
-    """device='auto' runs an MoE model on the CPU; naming a GPU says why it cannot."""
+def test_moe_models_run_on_gpus_where_their_widths_are_whole_rows_of_32(tmp_path):
     from octavo.device import cpu_only_reason
 
-    tiny_moe_checkpoint("olmoe", tmp_path, head_dim=64, hidden_size=256)  # a head size CUDA has
-    assert "mixture-of-experts layers have no CUDA kernels yet" in cpu_only_reason(tmp_path)
+    tiny_moe_checkpoint("olmoe", tmp_path / "ok", head_dim=64, hidden_size=256)  # a head size CUDA has
+    assert cpu_only_reason(tmp_path / "ok") is None
+    tiny_moe_checkpoint("olmoe", tmp_path / "odd", head_dim=64, hidden_size=256, intermediate_size=40)
+    assert "expert intermediate size 40 is not a multiple of 32" in cpu_only_reason(tmp_path / "odd")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_path):
+    """The CUDA router and experts in the engine, in decode graphs and eagerly: transformers'
+    greedy tokens on the same GPU, in float32, for a batch whose requests end one by one."""
+    from octavo import LLM, SamplingParams
+
+    reference = tiny_moe_checkpoint(kind, tmp_path, head_dim=64).cuda()
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
+              enforce_eager=enforce_eager, skip_tokenizer_init=True)
+    prompts = [[1, 5, 9, 200, 17], [3] * 40, [250], list(range(2, 70, 3))]
+    lengths = [16, 11, 6, 3]
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths],
+                           use_tqdm=False)
+    for prompt, out, n in zip(prompts, outputs, lengths):
+        tokens = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                tokens.append(int(reference(torch.tensor([tokens], device="cuda")).logits[0, -1].argmax()))
+        assert list(out.outputs[0].token_ids) == tokens[len(prompt):]
+    assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
 
 
 def test_impossible_expert_layouts_are_refused():

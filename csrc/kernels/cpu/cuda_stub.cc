@@ -42,6 +42,9 @@ void paged_attention(const PagedAttentionParams&) { no_cuda("paged_attention"); 
 void sample(const SampleParams&) { no_cuda("sample"); }
 void linear(const LinearParams&) { no_cuda("linear"); }
 void dequantize(const LinearParams&) { no_cuda("dequantize"); }
+void topk_softmax(const TopkParams&) { no_cuda("topk_softmax"); }
+void moe_align(const MoeAlignParams&) { no_cuda("moe_align"); }
+void fused_moe(const FusedMoeParams&) { no_cuda("fused_moe"); }
 
 }  // namespace cuda
 }  // namespace octavo

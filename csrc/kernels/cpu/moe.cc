@@ -60,6 +60,10 @@ void score_row(const TopkParams& p, const T* logits, float* scores) {
   for (int64_t e = 0; e < E; ++e) scores[e] /= sum;
 }
 
+// Whether score a beats b in a top-k: a number beats NaN, a higher score a lower one. Scans keep
+// the first of equals, so ties go to the lower id (the CUDA kernel's rule too).
+bool beats(float a, float b) { return a > b || (std::isnan(b) && !std::isnan(a)); }
+
 // Leaves eligible[e] true only for the experts of the topk_group best groups.
 void keep_best_groups(const TopkParams& p, const float* scores, std::vector<char>& eligible) {
   const int64_t groups = p.args.num_expert_group, per_group = p.num_experts / groups;
@@ -73,7 +77,7 @@ void keep_best_groups(const TopkParams& p, const float* scores, std::vector<char
     int64_t chosen = 0;  // the first group not kept yet, unless a later one scores higher
     while (kept[chosen]) ++chosen;
     for (int64_t g = chosen + 1; g < groups; ++g)
-      if (!kept[g] && best[g] > best[chosen]) chosen = g;
+      if (!kept[g] && beats(best[g], best[chosen])) chosen = g;
     kept[chosen] = 1;
   }
   for (int64_t e = 0; e < p.num_experts; ++e) eligible[e] = kept[e / per_group];
@@ -88,11 +92,10 @@ void route_token(const TopkParams& p, int64_t t, std::vector<float>& scores, std
   int32_t* ids = p.topk_ids + t * p.top_k;
   float sum = 0.0f;
   for (int64_t slot = 0; slot < p.top_k; ++slot) {
-    // Strictly greater: ties keep the lower id. A NaN score never wins over a number, and the
-    // first eligible expert stands in when every score is NaN, so ids stay valid.
+    // The first eligible expert stands in when every score is NaN, so ids stay valid.
     int64_t chosen = -1;
     for (int64_t e = 0; e < p.num_experts; ++e)
-      if (eligible[e] && (chosen < 0 || scores[e] > scores[chosen])) chosen = e;
+      if (eligible[e] && (chosen < 0 || beats(scores[e], scores[chosen]))) chosen = e;
     eligible[chosen] = 0;
     ids[slot] = static_cast<int32_t>(chosen);
     sum += weights[slot] = scores[chosen];

@@ -25,7 +25,7 @@ cudaStream_t current_stream();
 // (then it stays allocated). reserve_cuda_workspaces sizes every slot once, so an engine never
 // grows one. One buffer per slot and device, so one host thread at a time may launch a device's
 // kernels: another thread's growth could free a buffer this one was handed and not yet used.
-enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kSampleCounts, kCount };
+enum class WorkspaceSlot { kAttentionSplits, kAttentionTiles, kSampleWeights, kSampleCounts, kMoe, kCount };
 void* device_workspace(WorkspaceSlot slot, size_t bytes, const char* op);
 // Throws octavo::Error naming `what` if the last launch (or an earlier asynchronous error) failed.
 void check_launch(const char* what);

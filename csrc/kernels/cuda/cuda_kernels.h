@@ -48,5 +48,11 @@ void reserve_sample_workspaces(int64_t max_rows, int64_t vocab_size);
 // float dtype (p.dtype).
 void linear(const LinearParams& p);
 void dequantize(const LinearParams& p);
+// Mixture of experts (moe.cu). Ids outside [0, num_experts) count as -1 (skipped); fused_moe
+// takes every format linear does but the CPU's bf16 tiles, with hidden and intermediate sizes in
+// multiples of 32.
+void topk_softmax(const TopkParams& p);
+void moe_align(const MoeAlignParams& p);
+void fused_moe(const FusedMoeParams& p);
 
 }  // namespace octavo::cuda

@@ -16,166 +16,20 @@
 // so that a 4096-row projection still has enough warps per SM, each with loads in flight, to
 // keep the memory busy. The partial sums are reduced in a fixed order (a butterfly in each warp,
 // then the warps in order) that does not depend on M: a row's output is the same bits whatever
-// the batch.
-//
-// A decoded weight is the float that the CPU kernel decodes and `dequantize` writes, bit for
-// bit: GGUF formats with the gguf package's arithmetic (one product; Q4_1 then a separate sum,
-// written as __fmul_rn / __fadd_rn so that nvcc cannot contract them into one FMA).
+// the batch. The formats' row decoders are in weight_rows.cuh.
 #include <type_traits>
 
 #include "common.cuh"
 #include "cuda_kernels.h"
+#include "weight_rows.cuh"
 
 namespace octavo::cuda {
 namespace {
 
-constexpr int kBlockWeights = 32;  // weights per block, in every format
-constexpr int kParts = 4;          // threads per block of 32 weights, 8 weights each
 constexpr int kThreads = 128;
 constexpr int kBlocksPerStep = kThreads / kParts;
 constexpr int kRows = 4;  // output features per CUDA block
 constexpr int kCols = 4;  // input rows per CUDA block, at most
-
-// ---- loads ----------------------------------------------------------------------------------
-
-// Four elements of T, read or written with one load / store (p aligned to 4 elements).
-template <typename T>
-struct alignas(4 * sizeof(T)) Quad {
-  T v[4];
-};
-template <typename T>
-__device__ __forceinline__ void load4(const T* p, float out[4]) {
-  const Quad<T> q = *reinterpret_cast<const Quad<T>*>(p);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) out[i] = to_float(q.v[i]);
-}
-template <typename T>
-__device__ __forceinline__ void store4(T* p, const float in[4]) {
-  Quad<T> q;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) q.v[i] = from_float<T>(in[i]);
-  *reinterpret_cast<Quad<T>*>(p) = q;
-}
-
-// Four bytes at p: one load where p is 4-byte aligned, two where it is only 2-byte aligned (the
-// quants of Q8_0's 34-byte and Q4_0's 18-byte blocks).
-__device__ __forceinline__ uint32_t load_u32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-__device__ __forceinline__ uint32_t load_u32_2aligned(const uint8_t* p) {
-  const uint16_t* h = reinterpret_cast<const uint16_t*>(p);
-  return static_cast<uint32_t>(h[0]) | (static_cast<uint32_t>(h[1]) << 16);
-}
-__device__ __forceinline__ float half_at(const uint8_t* p) { return to_float(*reinterpret_cast<const f16*>(p)); }
-
-// ---- decoding: the 8 weights of part q, w[i] = weight 4q + i, w[4 + i] = weight 16 + 4q + i ----
-
-// u - offset, for integers u < 2^23 and offset, without an integer-to-float conversion (those
-// run at a quarter of the FP32 rate or less, too slow to decode 4-bit weights at memory speed):
-// the float with 2^23's exponent and u in its mantissa is 2^23 + u, and subtracting 2^23 +
-// offset is exact.
-__device__ __forceinline__ float minus(uint32_t u, float offset) {
-  return __uint_as_float(0x4B000000u | u) - (8388608.0f + offset);
-}
-
-// Signed bytes `lo` (weights 4q..) and `hi` (16 + 4q..) times scale. Flipping each byte's top
-// bit gives q + 128 unsigned.
-__device__ __forceinline__ void signed_bytes(uint32_t lo, uint32_t hi, float scale, float w[8]) {
-  lo ^= 0x80808080u, hi ^= 0x80808080u;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    w[i] = __fmul_rn(minus((lo >> (8 * i)) & 0xFFu, 128.0f), scale);
-    w[4 + i] = __fmul_rn(minus((hi >> (8 * i)) & 0xFFu, 128.0f), scale);
-  }
-}
-
-// Nibbles of four bytes (low: weights 4q.., high: 16 + 4q..) as (nibble - offset) * scale, then
-// + min for Q4_1 (kMin).
-template <bool kMin>
-__device__ __forceinline__ void nibbles(uint32_t bytes, float offset, float scale, float min, float w[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t nibble = (bytes >> (i < 4 ? 8 * i : 8 * (i - 4) + 4)) & 15u;
-    const float v = __fmul_rn(minus(nibble, offset), scale);
-    w[i] = kMin ? __fadd_rn(v, min) : v;
-  }
-}
-
-// One row n of the weight, per format: Row(p, n), then decode(blk, q, w) for each block.
-// kAlign: the byte alignment its loads need of the weight's start.
-template <typename T>
-struct DenseRow {
-  static constexpr int kAlign = 4 * sizeof(T);
-  const T* w;
-  __device__ DenseRow(const LinearParams& p, int64_t n) : w(static_cast<const T*>(p.weight) + n * p.in_features) {}
-  __device__ void decode(int64_t blk, int q, float out[8]) const {
-    load4(w + blk * kBlockWeights + 4 * q, out);
-    load4(w + blk * kBlockWeights + 16 + 4 * q, out + 4);
-  }
-};
-
-// GGUF blocks (ggml's block_q8_0, block_q4_0, block_q4_1): float16 scale d (Q4_1 also a float16
-// minimum m), then the quants; Q8_0: w = d * q; Q4_0: w = d * (q - 8); Q4_1: w = d * q + m.
-template <int kBytes>
-struct GgufRow {
-  const uint8_t* w;
-  __device__ GgufRow(const LinearParams& p, int64_t n)
-      : w(static_cast<const uint8_t*>(p.weight) + n * (p.in_features / kBlockWeights * kBytes)) {}
-  __device__ const uint8_t* block(int64_t blk) const { return w + blk * kBytes; }
-};
-struct Q8_0Row : GgufRow<34> {
-  static constexpr int kAlign = 2;
-  using GgufRow::GgufRow;
-  __device__ void decode(int64_t blk, int q, float out[8]) const {
-    const uint8_t* b = block(blk);
-    signed_bytes(load_u32_2aligned(b + 2 + 4 * q), load_u32_2aligned(b + 18 + 4 * q), half_at(b), out);
-  }
-};
-struct Q4_0Row : GgufRow<18> {
-  static constexpr int kAlign = 2;
-  using GgufRow::GgufRow;
-  __device__ void decode(int64_t blk, int q, float out[8]) const {
-    const uint8_t* b = block(blk);
-    nibbles<false>(load_u32_2aligned(b + 2 + 4 * q), 8.0f, half_at(b), 0.0f, out);
-  }
-};
-struct Q4_1Row : GgufRow<20> {
-  static constexpr int kAlign = 4;
-  using GgufRow::GgufRow;
-  __device__ void decode(int64_t blk, int q, float out[8]) const {
-    const uint8_t* b = block(blk);
-    nibbles<true>(load_u32(b + 4 + 4 * q), 0.0f, half_at(b), half_at(b + 2), out);
-  }
-};
-
-// Octavo's load-time formats (ops.h): int8, w = q * s per row; int4, w = (q - z) * s per row and
-// group of group_size inputs, nibbles ordered as GGUF's.
-struct Int8Row {
-  static constexpr int kAlign = 4;
-  const int8_t* w;
-  float scale;
-  __device__ Int8Row(const LinearParams& p, int64_t n)
-      : w(static_cast<const int8_t*>(p.weight) + n * p.in_features), scale(p.scales[n]) {}
-  __device__ void decode(int64_t blk, int q, float out[8]) const {
-    const uint8_t* b = reinterpret_cast<const uint8_t*>(w + blk * kBlockWeights);
-    signed_bytes(load_u32(b + 4 * q), load_u32(b + 16 + 4 * q), scale, out);
-  }
-};
-struct Int4Row {
-  static constexpr int kAlign = 4;
-  const uint8_t* w;
-  const float* scales;
-  const uint8_t* zeros;
-  int32_t blocks_per_group;
-  __device__ Int4Row(const LinearParams& p, int64_t n)
-      : w(static_cast<const uint8_t*>(p.weight) + n * (p.in_features / 2)),
-        scales(p.scales + n * (p.in_features / p.group_size)),
-        zeros(p.zeros + n * (p.in_features / p.group_size)),
-        blocks_per_group(static_cast<int32_t>(p.group_size / kBlockWeights)) {}
-  __device__ void decode(int64_t blk, int q, float out[8]) const {
-    const int32_t g = static_cast<int32_t>(blk) / blocks_per_group;  // 32-bit: a 64-bit divide is a long call
-    nibbles<false>(load_u32(w + blk * (kBlockWeights / 2) + 4 * q), static_cast<float>(zeros[g]), scales[g], 0.0f,
-                   out);
-  }
-};
 
 // ---- linear --------------------------------------------------------------------------------
 
@@ -232,8 +86,6 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(LinearParams p) {
   if (p.bias != nullptr) sum += to_float(static_cast<const T*>(p.bias)[n]);
   static_cast<T*>(p.out)[m * p.out_stride + n] = from_float<T>(sum);
 }
-
-bool aligned(const void* ptr, int bytes) { return reinterpret_cast<uintptr_t>(ptr) % bytes == 0; }
 
 // ---- dense 16-bit weights ------------------------------------------------------------------
 

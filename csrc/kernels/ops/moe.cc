@@ -1,19 +1,14 @@
-// topk_softmax, moe_align and fused_moe: argument checks, then the CPU launcher.
+// topk_softmax, moe_align and fused_moe: argument checks, then the CPU or CUDA launcher.
 #include <cmath>
 #include <tuple>
 
 #include "cpu/isa_kernels.h"
+#include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
 #include "op_checks.h"
 
 namespace octavo {
 namespace {
-
-// The MoE kernels have no CUDA version yet: a CUDA tensor gets this error, not a wrong answer.
-void check_on_cpu(const TensorView& t, const char* op) {
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, !ops::is_cuda(t),
-                    op << " has no CUDA kernel in this version of Octavo; run mixture-of-experts layers on the CPU");
-}
 
 // A contiguous int32 [rows, cols] tensor on ref's device.
 void check_ids(const TensorView& t, const char* arg, int64_t rows, int64_t cols, const TensorView& ref,
@@ -26,8 +21,10 @@ void check_ids(const TensorView& t, const char* arg, int64_t rows, int64_t cols,
   if (cols >= 0) check_size(t, arg, 1, cols);
 }
 
-// Every id in [-1, num_experts): the host reads CPU ids before a kernel indexes with them.
+// Every id in [-1, num_experts): the host reads CPU ids before a kernel indexes with them (the
+// CUDA kernels skip ids outside that range instead; reading them here would be a copy per call).
 void check_expert_ids(const TensorView& ids, int64_t num_experts) {
+  if (ops::is_cuda(ids)) return;
   const int32_t* v = ids.data_as<const int32_t>();
   for (int64_t i = 0, n = ids.numel(); i < n; ++i)
     OCTAVO_CHECK_INDEX(v[i] >= -1 && v[i] < num_experts, "argument 'topk_ids' holds expert " << v[i] << ", outside [0, "
@@ -87,7 +84,6 @@ bool overlaps(const void* a, int64_t a_bytes, const void* b, int64_t b_bytes) {
 
 void topk_softmax(const TensorView& topk_weights, const TensorView& topk_ids, const TensorView& gating_output,
                   const TopkArgs& args) {
-  check_on_cpu(gating_output, "topk_softmax");
   ops::check_float(gating_output, "gating_output");
   const ops::Rows g = ops::last_dim_rows(gating_output, "gating_output");
   OCTAVO_CHECK(topk_weights.ndim == 2, "argument 'topk_weights' must be [tokens, top_k], got "
@@ -116,12 +112,12 @@ void topk_softmax(const TensorView& topk_weights, const TensorView& topk_ids, co
                                                                        << args.softcap);
   TopkParams p{topk_weights.data_as<float>(), topk_ids.data_as<int32_t>(), gating_output.data, g.rows, E, k, g.stride,
                gating_output.dtype, args};
-  cpu_dispatch(topk_softmax, p);
+  if (ops::runs_on_cuda(gating_output, "gating_output")) cuda::topk_softmax(p);
+  else cpu_dispatch(topk_softmax, p);
 }
 
 void moe_align(const TensorView& topk_ids, int64_t num_experts, int64_t block_size, const TensorView& sorted_token_ids,
                const TensorView& expert_ids, const TensorView& num_tokens_post_padded) {
-  check_on_cpu(topk_ids, "moe_align");
   check_ids(topk_ids, "topk_ids", -1, -1, topk_ids, "topk_ids");
   OCTAVO_CHECK(num_experts >= 1, "num_experts must be >= 1, got " << num_experts);
   OCTAVO_CHECK(block_size >= 1, "block_size must be >= 1, got " << block_size);
@@ -134,12 +130,12 @@ void moe_align(const TensorView& topk_ids, int64_t num_experts, int64_t block_si
   check_expert_ids(topk_ids, num_experts);
   MoeAlignParams p{topk_ids.data_as<const int32_t>(), sorted_token_ids.data_as<int32_t>(), expert_ids.data_as<int32_t>(),
                    num_tokens_post_padded.data_as<int32_t>(), pairs, num_experts, block_size, capacity};
-  cpu_dispatch(moe_align, p);
+  if (ops::runs_on_cuda(topk_ids, "topk_ids")) cuda::moe_align(p);
+  else cpu_dispatch(moe_align, p);
 }
 
 void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeights& w13, const ExpertWeights& w2,
                const TensorView& topk_weights, const TensorView& topk_ids) {
-  check_on_cpu(hidden, "fused_moe");
   const auto [in, o] = ops::float_in_out(out, "out", hidden);
   OCTAVO_CHECK(o.rows == in.rows && o.cols == in.cols, "argument 'out' must be [" << in.rows << ", " << in.cols
                                                                                   << "] like 'hidden_states', got "
@@ -169,7 +165,8 @@ void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeig
                "argument 'out' must not overlap 'hidden_states'");
   FusedMoeParams p{out.data, hidden.data, topk_weights.data_as<const float>(), topk_ids.data_as<const int32_t>(),
                    gate_up, down, in.rows, in.cols, gate_up.rows / 2, E, k, in.stride, o.stride, hidden.dtype};
-  cpu_dispatch(fused_moe, p);
+  if (ops::runs_on_cuda(hidden, "hidden_states")) cuda::fused_moe(p);
+  else cpu_dispatch(fused_moe, p);
 }
 
 }  // namespace octavo

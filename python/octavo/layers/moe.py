@@ -150,7 +150,7 @@ def _expert_args(weight: torch.Tensor | QuantizedWeight, num_experts: int, prefi
 def fused_moe(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
               num_experts: int) -> torch.Tensor:
     """x [T, H] through stacked experts (2-D stacks, dense or quantized) -> [T, H] by Octavo's
-    ``fused_moe`` op (CPU only for now: device.cpu_only_reason keeps MoE models off GPUs)."""
+    ``fused_moe`` op, on x's device."""
     out = torch.empty_like(x)
     _C.ops.fused_moe(out, x, topk_weights=topk_weights, topk_ids=topk_ids, **_expert_args(w13, num_experts, "w13"),
                      **_expert_args(w2, num_experts, "w2"))

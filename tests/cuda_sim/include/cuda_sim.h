@@ -237,6 +237,14 @@ CUDA_SIM_UNCHECKED void combine_shfl_idx(const void* const* in, void* const* out
     *static_cast<T*>(out[lane]) = static_cast<const IndexedOperand<T>*>(in[shuffle_source(lane, src, width, mask)])->value;
   }
 }
+// Every lane in the mask gets the mask's lanes whose predicate is nonzero, one bit each.
+CUDA_SIM_UNCHECKED inline void combine_ballot(const void* const* in, void* const* out, unsigned mask, int) {
+  unsigned bits = 0;
+  for (int lane = 0; lane < 32; ++lane)
+    if ((mask >> lane & 1u) && *static_cast<const int*>(in[lane]) != 0) bits |= 1u << lane;
+  for (int lane = 0; lane < 32; ++lane)
+    if (mask >> lane & 1u) *static_cast<unsigned*>(out[lane]) = bits;
+}
 }  // namespace cuda_sim
 
 template <typename T>
@@ -279,6 +287,12 @@ T atomicExch(T* address, T value) {
   }
 }
 
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  unsigned result;
+  ::cuda_sim::warp_collective("__ballot_sync", mask, &predicate, &result, 0, ::cuda_sim::combine_ballot);
+  return result;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
 using std::isfinite;

@@ -1,0 +1,491 @@
+// Mixture of experts on CUDA: the router's top-k (topk_softmax), the grouping of (token, slot)
+// pairs by expert (moe_align), and the experts' MLP (fused_moe), with the CPU kernels'
+// semantics (cpu/moe.cc): the same ids, ties to the lower id, ids of -1 skipped.
+//
+// fused_moe runs in four launches per chunk of tokens:
+//   1. align_kernel groups the chunk's pairs by expert into blocks of kPairs (moe_align's layout);
+//   2. expert_gemv_kernel<gated> computes act = silu(x·gateᵀ) * (x·upᵀ) for each block's rows,
+//      reading the rows of hidden_states its pairs name;
+//   3. expert_gemv_kernel<down> computes y = act·downᵀ;
+//   4. combine_kernel adds each token's y rows, weighted, in ascending expert order.
+// Intermediates are float32 (act, y), so a result is the float32 product rounded once to the
+// activations' type. A pair's sums do not depend on the other pairs in its block, and the
+// combine's order is fixed: a token gets the same bits alone or in any batch.
+//
+// The expert kernels are GEMV-shaped (linear.cu's linear_kernel over a block of pairs): each
+// weight tile streams from memory once per step while the blocks of its expert read it from L2,
+// which is what decode needs. Prefill-sized batches run the same kernels, correct but without
+// tensor cores.
+#include <cmath>
+
+#include "common.cuh"
+#include "cuda_kernels.h"
+#include "weight_rows.cuh"
+
+namespace octavo::cuda {
+namespace {
+
+// ---- topk_softmax -------------------------------------------------------------------------
+
+constexpr int kTopkThreads = 128;
+
+// An expert and its score; id -1: none yet.
+struct Candidate {
+  float score;
+  int id;
+};
+
+// The better of two candidates: a number beats NaN, a higher score beats a lower one, and ties go
+// to the lower id (the CPU kernel's rule). Associative, so any reduction order gives the same one.
+__device__ __forceinline__ Candidate better(Candidate a, Candidate b) {
+  if (a.id < 0) return b;
+  if (b.id < 0) return a;
+  const bool a_nan = a.score != a.score, b_nan = b.score != b.score;
+  if (a_nan != b_nan) return a_nan ? b : a;
+  if (!a_nan && a.score != b.score) return a.score > b.score ? a : b;
+  return a.id < b.id ? a : b;
+}
+
+// The block's best candidate, for every thread. `scratch`: 2 * 32 words of shared memory.
+__device__ Candidate block_best(Candidate c, float* score_scratch, int* id_scratch) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    c = better(c, Candidate{__shfl_xor_sync(0xffffffffu, c.score, offset), __shfl_xor_sync(0xffffffffu, c.id, offset)});
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) score_scratch[warp] = c.score, id_scratch[warp] = c.id;
+  __syncthreads();
+  c = lane < static_cast<int>(blockDim.x / 32) ? Candidate{score_scratch[lane], id_scratch[lane]} : Candidate{0.0f, -1};
+  for (int offset = 16; offset > 0; offset /= 2)
+    c = better(c, Candidate{__shfl_xor_sync(0xffffffffu, c.score, offset), __shfl_xor_sync(0xffffffffu, c.id, offset)});
+  __syncthreads();  // the scratch may be reused right after
+  return c;
+}
+
+// Scores (soft-capped, then softmax or sigmoid) into `scores`.
+template <typename T>
+__device__ void score_row(const TopkParams& p, const T* logits, float* scores, float* scratch) {
+  const int E = static_cast<int>(p.num_experts);
+  const float cap = static_cast<float>(p.args.softcap);
+  float top = -INFINITY;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    const float x = to_float(logits[e]);
+    scores[e] = cap > 0.0f ? cap * tanhf(x / cap) : x;
+    top = fmaxf(top, scores[e]);
+  }
+  if (p.args.scoring == MoeScoring::kSigmoid) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) scores[e] = 1.0f / (1.0f + expf(-scores[e]));
+    __syncthreads();
+    return;
+  }
+  top = block_reduce(top, [](float a, float b) { return fmaxf(a, b); }, -INFINITY, scratch);
+  float sum = 0.0f;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) sum += scores[e] = expf(scores[e] - top);
+  sum = block_sum(sum, scratch);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) scores[e] /= sum;
+  __syncthreads();
+}
+
+// eligible[e] = 1 for the experts of the topk_group best groups (a group's score is its best
+// expert's), chosen as the CPU kernel chooses them; 1 for all without groups.
+__device__ void mark_eligible(const TopkParams& p, const float* scores, unsigned char* eligible, float* group_best) {
+  const int E = static_cast<int>(p.num_experts), groups = static_cast<int>(p.args.num_expert_group);
+  if (groups == 0) {
+    for (int e = threadIdx.x; e < E; e += blockDim.x) eligible[e] = 1;
+    __syncthreads();
+    return;
+  }
+  const int per_group = E / groups;
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    float best = scores[g * per_group];
+    for (int e = 1; e < per_group; ++e) best = fmaxf(best, scores[g * per_group + e]);
+    group_best[g] = best;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {  // a few groups: one thread picks them, in the CPU kernel's order
+    for (int e = 0; e < E; ++e) eligible[e] = 0;
+    for (int pick = 0; pick < p.args.topk_group; ++pick) {
+      Candidate chosen{0.0f, -1};
+      for (int g = 0; g < groups; ++g)
+        if (!eligible[g * per_group]) chosen = better(chosen, Candidate{group_best[g], g});
+      for (int e = 0; e < per_group; ++e) eligible[chosen.id * per_group + e] = 1;
+    }
+  }
+  __syncthreads();
+}
+
+// One block per token. Dynamic shared memory: scores [E] floats, then eligible [E] bytes, then
+// the groups' best scores.
+template <typename T>
+__global__ void __launch_bounds__(kTopkThreads) topk_kernel(TopkParams p) {
+  __shared__ float scratch[32];
+  __shared__ int id_scratch[32];
+  const int E = static_cast<int>(p.num_experts);
+  float* scores = reinterpret_cast<float*>(dynamic_shared_memory());
+  float* group_best = scores + E;
+  unsigned char* eligible = reinterpret_cast<unsigned char*>(group_best + p.args.num_expert_group);
+  const int64_t t = blockIdx.x;
+  score_row(p, static_cast<const T*>(p.gating_output) + t * p.gating_stride, scores, scratch);
+  mark_eligible(p, scores, eligible, group_best);
+  float* weights = p.topk_weights + t * p.top_k;
+  int32_t* ids = p.topk_ids + t * p.top_k;
+  float sum = 0.0f;  // thread 0's, in slot order as the CPU adds them
+  for (int64_t slot = 0; slot < p.top_k; ++slot) {
+    Candidate c{0.0f, -1};
+    for (int e = threadIdx.x; e < E; e += blockDim.x)
+      if (eligible[e]) c = better(c, Candidate{scores[e], e});
+    c = block_best(c, scratch, id_scratch);
+    if (threadIdx.x == 0) {
+      eligible[c.id] = 0;
+      ids[slot] = c.id;
+      sum += weights[slot] = scores[c.id];
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0 && p.args.renormalize)
+    for (int64_t slot = 0; slot < p.top_k; ++slot) weights[slot] /= sum;
+}
+
+size_t topk_shared_bytes(const TopkParams& p) {
+  return (p.num_experts + p.args.num_expert_group) * sizeof(float) + p.num_experts;
+}
+
+// ---- grouping by expert -------------------------------------------------------------------
+
+constexpr int kAlignThreads = 1024;
+
+struct AlignParams {
+  const int32_t* topk_ids;  // [pairs]
+  int32_t* sorted_token_ids;
+  int32_t* expert_ids;
+  int32_t* num_tokens_post_padded;
+  int32_t* pair_rows;  // [pairs]: where each pair landed in sorted_token_ids, or null
+  int32_t pairs, num_experts, block_size, capacity;
+};
+
+// One block. Dynamic shared memory: counts [E], then starts [E + 1]. Each expert's pairs are
+// placed by one warp that walks all pairs in order, 32 at a time, so they keep their order
+// (ballot and popcount give each lane its place). An id outside [0, E) counts as -1.
+__global__ void __launch_bounds__(kAlignThreads) align_kernel(AlignParams p) {
+  int32_t* counts = reinterpret_cast<int32_t*>(dynamic_shared_memory());
+  int32_t* starts = counts + p.num_experts;
+  const int E = p.num_experts, B = p.block_size;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < p.pairs; i += blockDim.x) {
+    const int32_t id = p.topk_ids[i];
+    if (id >= 0 && id < E) atomicAdd(&counts[id], 1);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t used = 0;
+    for (int e = 0; e < E; ++e) {
+      starts[e] = used;
+      used += (counts[e] + B - 1) / B * B;
+    }
+    starts[E] = used;
+    *p.num_tokens_post_padded = used;
+  }
+  __syncthreads();
+  const int32_t used = starts[E];
+  for (int i = threadIdx.x; i < p.capacity; i += blockDim.x) p.sorted_token_ids[i] = p.pairs;
+  for (int b = threadIdx.x; b < p.capacity / B; b += blockDim.x)
+    p.expert_ids[b] = b * B < used ? last_at_most(starts, E, b * B) : -1;
+  __syncthreads();  // the padding first: the pairs overwrite some of it
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned below = (1u << lane) - 1u;  // the lanes before this one
+  for (int e = warp; e < E; e += blockDim.x / 32) {
+    if (counts[e] == 0) continue;
+    int32_t next = starts[e];
+    for (int base = 0; base < p.pairs; base += 32) {
+      const int i = base + lane;
+      const bool mine = i < p.pairs && p.topk_ids[i] == e;
+      const unsigned mask = __ballot_sync(0xffffffffu, mine);
+      if (mine) {
+        const int32_t row = next + __popc(mask & below);
+        p.sorted_token_ids[row] = i;
+        if (p.pair_rows != nullptr) p.pair_rows[i] = row;
+      }
+      next += __popc(mask);
+    }
+  }
+}
+
+void launch_align(const AlignParams& p) {
+  const size_t bytes = (2 * static_cast<size_t>(p.num_experts) + 1) * sizeof(int32_t);
+  static std::atomic<bool> opted_in[kMaxDevices];  // to all the device has: the size varies by call
+  allow_shared_memory(align_kernel, shared_memory_optin(), opted_in, "moe_align");
+  launch_kernel(align_kernel, dim3(1), kAlignThreads, bytes, p);
+  check_launch("moe_align");
+}
+
+// ---- the experts' projections -------------------------------------------------------------
+
+constexpr int kPairs = 4;  // pairs per moe_align block in fused_moe: the kernels' input rows
+constexpr int kExpertThreads = 128;
+constexpr int kExpertRows = 4;  // weight rows per CUDA block (gated: 2 gate rows and their 2 up rows)
+constexpr int kBlocksPerStep = kExpertThreads / kParts;
+
+// One projection of fused_moe over the aligned pairs.
+struct ExpertPass {
+  ExpertStack w;
+  int64_t in_features;  // of each weight row
+  int64_t features;     // outputs per pair: the intermediate size (gated) or the hidden size
+  const void* input;    // gated: hidden_states, rows by token; else act, rows by aligned position
+  int64_t in_stride;
+  float* out;           // [capacity, features]
+  const int32_t* sorted_token_ids;
+  const int32_t* expert_ids;
+  int64_t blocks, pairs, top_k;  // aligned blocks; pairs in the chunk
+};
+
+// Expert e's rows as linear's row decoders take them.
+__device__ __forceinline__ LinearParams expert_weight(const ExpertPass& p, int e) {
+  LinearParams lp{};
+  lp.weight = static_cast<const uint8_t*>(p.w.weight) + e * p.w.expert_bytes;
+  lp.scales = p.w.scales != nullptr ? p.w.scales + e * p.w.expert_scales : nullptr;
+  lp.zeros = p.w.zeros != nullptr ? p.w.zeros + e * p.w.expert_zeros : nullptr;
+  lp.in_features = p.in_features;
+  lp.out_features = p.w.rows;
+  lp.group_size = p.w.group_size;
+  return lp;
+}
+
+__device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
+
+// A CUDA block: 4 weight rows of one aligned block's expert against its kPairs rows, split over
+// the threads as linear_kernel splits a row (kParts threads per block of 32 weights), partial
+// sums reduced in a fixed order. kGated: rows n, n + 1 of gate and of up, stored as silu(gate) *
+// up; else rows n..n + 3, stored as they are. Aligned blocks are numbered fastest, as
+// linear_kernel numbers its input-row chunks, so the blocks that read one weight tile run
+// together and it comes from memory about once.
+template <typename TIn, typename Row, bool kGated>
+__global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass p) {
+  __shared__ float partial[kExpertThreads / 32][kExpertRows][kPairs];
+  const int64_t block = blockIdx.x % p.blocks, tile = blockIdx.x / p.blocks;
+  const int e = p.expert_ids[block];
+  if (e < 0) return;
+  const int64_t n0 = tile * (kGated ? 2 : kExpertRows);
+  // A block with an expert holds at least one pair, its first; padding repeats it (not stored).
+  int64_t pos[kPairs];
+  const TIn* x[kPairs];
+#pragma unroll
+  for (int c = 0; c < kPairs; ++c) {
+    const int32_t sorted = p.sorted_token_ids[block * kPairs + c];
+    pos[c] = sorted < p.pairs ? block * kPairs + c : -1;
+    const int64_t row = pos[c] < 0 ? block * kPairs : pos[c];
+    const int64_t input_row = kGated ? p.sorted_token_ids[row] / p.top_k : row;
+    x[c] = static_cast<const TIn*>(p.input) + input_row * p.in_stride;
+  }
+  const LinearParams lp = expert_weight(p, e);
+  const int64_t last = p.features - 1;
+  const int64_t up = kGated ? p.features : 0;
+  const Row w[kExpertRows] = {
+      Row(lp, min64(n0, last)), Row(lp, min64(n0 + 1, last)),
+      Row(lp, kGated ? up + min64(n0, last) : min64(n0 + 2, last)),
+      Row(lp, kGated ? up + min64(n0 + 1, last) : min64(n0 + 3, last))};
+  const int q = threadIdx.x % kParts;
+  float acc[kExpertRows][kPairs] = {};
+  const int64_t blocks = p.in_features / kBlockWeights;
+  for (int64_t blk = threadIdx.x / kParts; blk < blocks; blk += kBlocksPerStep) {
+    const int64_t k = blk * kBlockWeights + 4 * q;
+    float xs[kPairs][8];
+#pragma unroll
+    for (int c = 0; c < kPairs; ++c) {
+      load4(x[c] + k, xs[c]);
+      load4(x[c] + k + 16, xs[c] + 4);
+    }
+#pragma unroll
+    for (int r = 0; r < kExpertRows; ++r) {
+      float ws[8];
+      w[r].decode(blk, q, ws);
+#pragma unroll
+      for (int c = 0; c < kPairs; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r][c] = fmaf(ws[j], xs[c][j], acc[r][c]);
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kExpertRows; ++r)
+#pragma unroll
+    for (int c = 0; c < kPairs; ++c) {
+      float v = acc[r][c];
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0) partial[warp][r][c] = v;
+    }
+  __syncthreads();
+  if (threadIdx.x >= kExpertRows * kPairs) return;
+  const int r = threadIdx.x / kPairs, c = threadIdx.x % kPairs;
+  const auto sum = [&](int row) {
+    float s = partial[0][row][c];
+    for (int i = 1; i < kExpertThreads / 32; ++i) s += partial[i][row][c];
+    return s;
+  };
+  if (kGated && r >= 2) return;
+  const int64_t n = n0 + r;
+  if (n >= p.features || pos[c] < 0) return;
+  p.out[pos[c] * p.features + n] = kGated ? silu(sum(r)) * sum(r + 2) : sum(r);
+}
+
+// ---- the weighted sum -----------------------------------------------------------------------
+
+constexpr int kCombineThreads = 256;
+
+struct CombineParams {
+  void* out;  // the chunk's first row
+  const float* y;
+  const float* topk_weights;  // the chunk's first token's
+  const int32_t* topk_ids;
+  const int32_t* pair_rows;
+  int64_t hidden, top_k, out_stride, num_experts;
+};
+
+// One block per token: its slots ordered by (expert, slot) by thread 0, as the CPU kernel adds
+// them, then each thread sums its columns in that order. Dynamic shared memory: top_k ints.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
+  int32_t* order = reinterpret_cast<int32_t*>(dynamic_shared_memory());
+  __shared__ int count;
+  const int64_t t = blockIdx.x;
+  const int32_t* ids = p.topk_ids + t * p.top_k;
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int slot = 0; slot < p.top_k; ++slot) {
+      if (ids[slot] < 0 || ids[slot] >= p.num_experts) continue;
+      int j = n++;
+      for (; j > 0 && ids[order[j - 1]] > ids[slot]; --j) order[j] = order[j - 1];
+      order[j] = slot;
+    }
+    count = n;
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.out) + t * p.out_stride;
+  for (int64_t h = threadIdx.x; h < p.hidden; h += blockDim.x) {
+    float acc = 0.0f;
+    for (int j = 0; j < count; ++j) {
+      const int64_t pair = t * p.top_k + order[j];
+      acc += p.topk_weights[pair] * p.y[p.pair_rows[pair] * p.hidden + h];
+    }
+    out[h] = from_float<T>(acc);
+  }
+}
+
+// ---- fused_moe ------------------------------------------------------------------------------
+
+// The float32 intermediates of one chunk of tokens take at most this many floats (256 MiB): a
+// Mixtral-sized layer (hidden 4096, intermediate 14336, top-2) runs ~1800 tokens at once, a
+// Qwen3-30B-A3B-sized one (2048, 768, top-8) ~2900.
+constexpr int64_t kWorkspaceFloats = int64_t{1} << 26;
+
+// The chunk's scratch in one workspace: sorted ids, expert ids, the padded count, pair rows,
+// then act [capacity, I] and y [capacity, H].
+struct MoeScratch {
+  int32_t *sorted, *expert_ids, *post_padded, *pair_rows;
+  float *act, *y;
+};
+
+int64_t capacity_of(int64_t pairs, int64_t num_experts) { return pairs + num_experts * (kPairs - 1); }
+
+MoeScratch moe_scratch(const FusedMoeParams& p, int64_t chunk_pairs) {
+  const int64_t cap = capacity_of(chunk_pairs, p.num_experts);
+  const int64_t ints = (cap + cap / kPairs + 1 + chunk_pairs + 3) / 4 * 4;  // floats start 16-byte aligned
+  const size_t bytes = (ints + cap * (p.intermediate + p.hidden)) * sizeof(float);
+  auto* base = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kMoe, bytes, "fused_moe"));
+  float* floats = reinterpret_cast<float*>(base + ints);
+  return MoeScratch{base, base + cap, base + cap + cap / kPairs, base + cap + cap / kPairs + 1, floats,
+                    floats + cap * p.intermediate};
+}
+
+template <typename TIn, typename Row, bool kGated>
+void launch_pass(const ExpertPass& pass) {
+  OCTAVO_CHECK(aligned(pass.w.weight, Row::kAlign) && pass.w.expert_bytes % Row::kAlign == 0,
+               "fused_moe on CUDA: each expert's weights must start at a " << Row::kAlign << "-byte boundary");
+  const int64_t tiles = ceil_div(pass.features, kGated ? 2 : kExpertRows);
+  OCTAVO_CHECK(pass.blocks * tiles < (int64_t{1} << 31), "fused_moe on CUDA: too many outputs for one launch");
+  launch_kernel(expert_gemv_kernel<TIn, Row, kGated>, dim3(static_cast<unsigned>(pass.blocks * tiles)),
+                kExpertThreads, 0, pass);
+  check_launch("fused_moe");
+}
+
+// Calls fn(Row*) with the row decoder of a stack's format (dense: of T).
+template <typename T, typename Fn>
+void dispatch_rows(const ExpertStack& w, Fn&& fn) {
+  switch (w.format) {
+    case WeightFormat::kDense: return fn(static_cast<DenseRow<T>*>(nullptr));
+    case WeightFormat::kQ8_0: return fn(static_cast<Q8_0Row*>(nullptr));
+    case WeightFormat::kQ4_0: return fn(static_cast<Q4_0Row*>(nullptr));
+    case WeightFormat::kQ4_1: return fn(static_cast<Q4_1Row*>(nullptr));
+    case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
+    case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
+    case WeightFormat::kBf16Tiles: break;
+  }
+  OCTAVO_CHECK(false, "fused_moe on CUDA: experts in " << weight_format_name(w.format)
+                                                       << " (a CPU layout) are not read on CUDA");
+}
+
+// Tokens [t0, t1) through their experts into out's rows t0..t1.
+template <typename T>
+void run_chunk(const FusedMoeParams& p, int64_t t0, int64_t t1) {
+  const int64_t pairs = (t1 - t0) * p.top_k, cap = capacity_of(pairs, p.num_experts);
+  const MoeScratch s = moe_scratch(p, pairs);
+  launch_align(AlignParams{p.topk_ids + t0 * p.top_k, s.sorted, s.expert_ids, s.post_padded, s.pair_rows,
+                           static_cast<int32_t>(pairs), static_cast<int32_t>(p.num_experts), kPairs,
+                           static_cast<int32_t>(cap)});
+  const T* hidden = static_cast<const T*>(p.hidden_states) + t0 * p.in_stride;
+  const ExpertPass up{p.w13, p.hidden, p.intermediate, hidden, p.in_stride, s.act, s.sorted, s.expert_ids,
+                      cap / kPairs, pairs, p.top_k};
+  dispatch_rows<T>(p.w13, [&](auto* row) { launch_pass<T, std::remove_pointer_t<decltype(row)>, true>(up); });
+  const ExpertPass down{p.w2, p.intermediate, p.hidden, s.act, p.intermediate, s.y, s.sorted, s.expert_ids,
+                        cap / kPairs, pairs, p.top_k};
+  dispatch_rows<T>(p.w2, [&](auto* row) { launch_pass<float, std::remove_pointer_t<decltype(row)>, false>(down); });
+  const CombineParams c{static_cast<T*>(p.out) + t0 * p.out_stride, s.y, p.topk_weights + t0 * p.top_k,
+                        p.topk_ids + t0 * p.top_k, s.pair_rows, p.hidden, p.top_k, p.out_stride, p.num_experts};
+  launch_kernel(combine_kernel<T>, dim3(static_cast<unsigned>(t1 - t0)), kCombineThreads,
+                p.top_k * sizeof(int32_t), c);
+  check_launch("fused_moe");
+}
+
+template <typename T>
+void run_fused_moe(const FusedMoeParams& p) {
+  OCTAVO_CHECK(p.hidden % kBlockWeights == 0 && p.intermediate % kBlockWeights == 0,
+               "fused_moe on CUDA reads rows of 32 inputs: hidden size " << p.hidden << " and intermediate size "
+                                                                        << p.intermediate
+                                                                        << " must be multiples of 32");
+  OCTAVO_CHECK(aligned(p.hidden_states, 4 * sizeof(T)) && p.in_stride % 4 == 0,
+               "fused_moe on CUDA: hidden_states rows must start at 4-element boundaries (a contiguous tensor's do)");
+  const int64_t rows = kWorkspaceFloats / (p.intermediate + p.hidden) - p.num_experts * (kPairs - 1);
+  const int64_t chunk = std::min(p.tokens, std::max<int64_t>(1, rows / p.top_k));
+  for (int64_t t0 = 0; t0 < p.tokens; t0 += chunk) run_chunk<T>(p, t0, std::min(p.tokens, t0 + chunk));
+}
+
+}  // namespace
+
+void topk_softmax(const TopkParams& p) {
+  if (p.tokens == 0) return;
+  const size_t bytes = topk_shared_bytes(p);
+  OCTAVO_CHECK(static_cast<int64_t>(bytes) <= shared_memory_optin(),
+               "topk_softmax on CUDA: " << p.num_experts << " experts need more shared memory than the device has");
+  dispatch_float(p.dtype, "topk_softmax", [&](auto t) {
+    using T = decltype(t);
+    static std::atomic<bool> opted_in[kMaxDevices];  // to all the device has: the size varies by call
+    allow_shared_memory(topk_kernel<T>, shared_memory_optin(), opted_in, "topk_softmax");
+    launch_kernel(topk_kernel<T>, dim3(static_cast<unsigned>(p.tokens)), kTopkThreads, bytes, p);
+  });
+  check_launch("topk_softmax");
+}
+
+void moe_align(const MoeAlignParams& p) {
+  OCTAVO_CHECK(static_cast<int64_t>((2 * p.num_experts + 1) * sizeof(int32_t)) <= shared_memory_optin(),
+               "moe_align on CUDA: " << p.num_experts << " experts need more shared memory than the device has");
+  launch_align(AlignParams{p.topk_ids, p.sorted_token_ids, p.expert_ids, p.num_tokens_post_padded, nullptr,
+                           static_cast<int32_t>(p.pairs), static_cast<int32_t>(p.num_experts),
+                           static_cast<int32_t>(p.block_size), static_cast<int32_t>(p.capacity)});
+}
+
+void fused_moe(const FusedMoeParams& p) {
+  if (p.tokens == 0) return;
+  OCTAVO_CHECK(static_cast<int64_t>((2 * p.num_experts + 1) * sizeof(int32_t)) <= shared_memory_optin(),
+               "fused_moe on CUDA: " << p.num_experts << " experts need more shared memory than the device has");
+  dispatch_float(p.dtype, "fused_moe", [&](auto t) { run_fused_moe<decltype(t)>(p); });
+}
+
+}  // namespace octavo::cuda
