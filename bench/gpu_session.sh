@@ -72,6 +72,9 @@ main('bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16'.spl
 fi
 if part kernels; then
   timeout 240 python3 bench/python/bench_cuda.py $quick 2>&1 | tee "$OUT/bench_cuda.log"
+  # fused_moe against the torch loop over experts (decode and prefill sizes).
+  timeout 200 python3 bench/python/bench_moe.py --device cuda --shapes qwen3 mixtral --formats dense int4 \
+    --tokens 1 16 64 512 2048 --repeats 5 2>&1 | tee "$OUT/bench_moe.log"
 fi
 if part e2e; then
   baseline=$([[ -z $quick ]] && echo "32 64")

@@ -124,7 +124,8 @@ void pack_bf16_tiles(const TensorView& out, const TensorView& weight);
 // softcap) when softcap > 0. With num_expert_group > 0 (DeepSeek's grouped routing) the experts
 // form that many equal groups, a group's score is its best expert's, and only the topk_group best
 // groups' experts are eligible. renormalize: the chosen weights are divided by their sum.
-// Ties go to the lower expert id; ids come out in descending weight.
+// Ties go to the lower expert id and a NaN score loses to any number; ids come out in
+// descending weight. CPU and CUDA pick the same ids.
 // gating_output: [T, E] float32, bfloat16 or float16; topk_weights: [T, k] float32;
 // topk_ids: [T, k] int32.
 enum class MoeScoring : uint8_t { kSoftmax, kSigmoid };
@@ -166,6 +167,10 @@ struct ExpertWeights {
 // fewer than 32 rows, and from there bfloat16 activations multiply the weights dequantized to
 // bfloat16. w13: [E, 2I, H] gate rows then up rows; w2: [E, H, I].
 // out, hidden: [T, H] in one float dtype (dense weights too); out must not overlap hidden.
+// On CUDA (cuda/moe.cu): H and I multiples of 32, ids outside [0, E) skipped like -1; the
+// intermediate results stay float32 up to the kernels' tensor-core path (16-bit activations,
+// experts averaging 16 rows or more), which rounds weights and activation to the activations'
+// type as a 16-bit GEMM does.
 void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeights& w13, const ExpertWeights& w2,
                const TensorView& topk_weights, const TensorView& topk_ids);
 

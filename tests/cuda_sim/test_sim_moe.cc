@@ -103,10 +103,21 @@ void run_fused_moe(Tensor& out, const Tensor& x, const Experts& w13, const Exper
                     cuda ? r.weights.cuda() : r.weights.cpu(), cuda ? r.ids.cuda() : r.ids.cpu());
 }
 
-// out[t] = sum over t's experts e of weight * down_e(silu(gate_e(x)) * up_e(x)), in float64.
-std::vector<double> reference(const Tensor& x, const Experts& w13, const Experts& w2, const Routing& r) {
+// `v` rounded to dtype (nearest even).
+double rounded(double v, DType dtype) {
+  Tensor t({1}, dtype);
+  t.set(0, v);
+  return t.get(0);
+}
+
+// out[t] = sum over t's experts e of weight * down_e(silu(gate_e(x)) * up_e(x)), in float64;
+// with `tiles`, the weights and the activation rounded to it, as the tensor-core path has them.
+std::vector<double> reference(const Tensor& x, const Experts& w13, const Experts& w2, const Routing& r,
+                              DType tiles = DType::kFloat64) {
   const int64_t T = x.shape()[0], H = x.shape()[1], I = w2.k, k = r.ids.shape()[1];
-  const Tensor a = w13.floats(), b = w2.floats();
+  Tensor a = w13.floats(), b = w2.floats();
+  for (Tensor* w : {&a, &b})
+    for (int64_t i = 0; tiles != DType::kFloat64 && i < w->numel(); ++i) w->set(i, rounded(w->get(i), tiles));
   std::vector<double> out(static_cast<size_t>(T * H), 0.0), act(static_cast<size_t>(I));
   for (int64_t t = 0; t < T; ++t)
     for (int64_t s = 0; s < k; ++s) {
@@ -119,6 +130,7 @@ std::vector<double> reference(const Tensor& x, const Experts& w13, const Experts
           up += static_cast<double>(x.get(t * H + h)) * a.get((e * 2 * I + I + j) * H + h);
         }
         act[static_cast<size_t>(j)] = gate / (1.0 + std::exp(-gate)) * up;
+        if (tiles != DType::kFloat64) act[static_cast<size_t>(j)] = rounded(act[static_cast<size_t>(j)], tiles);
       }
       for (int64_t h = 0; h < H; ++h) {
         double y = 0;
@@ -129,14 +141,15 @@ std::vector<double> reference(const Tensor& x, const Experts& w13, const Experts
   return out;
 }
 
-// Within one rounding of the dtype of each value, plus float32's rounding relative to the largest.
-void expect_near_reference(const Tensor& got, const std::vector<double>& want) {
+// Within one rounding of the dtype of each value, plus `relative` of the largest (by default
+// float32's rounding).
+void expect_near_reference(const Tensor& got, const std::vector<double>& want, double relative = std::ldexp(1.0, -16)) {
   double largest = 0;
   for (double v : want) largest = std::max(largest, std::fabs(v));
   const double u = sim_test::ulp(got.dtype());
   int failures = 0;
   for (size_t i = 0; i < want.size() && failures < 10; ++i) {
-    const double tolerance = u * std::fabs(want[i]) + std::ldexp(1.0, -16) * largest;
+    const double tolerance = u * std::fabs(want[i]) + relative * largest;
     if (!(std::fabs(got.get(static_cast<int64_t>(i)) - want[i]) <= tolerance)) {
       ADD_FAILURE() << "element " << i << ": cuda " << got.get(static_cast<int64_t>(i)) << ", reference " << want[i];
       ++failures;
@@ -172,6 +185,70 @@ TEST(SimMoe, FusedMoeMatchesTheReference) {
       run_fused_moe(out, x, w13, w2, r, true);
       expect_near_reference(out, reference(x, w13, w2, r));
     }
+}
+
+// Sum of squared differences from `want` rounded to got's dtype.
+double distance(const Tensor& got, const std::vector<double>& want) {
+  double sum = 0;
+  for (size_t i = 0; i < want.size(); ++i)
+    sum += std::pow(got.get(static_cast<int64_t>(i)) - rounded(want[i], got.dtype()), 2);
+  return sum;
+}
+
+// Batches whose experts average 16 pairs or more run on the tensor-core kernels, which multiply
+// the weights and the activation as 16-bit values: the result is the reference with those
+// roundings (and closer to it than to the unrounded one, so the test knows which kernels ran).
+TEST(SimMoe, FusedMoeOnTensorCoresMatchesTheReference) {
+  std::mt19937 gen(48);
+  const int64_t E = 4, k = 2, T = 40;
+  const std::vector<WeightFormat> formats = {WeightFormat::kDense, WeightFormat::kInt4, WeightFormat::kQ8_0,
+                                             WeightFormat::kQ4_1, WeightFormat::kInt8, WeightFormat::kQ4_0};
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16})
+    for (WeightFormat f : formats)
+      for (auto [H, I] : std::vector<std::pair<int64_t, int64_t>>{{64, 64}, {96, 160}}) {
+        SCOPED_TRACE(name(f, f, dtype) + " H,I " + std::to_string(H) + "," + std::to_string(I));
+        const Experts w13(f, E, 2 * I, H, dtype, gen), w2(f, E, H, I, dtype, gen);
+        const Tensor x = sim_test::randn({T, H}, dtype, gen, 0.1);  // float16 range for GGUF-sized weights
+        const Routing r(T, E, k, gen, 0.05);
+        Tensor out({T, H}, dtype);
+        run_fused_moe(out, x, w13, w2, r, true);
+        const std::vector<double> tiles = reference(x, w13, w2, r, dtype), exact = reference(x, w13, w2, r);
+        expect_near_reference(out, tiles, sim_test::ulp(dtype));
+        EXPECT_LT(distance(out, tiles), 0.25 * distance(out, exact));
+      }
+}
+
+// On tensor cores too, a token's rows do not depend on the others in its blocks: the batch in
+// another order gives each token the same bits.
+TEST(SimMoe, TensorCoreRowsDoNotDependOnTheirBlock) {
+  std::mt19937 gen(49);
+  const int64_t E = 3, k = 2, T = 37, H = 64, I = 96;
+  const DType dtype = DType::kBFloat16;
+  const Experts w13(WeightFormat::kQ4_0, E, 2 * I, H, dtype, gen), w2(WeightFormat::kDense, E, H, I, dtype, gen);
+  const Tensor x = sim_test::randn({T, H}, dtype, gen);
+  const Routing r(T, E, k, gen, 0.0);
+  std::vector<int64_t> order(static_cast<size_t>(T));
+  for (int64_t t = 0; t < T; ++t) order[static_cast<size_t>(t)] = t;
+  std::shuffle(order.begin(), order.end(), gen);
+  Tensor px({T, H}, dtype);
+  Routing pr = r;
+  const size_t row = static_cast<size_t>(H) * octavo::dtype_size(dtype);
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t from = order[static_cast<size_t>(t)];
+    std::memcpy(static_cast<char*>(px.data()) + t * row, static_cast<const char*>(x.data()) + from * row, row);
+    for (int64_t s = 0; s < k; ++s) {
+      pr.ids.as<int32_t>()[t * k + s] = static_cast<int32_t>(r.ids.get(from * k + s));
+      pr.weights.set(t * k + s, r.weights.get(from * k + s));
+    }
+  }
+  Tensor out({T, H}, dtype), permuted({T, H}, dtype);
+  run_fused_moe(out, x, w13, w2, r, true);
+  run_fused_moe(permuted, px, w13, w2, pr, true);
+  for (int64_t t = 0; t < T; ++t)
+    EXPECT_EQ(std::memcmp(static_cast<const char*>(permuted.data()) + t * row,
+                          static_cast<const char*>(out.data()) + order[static_cast<size_t>(t)] * row, row),
+              0)
+        << "token " << order[static_cast<size_t>(t)];
 }
 
 TEST(SimMoe, FusedMoeMatchesTheCpuInFloat32) {

@@ -105,7 +105,11 @@ def test_fused_moe_matches_the_float64_product(dtype, shape, fmt, tokens):
                      **stack(w2, fmt, "w2"))
     want = fused_moe_torch(x.double(), dequantized(w13, fmt).view(-1, hidden), dequantized(w2, fmt).view(-1, width),
                            weights.double(), ids, num)
-    atol = 2.0 ** -16 * want.abs().max().item()
+    # Batches of 16-bit activations that give experts 16 rows on average run on tensor cores, which
+    # round weights and activation to 16 bits; the others keep float32 to the end.
+    pairs = tokens * top_k
+    tensor_cores = dtype != torch.float32 and pairs >= 16 * min(num, pairs)
+    atol = (ULP[dtype] if tensor_cores else 2.0 ** -16) * want.abs().max().item()
     torch.testing.assert_close(out.cpu().double(), want, rtol=ULP[dtype], atol=atol)
 
 

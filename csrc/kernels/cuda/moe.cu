@@ -3,23 +3,25 @@
 // semantics (cpu/moe.cc): the same ids, ties to the lower id, ids of -1 skipped.
 //
 // fused_moe runs in four launches per chunk of tokens:
-//   1. align_kernel groups the chunk's pairs by expert into blocks of kPairs (moe_align's layout);
-//   2. expert_gemv_kernel<gated> computes act = silu(x·gateᵀ) * (x·upᵀ) for each block's rows,
-//      reading the rows of hidden_states its pairs name;
-//   3. expert_gemv_kernel<down> computes y = act·downᵀ;
+//   1. align_kernel groups the chunk's pairs by expert into blocks (moe_align's layout);
+//   2. the gated pass computes act = silu(x·gateᵀ) * (x·upᵀ) for each block's rows, reading the
+//      rows of hidden_states its pairs name;
+//   3. the down pass computes y = act·downᵀ (float32);
 //   4. combine_kernel adds each token's y rows, weighted, in ascending expert order.
-// Intermediates are float32 (act, y), so a result is the float32 product rounded once to the
-// activations' type. A pair's sums do not depend on the other pairs in its block, and the
-// combine's order is fixed: a token gets the same bits alone or in any batch.
-//
-// The expert kernels are GEMV-shaped (linear.cu's linear_kernel over a block of pairs): each
-// weight tile streams from memory once per step while the blocks of its expert read it from L2,
-// which is what decode needs. Prefill-sized batches run the same kernels, correct but without
-// tensor cores.
+// The passes have two kernels each. expert_gemv_kernel (blocks of kGemvPairs) is GEMV-shaped,
+// linear.cu's linear_kernel over a block of pairs: each weight tile streams from memory once per
+// step while the blocks of its expert read it from L2, which is what decode needs; it keeps act
+// in float32, so its result is the float32 product rounded once. expert_mma_kernel
+// (expert_mma.cuh, blocks of kMmaPairs) runs the products on tensor cores, for 16-bit
+// activations where the experts average kMmaFromPairsPerExpert rows or more; its act is rounded to
+// the activations' type. Within a path a pair's sums do not depend on the other pairs in its
+// block, and the combine's order is fixed: a token gets the same bits alone or in any batch that
+// takes the same path.
 #include <cmath>
 
 #include "common.cuh"
 #include "cuda_kernels.h"
+#include "expert_mma.cuh"
 #include "weight_rows.cuh"
 
 namespace octavo::cuda {
@@ -219,7 +221,7 @@ void launch_align(const AlignParams& p) {
 
 // ---- the experts' projections -------------------------------------------------------------
 
-constexpr int kPairs = 4;  // pairs per moe_align block in fused_moe: the kernels' input rows
+constexpr int kGemvPairs = 4;  // pairs per moe_align block for the GEMV kernels: their input rows
 constexpr int kExpertThreads = 128;
 constexpr int kExpertRows = 4;  // weight rows per CUDA block (gated: 2 gate rows and their 2 up rows)
 constexpr int kBlocksPerStep = kExpertThreads / kParts;
@@ -231,7 +233,7 @@ struct ExpertPass {
   int64_t features;     // outputs per pair: the intermediate size (gated) or the hidden size
   const void* input;    // gated: hidden_states, rows by token; else act, rows by aligned position
   int64_t in_stride;
-  float* out;           // [capacity, features]
+  void* out;            // [capacity, features]: float32, but the tensor-core gated pass's act is T
   const int32_t* sorted_token_ids;
   const int32_t* expert_ids;
   int64_t blocks, pairs, top_k;  // aligned blocks; pairs in the chunk
@@ -251,7 +253,7 @@ __device__ __forceinline__ LinearParams expert_weight(const ExpertPass& p, int e
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
-// A CUDA block: 4 weight rows of one aligned block's expert against its kPairs rows, split over
+// A CUDA block: 4 weight rows of one aligned block's expert against its kGemvPairs rows, split over
 // the threads as linear_kernel splits a row (kParts threads per block of 32 weights), partial
 // sums reduced in a fixed order. kGated: rows n, n + 1 of gate and of up, stored as silu(gate) *
 // up; else rows n..n + 3, stored as they are. Aligned blocks are numbered fastest, as
@@ -259,19 +261,17 @@ __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 // together and it comes from memory about once.
 template <typename TIn, typename Row, bool kGated>
 __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass p) {
-  __shared__ float partial[kExpertThreads / 32][kExpertRows][kPairs];
+  __shared__ float partial[kExpertThreads / 32][kExpertRows][kGemvPairs];
   const int64_t block = blockIdx.x % p.blocks, tile = blockIdx.x / p.blocks;
   const int e = p.expert_ids[block];
   if (e < 0) return;
   const int64_t n0 = tile * (kGated ? 2 : kExpertRows);
   // A block with an expert holds at least one pair, its first; padding repeats it (not stored).
-  int64_t pos[kPairs];
-  const TIn* x[kPairs];
+  const TIn* x[kGemvPairs];
 #pragma unroll
-  for (int c = 0; c < kPairs; ++c) {
-    const int32_t sorted = p.sorted_token_ids[block * kPairs + c];
-    pos[c] = sorted < p.pairs ? block * kPairs + c : -1;
-    const int64_t row = pos[c] < 0 ? block * kPairs : pos[c];
+  for (int c = 0; c < kGemvPairs; ++c) {
+    const bool real = p.sorted_token_ids[block * kGemvPairs + c] < p.pairs;
+    const int64_t row = block * kGemvPairs + (real ? c : 0);
     const int64_t input_row = kGated ? p.sorted_token_ids[row] / p.top_k : row;
     x[c] = static_cast<const TIn*>(p.input) + input_row * p.in_stride;
   }
@@ -283,13 +283,13 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
       Row(lp, kGated ? up + min64(n0, last) : min64(n0 + 2, last)),
       Row(lp, kGated ? up + min64(n0 + 1, last) : min64(n0 + 3, last))};
   const int q = threadIdx.x % kParts;
-  float acc[kExpertRows][kPairs] = {};
+  float acc[kExpertRows][kGemvPairs] = {};
   const int64_t blocks = p.in_features / kBlockWeights;
   for (int64_t blk = threadIdx.x / kParts; blk < blocks; blk += kBlocksPerStep) {
     const int64_t k = blk * kBlockWeights + 4 * q;
-    float xs[kPairs][8];
+    float xs[kGemvPairs][8];
 #pragma unroll
-    for (int c = 0; c < kPairs; ++c) {
+    for (int c = 0; c < kGemvPairs; ++c) {
       load4(x[c] + k, xs[c]);
       load4(x[c] + k + 16, xs[c] + 4);
     }
@@ -298,7 +298,7 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
       float ws[8];
       w[r].decode(blk, q, ws);
 #pragma unroll
-      for (int c = 0; c < kPairs; ++c)
+      for (int c = 0; c < kGemvPairs; ++c)
 #pragma unroll
         for (int j = 0; j < 8; ++j) acc[r][c] = fmaf(ws[j], xs[c][j], acc[r][c]);
     }
@@ -307,14 +307,14 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
 #pragma unroll
   for (int r = 0; r < kExpertRows; ++r)
 #pragma unroll
-    for (int c = 0; c < kPairs; ++c) {
+    for (int c = 0; c < kGemvPairs; ++c) {
       float v = acc[r][c];
       for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
       if (lane == 0) partial[warp][r][c] = v;
     }
   __syncthreads();
-  if (threadIdx.x >= kExpertRows * kPairs) return;
-  const int r = threadIdx.x / kPairs, c = threadIdx.x % kPairs;
+  if (threadIdx.x >= kExpertRows * kGemvPairs) return;
+  const int r = threadIdx.x / kGemvPairs, c = threadIdx.x % kGemvPairs;
   const auto sum = [&](int row) {
     float s = partial[0][row][c];
     for (int i = 1; i < kExpertThreads / 32; ++i) s += partial[i][row][c];
@@ -322,8 +322,84 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
   };
   if (kGated && r >= 2) return;
   const int64_t n = n0 + r;
-  if (n >= p.features || pos[c] < 0) return;
-  p.out[pos[c] * p.features + n] = kGated ? silu(sum(r)) * sum(r + 2) : sum(r);
+  const int64_t pos = block * kGemvPairs + c;
+  if (n >= p.features || p.sorted_token_ids[pos] >= p.pairs) return;
+  static_cast<float*>(p.out)[pos * p.features + n] = kGated ? silu(sum(r)) * sum(r + 2) : sum(r);
+}
+
+// The tensor-core version of expert_gemv_kernel (expert_mma.cuh): a block of kMmaPairs pairs
+// against kMmaRows weight rows (gated: 32 features' gate and up rows), act stored as T.
+template <typename T, typename Row, bool kGated>
+__global__ void __launch_bounds__(kMmaThreads) expert_mma_kernel(ExpertPass p) {
+  T* shared = reinterpret_cast<T*>(dynamic_shared_memory());
+  const int64_t block = blockIdx.x % p.blocks, tile = blockIdx.x / p.blocks;
+  const int e = p.expert_ids[block];
+  if (e < 0) return;
+  const int64_t n0 = tile * (kGated ? kMmaRows / 2 : kMmaRows), first = block * kMmaPairs;
+  const LinearParams lp = expert_weight(p, e);
+  // This thread's two chunks of each step: tile rows r and r + 32 (see load_mma_step).
+  const T* x[2];
+  bool x_real[2];
+  const T* w_dense[2];
+  int64_t w_rows[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (threadIdx.x + h * kMmaThreads) / 4;
+    const int32_t sorted = p.sorted_token_ids[first + r];
+    x_real[h] = sorted < p.pairs;  // padding reads a real row, zero-filled
+    const int64_t input_row = kGated ? (x_real[h] ? sorted / p.top_k : 0) : first + r;
+    x[h] = static_cast<const T*>(p.input) + input_row * p.in_stride;
+    w_rows[h] = tile_weight_row<kGated>(n0, r, p.features);
+    w_dense[h] = static_cast<const T*>(lp.weight) + w_rows[h] * p.in_features;  // read for dense weights only
+  }
+  const Row w[2] = {Row(lp, w_rows[0]), Row(lp, w_rows[1])};
+  const int64_t steps = p.in_features / kBlockWeights;
+  load_mma_step<T, Row>(x, x_real, w, w_dense, 0, shared);
+  copy_async_commit();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, wm = warp % 2, wn = warp / 2;
+  float c[2][4][4] = {};
+  for (int64_t s = 0; s < steps; ++s) {
+    const int buf = static_cast<int>(s % 2);
+    if (s + 1 < steps) {  // the next step's copy runs while this one is multiplied
+      load_mma_step<T, Row>(x, x_real, w, w_dense, s + 1, shared + (buf ^ 1) * kMmaTile);
+      copy_async_commit();
+      copy_async_wait<1>();
+    } else {
+      copy_async_wait<0>();
+    }
+    __syncthreads();
+    multiply_mma_step<T>(shared + buf * kMmaTile, wm, wn, lane, c);
+    __syncthreads();  // before the next step's copy overwrites this buffer
+  }
+  // C fragments: m-tile i rows g, g + 8 (g = lane / 4), n-tile n columns 2t, 2t + 1 (t = lane % 4).
+  const int g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int64_t pos = first + 32 * wm + 16 * i + g + 8 * hh;
+      if (p.sorted_token_ids[pos] >= p.pairs) continue;
+      if constexpr (kGated) {
+#pragma unroll
+        for (int n = 0; n < 2; ++n) {
+          const int64_t f = n0 + 16 * wn + 8 * n + 2 * t;  // features are whole 32s: f + 1 is real too
+          if (f >= p.features) continue;
+          const float* gate = &c[i][n][2 * hh];
+          const float* up = &c[i][n + 2][2 * hh];
+          *reinterpret_cast<uint32_t*>(static_cast<T*>(p.out) + pos * p.features + f) =
+              pack_pair<T>(silu(gate[0]) * up[0], silu(gate[1]) * up[1]);
+        }
+      } else {
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          const int64_t f = n0 + 32 * wn + 8 * n + 2 * t;
+          if (f >= p.features) continue;
+          float* y = static_cast<float*>(p.out) + pos * p.features + f;
+          y[0] = c[i][n][2 * hh];
+          y[1] = c[i][n][2 * hh + 1];
+        }
+      }
+    }
 }
 
 // ---- the weighted sum -----------------------------------------------------------------------
@@ -371,38 +447,49 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
 
 // ---- fused_moe ------------------------------------------------------------------------------
 
-// The float32 intermediates of one chunk of tokens take at most this many floats (256 MiB): a
-// Mixtral-sized layer (hidden 4096, intermediate 14336, top-2) runs ~1800 tokens at once, a
-// Qwen3-30B-A3B-sized one (2048, 768, top-8) ~2900.
+// The intermediates of one chunk of tokens take at most this many floats (256 MiB), or what
+// kMinChunkPairs pairs need if that is more: a Mixtral-sized layer (hidden 4096, intermediate
+// 14336, top-2) runs ~1500 tokens at once, a Qwen3-30B-A3B-sized one (2048, 768, top-8) ~1900.
 constexpr int64_t kWorkspaceFloats = int64_t{1} << 26;
+constexpr int64_t kMinChunkPairs = 2048;
+// The tensor-core kernels take 16-bit activations once the experts average this many pairs: a
+// block of kMmaPairs rows then is at least a quarter full. (A first guess, to be measured on a GPU
+// against the GEMV kernels, which read each weight once per step too.)
+constexpr int64_t kMmaFromPairsPerExpert = 16;
 
 // The chunk's scratch in one workspace: sorted ids, expert ids, the padded count, pair rows,
-// then act [capacity, I] and y [capacity, H].
+// then act [capacity, I] (float32, or T on the tensor-core path) and y [capacity, H] float32.
 struct MoeScratch {
   int32_t *sorted, *expert_ids, *post_padded, *pair_rows;
   float *act, *y;
+  int64_t capacity;
 };
 
-int64_t capacity_of(int64_t pairs, int64_t num_experts) { return pairs + num_experts * (kPairs - 1); }
-
-MoeScratch moe_scratch(const FusedMoeParams& p, int64_t chunk_pairs) {
-  const int64_t cap = capacity_of(chunk_pairs, p.num_experts);
-  const int64_t ints = (cap + cap / kPairs + 1 + chunk_pairs + 3) / 4 * 4;  // floats start 16-byte aligned
+MoeScratch moe_scratch(const FusedMoeParams& p, int64_t pairs, int block) {
+  const int64_t cap = pairs + p.num_experts * (block - 1);
+  const int64_t ints = (cap + cap / block + 1 + pairs + 3) / 4 * 4;  // the floats start 16-byte aligned
   const size_t bytes = (ints + cap * (p.intermediate + p.hidden)) * sizeof(float);
   auto* base = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kMoe, bytes, "fused_moe"));
   float* floats = reinterpret_cast<float*>(base + ints);
-  return MoeScratch{base, base + cap, base + cap + cap / kPairs, base + cap + cap / kPairs + 1, floats,
-                    floats + cap * p.intermediate};
+  return MoeScratch{base,   base + cap, base + cap + cap / block, base + cap + cap / block + 1,
+                    floats, floats + cap * p.intermediate, cap};
 }
 
-template <typename TIn, typename Row, bool kGated>
+// One pass of the chunk on either kernel; TIn: the type of its input rows.
+template <typename TIn, typename Row, bool kGated, bool kMma>
 void launch_pass(const ExpertPass& pass) {
   OCTAVO_CHECK(aligned(pass.w.weight, Row::kAlign) && pass.w.expert_bytes % Row::kAlign == 0,
                "fused_moe on CUDA: each expert's weights must start at a " << Row::kAlign << "-byte boundary");
-  const int64_t tiles = ceil_div(pass.features, kGated ? 2 : kExpertRows);
-  OCTAVO_CHECK(pass.blocks * tiles < (int64_t{1} << 31), "fused_moe on CUDA: too many outputs for one launch");
-  launch_kernel(expert_gemv_kernel<TIn, Row, kGated>, dim3(static_cast<unsigned>(pass.blocks * tiles)),
-                kExpertThreads, 0, pass);
+  const int rows = kMma ? (kGated ? kMmaRows / 2 : kMmaRows) : (kGated ? 2 : kExpertRows);
+  const int64_t blocks = pass.blocks * ceil_div(pass.features, rows);
+  OCTAVO_CHECK(blocks < (int64_t{1} << 31), "fused_moe on CUDA: too many outputs for one launch");
+  if constexpr (kMma) {
+    launch_kernel(expert_mma_kernel<TIn, Row, kGated>, dim3(static_cast<unsigned>(blocks)), kMmaThreads,
+                  kMmaSharedBytes, pass);
+  } else {
+    launch_kernel(expert_gemv_kernel<TIn, Row, kGated>, dim3(static_cast<unsigned>(blocks)), kExpertThreads, 0,
+                  pass);
+  }
   check_launch("fused_moe");
 }
 
@@ -422,21 +509,36 @@ void dispatch_rows(const ExpertStack& w, Fn&& fn) {
                                                        << " (a CPU layout) are not read on CUDA");
 }
 
-// Tokens [t0, t1) through their experts into out's rows t0..t1.
+// Whether a chunk of `pairs` with 16-bit activations takes the tensor-core kernels: enough pairs
+// per expert, and rows that cp.async can copy (16-byte aligned input rows and dense expert rows).
 template <typename T>
+bool takes_mma(const FusedMoeParams& p, int64_t pairs) {
+  const auto dense_fits = [](const ExpertStack& w) {
+    return w.format != WeightFormat::kDense || (aligned(w.weight, 16) && w.expert_bytes % 16 == 0);
+  };
+  return pairs >= kMmaFromPairsPerExpert * std::min(p.num_experts, pairs) &&
+         packs_fit<T>(p.hidden_states, p.hidden, p.in_stride) && dense_fits(p.w13) && dense_fits(p.w2);
+}
+
+// Tokens [t0, t1) through their experts into out's rows t0..t1.
+template <typename T, bool kMma>
 void run_chunk(const FusedMoeParams& p, int64_t t0, int64_t t1) {
-  const int64_t pairs = (t1 - t0) * p.top_k, cap = capacity_of(pairs, p.num_experts);
-  const MoeScratch s = moe_scratch(p, pairs);
+  constexpr int block = kMma ? kMmaPairs : kGemvPairs;
+  using Act = std::conditional_t<kMma, T, float>;  // the type of act, the down pass's input
+  const int64_t pairs = (t1 - t0) * p.top_k;
+  const MoeScratch s = moe_scratch(p, pairs, block);
   launch_align(AlignParams{p.topk_ids + t0 * p.top_k, s.sorted, s.expert_ids, s.post_padded, s.pair_rows,
-                           static_cast<int32_t>(pairs), static_cast<int32_t>(p.num_experts), kPairs,
-                           static_cast<int32_t>(cap)});
+                           static_cast<int32_t>(pairs), static_cast<int32_t>(p.num_experts), block,
+                           static_cast<int32_t>(s.capacity)});
   const T* hidden = static_cast<const T*>(p.hidden_states) + t0 * p.in_stride;
+  const int64_t blocks = s.capacity / block;
   const ExpertPass up{p.w13, p.hidden, p.intermediate, hidden, p.in_stride, s.act, s.sorted, s.expert_ids,
-                      cap / kPairs, pairs, p.top_k};
-  dispatch_rows<T>(p.w13, [&](auto* row) { launch_pass<T, std::remove_pointer_t<decltype(row)>, true>(up); });
+                      blocks, pairs, p.top_k};
+  dispatch_rows<T>(p.w13, [&](auto* row) { launch_pass<T, std::remove_pointer_t<decltype(row)>, true, kMma>(up); });
   const ExpertPass down{p.w2, p.intermediate, p.hidden, s.act, p.intermediate, s.y, s.sorted, s.expert_ids,
-                        cap / kPairs, pairs, p.top_k};
-  dispatch_rows<T>(p.w2, [&](auto* row) { launch_pass<float, std::remove_pointer_t<decltype(row)>, false>(down); });
+                        blocks, pairs, p.top_k};
+  dispatch_rows<T>(p.w2,
+                   [&](auto* row) { launch_pass<Act, std::remove_pointer_t<decltype(row)>, false, kMma>(down); });
   const CombineParams c{static_cast<T*>(p.out) + t0 * p.out_stride, s.y, p.topk_weights + t0 * p.top_k,
                         p.topk_ids + t0 * p.top_k, s.pair_rows, p.hidden, p.top_k, p.out_stride, p.num_experts};
   launch_kernel(combine_kernel<T>, dim3(static_cast<unsigned>(t1 - t0)), kCombineThreads,
@@ -452,9 +554,19 @@ void run_fused_moe(const FusedMoeParams& p) {
                                                                         << " must be multiples of 32");
   OCTAVO_CHECK(aligned(p.hidden_states, 4 * sizeof(T)) && p.in_stride % 4 == 0,
                "fused_moe on CUDA: hidden_states rows must start at 4-element boundaries (a contiguous tensor's do)");
-  const int64_t rows = kWorkspaceFloats / (p.intermediate + p.hidden) - p.num_experts * (kPairs - 1);
-  const int64_t chunk = std::min(p.tokens, std::max<int64_t>(1, rows / p.top_k));
-  for (int64_t t0 = 0; t0 < p.tokens; t0 += chunk) run_chunk<T>(p, t0, std::min(p.tokens, t0 + chunk));
+  const int64_t pairs = std::max(kMinChunkPairs, kWorkspaceFloats / (p.intermediate + p.hidden) -
+                                                     p.num_experts * (kMmaPairs - 1));
+  const int64_t chunk = std::max<int64_t>(1, pairs / p.top_k);
+  for (int64_t t0 = 0; t0 < p.tokens; t0 += chunk) {
+    const int64_t t1 = std::min(p.tokens, t0 + chunk);
+    if constexpr (!std::is_same_v<T, float>) {
+      if (takes_mma<T>(p, (t1 - t0) * p.top_k)) {
+        run_chunk<T, true>(p, t0, t1);
+        continue;
+      }
+    }
+    run_chunk<T, false>(p, t0, t1);
+  }
 }
 
 }  // namespace
