@@ -15,7 +15,7 @@ from test_detokenizer import _byte_level_bpe
 from test_models import tiny_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # w*: Mixtral's experts
 
 
 def as_int32(values: torch.Tensor) -> torch.Tensor:
@@ -44,13 +44,17 @@ def quantize_layer(n: int, k: int, g: int, method: str, g_idx: torch.Tensor, v1:
     return tensors, weight
 
 
-def write_checkpoints(tmp_path, method: str, g: int, act_order: bool = False, v1: bool = True, **overrides):
-    """(quantized checkpoint, float checkpoint of the same weights)."""
+def write_checkpoints(tmp_path, method: str, g: int, act_order: bool = False, v1: bool = True, make=None,
+                      **overrides):
+    """(quantized checkpoint, float checkpoint of the same weights). make(path, **config): the float
+    checkpoint's maker (a tiny Llama by default); every projection named in PROJECTIONS is packed,
+    experts' too."""
     float_dir, quant_dir = tmp_path / "float", tmp_path / method
     tokenizer = _byte_level_bpe()
     for d in (float_dir, quant_dir):
         tokenizer.save_pretrained(d)
-    tiny_checkpoint("llama", float_dir, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
+    make = make or (lambda path, **config: tiny_checkpoint("llama", path, **config))
+    make(float_dir, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
     tensors = load_file(str(float_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(g + act_order)
     # Act-order groups follow the input's Hessian, which projections reading the same input

@@ -1,7 +1,8 @@
 """Mixture-of-experts models (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) against Hugging Face
 transformers on tiny random checkpoints made here: logits position by position over a prompt
 and 32 greedy steps, greedy outputs through the step loop with chunked prefill, prefix-cache
-hits, preemption and mixed batches, load-time int8 / int4 experts, and tensor / pipeline parallel."""
+hits, preemption and mixed batches, load-time int8 / int4 experts, GPTQ / AWQ and `octavo quantize`
+experts, tensor / pipeline / expert parallel, and (on a GPU) the CUDA kernels in the engine."""
 import numpy as np
 import pytest
 import torch
@@ -238,6 +239,61 @@ def test_a_mixtral_gguf_runs_on_its_expert_blocks(tmp_path):
     with torch.no_grad():
         theirs = reference(torch.tensor([tokens])).logits[0]
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind,method,g,act_order", [("qwen3-moe", "gptq", 32, False), ("mixtral", "awq", 32, False),
+                                                     ("qwen2-moe", "gptq", 32, True)])
+def test_gptq_and_awq_experts_run_like_their_float_weights(kind, method, g, act_order, tmp_path):
+    """Packed GPTQ / AWQ experts stack into int4 expert stacks without a float copy and run as the
+    float checkpoint of the weights they stand for; act-order experts (a permutation of the inputs
+    per expert, which fused_moe has no place for) load as floats."""
+    from octavo import LLM, SamplingParams
+    from test_gptq_awq import write_checkpoints
+
+    quant_dir, float_dir = write_checkpoints(tmp_path, method, g, act_order,
+                                             make=lambda path, **config: tiny_moe_checkpoint(kind, path, **config))
+    model, reference = load_model(quant_dir, "float32"), load_model(float_dir, "float32")
+    moe = [(ours.mlp, theirs.mlp) for ours, theirs in zip(model.layers, reference.layers)
+           if isinstance(ours.mlp, FusedMoE)]
+    assert moe
+    for ours, theirs in moe:
+        for name in ("w13", "w2"):
+            weight = getattr(ours, name)
+            assert isinstance(weight, QuantizedWeight) != act_order
+            floats = weight.dequantize() if isinstance(weight, QuantizedWeight) else weight.data
+            assert torch.equal(floats, getattr(theirs, name).data)
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [20, 21, 22]]
+    runs = [LLM(model=str(d), kv_cache_memory_bytes=16 << 20, device="cpu").generate(prompts, params, use_tqdm=False)
+            for d in (quant_dir, float_dir)]
+    assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp2", "ep2"])
+@pytest.mark.parametrize("source", ["gptq", "octavo"])
+def test_quantized_experts_split_over_two_ranks_answer_as_one(source, expert_parallel, tmp_path):
+    """GPTQ experts, and an ``octavo quantize`` checkpoint's int4 expert stacks: tensor parallel
+    cuts each expert's rows (w13) and inputs (w2, whole groups); expert parallel gives each rank
+    half the experts, whole."""
+    from octavo.loader.quantized_checkpoint import write_quantized_checkpoint
+    from test_gptq_awq import write_checkpoints
+    from test_tensor_parallel import assert_same, engine, run
+
+    make = lambda path, **config: tiny_moe_checkpoint("qwen3-moe", path, **config)  # noqa: E731
+    quant_dir, float_dir = write_checkpoints(tmp_path, "gptq", 32, make=make)
+    if source == "octavo":
+        quant_dir = write_quantized_checkpoint(float_dir, tmp_path / "octavo", "int4")
+    two = engine(quant_dir, 2, enable_expert_parallel=expert_parallel)
+    try:
+        one = engine(quant_dir, 1)
+        assert_same(run(two), run(one))
+
+        def held(m):  # a rank's bytes of the MoE layer's w13 integers
+            return m.layers[1].mlp.w13.qweight.numel()
+
+        assert two.apply_model(held) == [one.apply_model(held)[0] // 2] * 2
+    finally:
+        two.llm_engine.shutdown()
 
 
 def test_moe_models_run_on_gpus_where_their_widths_are_whole_rows_of_32(tmp_path):

@@ -59,6 +59,8 @@ class FusedMoE(torch.nn.Module):
 
     # Stays float when a model is quantized or packed (see matmul_weights in models/llama.py).
     float_weights = ("router_weight", "shared_gate_weight")
+    # The experts' op reads inputs in order: act-order GPTQ experts load as floats (place_quantized).
+    takes_input_order = False
 
     def __init__(self, hidden_size: int, moe: MoEConfig, dtype: torch.dtype, shard: TPShard):
         super().__init__()
@@ -114,6 +116,16 @@ class FusedMoE(torch.nn.Module):
             targets.update(self.shared.weight_targets(f"{prefix}shared_expert."))
             targets[f"{prefix}shared_expert_gate.weight"] = (self.shared_gate_weight, 0, 1)
         return targets
+
+    def held_rows(self) -> dict[str, torch.Tensor]:
+        """Expert parallel: the rows of the whole model's stacks (all experts, as ``octavo
+        quantize`` saves them) that this rank's stacks hold; nothing otherwise."""
+        first, end = self.experts
+        if end - first == self.moe.num_experts:
+            return {}
+        gate_up = 2 * self.moe.intermediate_size
+        return {"w13": torch.arange(first * gate_up, end * gate_up),
+                "w2": torch.arange(first * self.hidden_size, end * self.hidden_size)}
 
     def held_elsewhere(self, prefix: str) -> set[str]:
         """The checkpoint names of the experts other expert-parallel ranks hold."""

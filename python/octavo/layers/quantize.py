@@ -103,7 +103,8 @@ def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
     ``shapes``: the [N, K] of each quantized checkpoint tensor, checked against the rows it stands
     for as ``load_weights`` checks floats. For every matmul weight whose stacked tensors
     (``model.matmul_weights()``) are all quantized, ``make(names)`` builds the one weight, or
-    gives None where the parts cannot share one (those are then loaded as floats). Returns the
+    gives None where the parts cannot share one (those are then loaded as floats, as are weights
+    with an input order where the module has ``takes_input_order = False``). Returns the
     names whose data now lives only in quantized weights (a tied embedding stays a float table)."""
     targets = model.weight_targets()
     placed = set()
@@ -112,6 +113,10 @@ def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
             continue
         check_shapes(targets, {name: shapes[name] for name in names})
         weight = make(names)
+        # fused_moe has no place for a permutation of the inputs (act-order GPTQ): such experts
+        # load as floats.
+        if weight is not None and weight.input_order is not None and not getattr(module, "takes_input_order", True):
+            weight = None
         if weight is not None:
             replace_weight(module, attr, weight)
             placed.update(names)
@@ -227,7 +232,9 @@ def _whole_name(model: torch.nn.Module, local: str) -> str:
 def _rank_cuts(model: torch.nn.Module) -> dict[int, tuple]:
     """id(parameter) -> ("rows", the whole parameter's rows this rank holds) or ("columns", begin,
     end), for the fused parameters tensor parallelism cuts (``model.shard_slices`` names the cut of
-    each checkpoint tensor; a fused parameter stacks its tensors' rows in ``weight_targets`` order)."""
+    each checkpoint tensor; a fused parameter stacks its tensors' rows in ``weight_targets`` order),
+    and for those a module's ``held_rows()`` names (expert parallel: this rank's experts' rows of
+    the whole model's expert stacks)."""
     slices, parts = model.shard_slices(), {}
     for name, (param, start, rows) in model.weight_targets().items():
         parts.setdefault(id(param), []).append((start, rows, slices.get(name)))
@@ -244,6 +251,9 @@ def _rank_cuts(model: torch.nn.Module) -> dict[int, tuple]:
         else:
             if any(cut is not None for *_, cut in stacked):
                 cuts[key] = ("rows", torch.cat(rows))
+    for module in model.modules():  # parts whose rows are a rank's share of a whole stack (experts)
+        for attr, rows in getattr(module, "held_rows", dict)().items():
+            cuts[id(module._parameters[attr])] = ("rows", rows)
     return cuts
 
 
