@@ -15,7 +15,8 @@ from test_detokenizer import _byte_level_bpe
 from test_models import tiny_checkpoint
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")  # w*: Mixtral's experts
+# w1 / w3 / w2: Mixtral's experts.
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def as_int32(values: torch.Tensor) -> torch.Tensor:

@@ -75,7 +75,8 @@ __device__ __forceinline__ void multiply_mma_step(const T* tile, int wm, int wn,
   for (int k = 0; k < kBlockWeights; k += 16) {
     uint32_t a[2][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i) load_matrix_x4<false>(a[i], a_rows + (16 * i + lane % 16) * kMmaLd + k + (lane / 16) * 8);
+    for (int i = 0; i < 2; ++i)
+      load_matrix_x4<false>(a[i], a_rows + (16 * i + lane % 16) * kMmaLd + k + (lane / 16) * 8);
 #pragma unroll
     for (int u = 0; u < 2; ++u) {
       uint32_t b[4];

@@ -48,7 +48,7 @@ __device__ __forceinline__ Candidate better(Candidate a, Candidate b) {
   return a.id < b.id ? a : b;
 }
 
-// The block's best candidate, for every thread. `scratch`: 2 * 32 words of shared memory.
+// The block's best candidate, for every thread; the scratches hold 32 entries of shared memory.
 __device__ Candidate block_best(Candidate c, float* score_scratch, int* id_scratch) {
   for (int offset = 16; offset > 0; offset /= 2)
     c = better(c, Candidate{__shfl_xor_sync(0xffffffffu, c.score, offset), __shfl_xor_sync(0xffffffffu, c.id, offset)});
@@ -465,8 +465,11 @@ struct MoeScratch {
   int64_t capacity;
 };
 
+// Capacity: the most rows the blocks can take, pairs + (block - 1) for each expert that can have
+// pairs (at most `pairs` of them: a decode step's few pairs then launch a few blocks, not one per
+// expert that has none).
 MoeScratch moe_scratch(const FusedMoeParams& p, int64_t pairs, int block) {
-  const int64_t cap = pairs + p.num_experts * (block - 1);
+  const int64_t cap = pairs + std::min(p.num_experts, pairs) * (block - 1);
   const int64_t ints = (cap + cap / block + 1 + pairs + 3) / 4 * 4;  // the floats start 16-byte aligned
   const size_t bytes = (ints + cap * (p.intermediate + p.hidden)) * sizeof(float);
   auto* base = static_cast<int32_t*>(device_workspace(WorkspaceSlot::kMoe, bytes, "fused_moe"));
