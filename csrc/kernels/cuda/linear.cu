@@ -27,7 +27,6 @@ namespace octavo::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int kBlocksPerStep = kThreads / kParts;
 constexpr int kRows = 4;  // output features per CUDA block
 constexpr int kCols = 4;  // input rows per CUDA block, at most
 
@@ -46,43 +45,12 @@ __global__ void __launch_bounds__(kThreads) linear_kernel(LinearParams p) {
   static_assert(kRows == 4, "w's initializer lists the rows");
   const Row w[kRows] = {Row(p, min64(n0, p.out_features - 1)), Row(p, min64(n0 + 1, p.out_features - 1)),
                         Row(p, min64(n0 + 2, p.out_features - 1)), Row(p, min64(n0 + 3, p.out_features - 1))};
-  const int q = threadIdx.x % kParts;
-  float acc[kRows][kC] = {};
-  const int64_t blocks = p.in_features / kBlockWeights;
-  for (int64_t blk = threadIdx.x / kParts; blk < blocks; blk += kBlocksPerStep) {
-    const int64_t k = blk * kBlockWeights + 4 * q;
-    float xs[kC][8];
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-      load4(x[c] + k, xs[c]);
-      load4(x[c] + k + 16, xs[c] + 4);
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      float ws[8];
-      w[r].decode(blk, q, ws);
-#pragma unroll
-      for (int c = 0; c < kC; ++c)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[r][c] = fmaf(ws[j], xs[c][j], acc[r][c]);
-    }
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int r = 0; r < kRows; ++r)
-#pragma unroll
-    for (int c = 0; c < kC; ++c) {
-      float v = acc[r][c];
-      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-      if (lane == 0) partial[warp][r][c] = v;
-    }
-  __syncthreads();
+  dot_rows<kThreads>(w, x, p.in_features, partial);
   if (threadIdx.x >= kRows * kC) return;
   const int r = threadIdx.x / kC, c = threadIdx.x % kC;
   const int64_t n = n0 + r, m = m0 + c;
   if (n >= p.out_features || m >= p.rows) return;
-  float sum = partial[0][r][c];
-  for (int i = 1; i < kThreads / 32; ++i) sum += partial[i][r][c];
+  float sum = sum_partial(partial, r, c);
   if (p.bias != nullptr) sum += to_float(static_cast<const T*>(p.bias)[n]);
   static_cast<T*>(p.out)[m * p.out_stride + n] = from_float<T>(sum);
 }

@@ -224,7 +224,6 @@ void launch_align(const AlignParams& p) {
 constexpr int kGemvPairs = 4;  // pairs per moe_align block for the GEMV kernels: their input rows
 constexpr int kExpertThreads = 128;
 constexpr int kExpertRows = 4;  // weight rows per CUDA block (gated: 2 gate rows and their 2 up rows)
-constexpr int kBlocksPerStep = kExpertThreads / kParts;
 
 // One projection of fused_moe over the aligned pairs.
 struct ExpertPass {
@@ -282,44 +281,10 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
       Row(lp, min64(n0, last)), Row(lp, min64(n0 + 1, last)),
       Row(lp, kGated ? up + min64(n0, last) : min64(n0 + 2, last)),
       Row(lp, kGated ? up + min64(n0 + 1, last) : min64(n0 + 3, last))};
-  const int q = threadIdx.x % kParts;
-  float acc[kExpertRows][kGemvPairs] = {};
-  const int64_t blocks = p.in_features / kBlockWeights;
-  for (int64_t blk = threadIdx.x / kParts; blk < blocks; blk += kBlocksPerStep) {
-    const int64_t k = blk * kBlockWeights + 4 * q;
-    float xs[kGemvPairs][8];
-#pragma unroll
-    for (int c = 0; c < kGemvPairs; ++c) {
-      load4(x[c] + k, xs[c]);
-      load4(x[c] + k + 16, xs[c] + 4);
-    }
-#pragma unroll
-    for (int r = 0; r < kExpertRows; ++r) {
-      float ws[8];
-      w[r].decode(blk, q, ws);
-#pragma unroll
-      for (int c = 0; c < kGemvPairs; ++c)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) acc[r][c] = fmaf(ws[j], xs[c][j], acc[r][c]);
-    }
-  }
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-#pragma unroll
-  for (int r = 0; r < kExpertRows; ++r)
-#pragma unroll
-    for (int c = 0; c < kGemvPairs; ++c) {
-      float v = acc[r][c];
-      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
-      if (lane == 0) partial[warp][r][c] = v;
-    }
-  __syncthreads();
+  dot_rows<kExpertThreads>(w, x, p.in_features, partial);
   if (threadIdx.x >= kExpertRows * kGemvPairs) return;
   const int r = threadIdx.x / kGemvPairs, c = threadIdx.x % kGemvPairs;
-  const auto sum = [&](int row) {
-    float s = partial[0][row][c];
-    for (int i = 1; i < kExpertThreads / 32; ++i) s += partial[i][row][c];
-    return s;
-  };
+  const auto sum = [&](int row) { return sum_partial(partial, row, c); };
   if (kGated && r >= 2) return;
   const int64_t n = n0 + r;
   const int64_t pos = block * kGemvPairs + c;

@@ -160,4 +160,52 @@ struct Int4Row {
   }
 };
 
+// The kR x kC dot products of weight rows w with input rows x over in_features, as linear_kernel
+// and fused_moe's expert_gemv_kernel compute them: the block's kThreads threads walk the blocks
+// of 32 weights, kParts threads per block (part q decodes weights 4q.. and 16 + 4q..), and each
+// warp's sums are reduced by a butterfly into partial[warp][r][c]. Returns after a barrier;
+// sum_partial then adds the warps in order, so a row's sum does not depend on the others.
+template <int kThreads, typename Row, typename TIn, int kR, int kC>
+__device__ __forceinline__ void dot_rows(const Row (&w)[kR], const TIn* const (&x)[kC], int64_t in_features,
+                                         float (&partial)[kThreads / 32][kR][kC]) {
+  const int q = threadIdx.x % kParts;
+  float acc[kR][kC] = {};
+  const int64_t blocks = in_features / kBlockWeights;
+  for (int64_t blk = threadIdx.x / kParts; blk < blocks; blk += kThreads / kParts) {
+    const int64_t k = blk * kBlockWeights + 4 * q;
+    float xs[kC][8];
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      load4(x[c] + k, xs[c]);
+      load4(x[c] + k + 16, xs[c] + 4);
+    }
+#pragma unroll
+    for (int r = 0; r < kR; ++r) {
+      float ws[8];
+      w[r].decode(blk, q, ws);
+#pragma unroll
+      for (int c = 0; c < kC; ++c)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) acc[r][c] = fmaf(ws[j], xs[c][j], acc[r][c]);
+    }
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < kR; ++r)
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      float v = acc[r][c];
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0) partial[warp][r][c] = v;
+    }
+  __syncthreads();
+}
+
+template <int kWarps, int kR, int kC>
+__device__ __forceinline__ float sum_partial(const float (&partial)[kWarps][kR][kC], int r, int c) {
+  float sum = partial[0][r][c];
+  for (int i = 1; i < kWarps; ++i) sum += partial[i][r][c];
+  return sum;
+}
+
 }  // namespace octavo::cuda
