@@ -3,6 +3,8 @@ kernels and a float64 reference, at the layer shapes of released models and in a
 Runs only where a GPU is present and this build carries CUDA kernels (tests/cuda_sim runs the same
 kernels on the CPU everywhere)."""
 
+import functools
+
 import pytest
 import torch
 from octavo import _C
@@ -61,32 +63,35 @@ def test_moe_align_gives_the_cpu_layout(pairs_shape, num_experts, block_size):
         assert torch.equal(gpu, cpu)
 
 
-def stack(w: torch.Tensor, fmt: str, prefix: str) -> dict:
-    """The op's arguments for an [E, N, K] float stack in `fmt`, on the GPU."""
+def stack(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, torch.Tensor]:
+    """The op's arguments for an [E, N, K] stack on the GPU in `fmt`, and the float64 weights they
+    stand for."""
     if fmt == "dense":
-        return {prefix: w.cuda()}
+        return {prefix: w}, w.double()
     e, n, k = w.shape
     q = quantize(w.float().reshape(e * n, k), fmt)
-    args = {prefix: q.qweight.view(e, n, -1).cuda(), f"{prefix}_format": fmt, f"{prefix}_group_size": q.group_size,
-            f"{prefix}_scales": q.scales.view(e, n, *q.scales.shape[1:]).cuda()}
+    args = {prefix: q.qweight.view(e, n, -1), f"{prefix}_format": fmt, f"{prefix}_group_size": q.group_size,
+            f"{prefix}_scales": q.scales.view(e, n, *q.scales.shape[1:])}
     if q.zeros is not None:
-        args[f"{prefix}_zeros"] = q.zeros.view(e, n, *q.zeros.shape[1:]).cuda()
-    return args
-
-
-def dequantized(w: torch.Tensor, fmt: str) -> torch.Tensor:
-    if fmt == "dense":
-        return w.double()
-    e, n, k = w.shape
-    q = quantize(w.float().reshape(e * n, k), fmt)
-    floats = torch.empty(e * n, k)
+        args[f"{prefix}_zeros"] = q.zeros.view(e, n, *q.zeros.shape[1:])
+    floats = torch.empty(e * n, k, device=w.device)
     _C.ops.dequantize(floats, q.qweight, fmt, q.scales, q.zeros, q.group_size)
-    return floats.view(e, n, k).double()
+    return args, floats.view(e, n, k).double()
 
 
 # Layer shapes: Mixtral-8x7B's experts at a quarter of their width (memory), Qwen3-30B-A3B's and
 # OLMoE's whole: experts, top-k, hidden, width.
 SHAPES = {"mixtral/4": (8, 2, 4096, 3584), "qwen3": (128, 8, 2048, 768), "olmoe": (64, 8, 2048, 1024)}
+
+
+@functools.lru_cache(maxsize=1)
+def layer(dtype, shape: str, fmt: str):
+    """One layer's stacks, made on the GPU once for all the token counts."""
+    num, _, hidden, width = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    w13 = (torch.randn(num, 2 * width, hidden, device="cuda", generator=gen) / hidden ** 0.5).to(dtype)
+    w2 = (torch.randn(num, hidden, width, device="cuda", generator=gen) / width ** 0.5).to(dtype)
+    return stack(w13, fmt, "w13"), stack(w2, fmt, "w2")
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 600])
@@ -95,22 +100,19 @@ SHAPES = {"mixtral/4": (8, 2, 4096, 3584), "qwen3": (128, 8, 2048, 768), "olmoe"
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_fused_moe_matches_the_float64_product(dtype, shape, fmt, tokens):
     num, top_k, hidden, width = SHAPES[shape]
-    w13 = (torch.randn(num, 2 * width, hidden) / hidden ** 0.5).to(dtype)
-    w2 = (torch.randn(num, hidden, width) / width ** 0.5).to(dtype)
-    x = torch.randn(tokens, hidden).to(dtype)
-    weights, ids = route(tokens, num, top_k)
+    (a, w13), (b, w2) = layer(dtype, shape, fmt)
+    x = torch.randn(tokens, hidden, device="cuda").to(dtype)
+    weights, ids = route(tokens, num, top_k, "cuda")
     ids[0, 0] = -1  # an expert on another rank
-    out = torch.empty_like(x, device="cuda")
-    _C.ops.fused_moe(out, x.cuda(), topk_weights=weights.cuda(), topk_ids=ids.cuda(), **stack(w13, fmt, "w13"),
-                     **stack(w2, fmt, "w2"))
-    want = fused_moe_torch(x.double(), dequantized(w13, fmt).view(-1, hidden), dequantized(w2, fmt).view(-1, width),
-                           weights.double(), ids, num)
+    out = torch.empty_like(x)
+    _C.ops.fused_moe(out, x, topk_weights=weights, topk_ids=ids, **a, **b)
+    want = fused_moe_torch(x.double(), w13.view(-1, hidden), w2.view(-1, width), weights.double(), ids, num)
     # Batches of 16-bit activations that give experts 16 rows on average run on tensor cores, which
     # round weights and activation to 16 bits; the others keep float32 to the end.
     pairs = tokens * top_k
     tensor_cores = dtype != torch.float32 and pairs >= 16 * min(num, pairs)
     atol = (ULP[dtype] if tensor_cores else 2.0 ** -16) * want.abs().max().item()
-    torch.testing.assert_close(out.cpu().double(), want, rtol=ULP[dtype], atol=atol)
+    torch.testing.assert_close(out.double(), want, rtol=ULP[dtype], atol=atol)
 
 
 def test_fused_moe_runs_in_a_cuda_graph():
