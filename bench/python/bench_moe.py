@@ -92,12 +92,12 @@ def best_seconds(fns, repeats: int, device: str = "cpu") -> list[float]:
     return best
 
 
-def stack_args(w: torch.Tensor, fmt: str, prefix: str, device: str) -> tuple[dict, int]:
-    """The op's arguments for the [E, N, K] stack in `fmt` on `device`, and its bytes per expert."""
+def stack_args(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, int]:
+    """The op's arguments for the [E, N, K] stack in `fmt` (on w's device), and its bytes per expert."""
     if fmt == "dense":
-        return {prefix: w.to(device)}, w[0].numel() * w.element_size()
+        return {prefix: w}, w[0].numel() * w.element_size()
     e, n, k = w.shape
-    q = quantize(w.cpu().reshape(e * n, k), fmt).to(device)
+    q = quantize(w.reshape(e * n, k), fmt)
     stacked = {prefix: q.qweight.view(e, n, -1), f"{prefix}_format": fmt, f"{prefix}_group_size": q.group_size,
                f"{prefix}_scales": q.scales.view(e, n, *q.scales.shape[1:])}
     if q.zeros is not None:
@@ -123,12 +123,11 @@ def main() -> None:
     for name in args.shapes:
         num, top_k, hidden, width = SHAPES[name]
         torch.manual_seed(0)
-        w13 = (torch.randn(num, 2 * width, hidden) / hidden**0.5).to(dtype)
-        w2 = (torch.randn(num, hidden, width) / width**0.5).to(dtype)
+        w13 = (torch.randn(num, 2 * width, hidden, device=device) / hidden**0.5).to(dtype)
+        w2 = (torch.randn(num, hidden, width, device=device) / width**0.5).to(dtype)
         for fmt in args.formats:
-            a, a_bytes = stack_args(w13, fmt, "w13", device)
-            b, b_bytes = stack_args(w2, fmt, "w2", device)
-            w13, w2 = w13.to(device), w2.to(device)
+            a, a_bytes = stack_args(w13, fmt, "w13")
+            b, b_bytes = stack_args(w2, fmt, "w2")
             for tokens in args.tokens:
                 x = torch.randn(tokens, hidden).to(dtype).to(device)
                 routes = [route(tokens, num, top_k, device) for _ in range(ROUTINGS)]
