@@ -8,16 +8,18 @@
 //      rows of hidden_states its pairs name;
 //   3. the down pass computes y = act·downᵀ (float32);
 //   4. combine_kernel adds each token's y rows, weighted, in ascending expert order.
-// The passes have two kernels each. expert_gemv_kernel (blocks of kGemvPairs) is GEMV-shaped,
-// linear.cu's linear_kernel over a block of pairs: each weight tile streams from memory once per
-// step while the blocks of its expert read it from L2, which is what decode needs; it keeps act
-// in float32, so its result is the float32 product rounded once. expert_mma_kernel
+// The passes have two paths each. The GEMV path (blocks of kGemvPairs) runs linear.cu's decode
+// kernels over a block of pairs: expert_gemv_kernel (linear_kernel's shape, every format) or, for
+// dense 16-bit experts, expert_dense_kernel (dense_gemv_kernel's). Each weight tile streams from
+// memory once per step while the blocks of its expert read it from L2, which is what decode
+// needs; act stays float32, so the result is the float32 product rounded once. expert_mma_kernel
 // (expert_mma.cuh, blocks of kMmaPairs) runs the products on tensor cores, for 16-bit
 // activations where the experts average kMmaFromPairsPerExpert rows or more; its act is rounded to
 // the activations' type. Within a path a pair's sums do not depend on the other pairs in its
 // block, and the combine's order is fixed: a token gets the same bits alone or in any batch that
 // takes the same path.
 #include <cmath>
+#include <type_traits>
 
 #include "common.cuh"
 #include "cuda_kernels.h"
@@ -252,6 +254,20 @@ __device__ __forceinline__ LinearParams expert_weight(const ExpertPass& p, int e
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
+// The input rows of aligned block `block`'s pairs (gated: hidden_states rows by token; else act
+// rows by position). A block with an expert holds at least one pair, its first; padding repeats
+// it (its results are not stored).
+template <bool kGated, typename TIn>
+__device__ __forceinline__ void gemv_inputs(const ExpertPass& p, int64_t block, const TIn* (&x)[kGemvPairs]) {
+#pragma unroll
+  for (int c = 0; c < kGemvPairs; ++c) {
+    const bool real = p.sorted_token_ids[block * kGemvPairs + c] < p.pairs;
+    const int64_t row = block * kGemvPairs + (real ? c : 0);
+    const int64_t input_row = kGated ? p.sorted_token_ids[row] / p.top_k : row;
+    x[c] = static_cast<const TIn*>(p.input) + input_row * p.in_stride;
+  }
+}
+
 // A CUDA block: 4 weight rows of one aligned block's expert against its kGemvPairs rows, split over
 // the threads as linear_kernel splits a row (kParts threads per block of 32 weights), partial
 // sums reduced in a fixed order. kGated: rows n, n + 1 of gate and of up, stored as silu(gate) *
@@ -265,15 +281,8 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
   const int e = p.expert_ids[block];
   if (e < 0) return;
   const int64_t n0 = tile * (kGated ? 2 : kExpertRows);
-  // A block with an expert holds at least one pair, its first; padding repeats it (not stored).
   const TIn* x[kGemvPairs];
-#pragma unroll
-  for (int c = 0; c < kGemvPairs; ++c) {
-    const bool real = p.sorted_token_ids[block * kGemvPairs + c] < p.pairs;
-    const int64_t row = block * kGemvPairs + (real ? c : 0);
-    const int64_t input_row = kGated ? p.sorted_token_ids[row] / p.top_k : row;
-    x[c] = static_cast<const TIn*>(p.input) + input_row * p.in_stride;
-  }
+  gemv_inputs<kGated>(p, block, x);
   const LinearParams lp = expert_weight(p, e);
   const int64_t last = p.features - 1;
   const int64_t up = kGated ? p.features : 0;
@@ -290,6 +299,78 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
   const int64_t pos = block * kGemvPairs + c;
   if (n >= p.features || p.sorted_token_ids[pos] >= p.pairs) return;
   static_cast<float*>(p.out)[pos * p.features + n] = kGated ? silu(sum(r)) * sum(r + 2) : sum(r);
+}
+
+// Dense 16-bit experts are read as linear.cu's dense_gemv_kernel reads such weights (its shape,
+// measured on an H200: 4 warps of one row each, 8 loads in flight per lane). The kernel there keeps
+// its own copy of this loop: sharing this one made ptxas spill in it.
+constexpr int kGemvWarps = 4;   // weight rows per CUDA block, a warp each
+constexpr int kGemvUnroll = 8;  // 16-byte weight loads in flight per lane
+
+// acc[c] = dot(w, x[c]) over K for a dense bfloat16 / float16 weight row w, by one warp: the bytes
+// are all the work at decode, so each lane streams its 16-byte packs of the row, kGemvUnroll in
+// flight, and sums their products in k order; a butterfly then sums the lanes (every lane gets
+// the sums). The same order for any kC: a row's result is the same bits whatever the batch. The
+// row and the input rows must be 16-byte aligned (inputs of T) or 4-float aligned (float32).
+template <typename T, typename TIn, int kC>
+__device__ __forceinline__ void warp_row_dot(const T* w, const TIn* const (&x)[kC], int64_t K, float (&acc)[kC]) {
+  constexpr int kVec = Pack<T>::kSize, kStep = 32 * kVec;
+  const auto fold = [&](const Pack<T>& wp, int64_t k) {
+#pragma unroll
+    for (int c = 0; c < kC; ++c) {
+      if constexpr (std::is_same_v<TIn, T>) {  // inputs of T: one 16-byte load
+        const Pack<T> xp = load_pack(x[c] + k);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[c] = fmaf(to_float(wp.v[j]), to_float(xp.v[j]), acc[c]);
+      } else {  // float32 inputs: kVec / 4 loads of 4
+        float xs[kVec];
+#pragma unroll
+        for (int j = 0; j < kVec; j += 4) load4(x[c] + k + j, xs + j);
+#pragma unroll
+        for (int j = 0; j < kVec; ++j) acc[c] = fmaf(to_float(wp.v[j]), xs[j], acc[c]);
+      }
+    }
+  };
+  const int lane = threadIdx.x % 32;
+  int64_t k = lane * kVec;
+  for (; k + (kGemvUnroll - 1) * kStep < K; k += kGemvUnroll * kStep) {
+    Pack<T> wp[kGemvUnroll];
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) wp[u] = load_pack(w + k + u * kStep);
+#pragma unroll
+    for (int u = 0; u < kGemvUnroll; ++u) fold(wp[u], k + u * kStep);
+  }
+  for (; k < K; k += kStep) fold(load_pack(w + k), k);
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    float v = acc[c];
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    acc[c] = v;
+  }
+}
+
+// expert_gemv_kernel for dense bfloat16 / float16 experts, as linear's dense_gemv_kernel reads
+// such weights: a warp per feature (gated: its gate row, then its up row; warp_row_dot) streams
+// 16-byte packs against the block's kGemvPairs rows. Features are numbered aligned block fastest.
+template <typename T, typename TIn, bool kGated>
+__global__ void __launch_bounds__(kGemvWarps * 32) expert_dense_kernel(ExpertPass p) {
+  const int64_t block = blockIdx.x % p.blocks;
+  const int64_t n = blockIdx.x / p.blocks * kGemvWarps + threadIdx.x / 32;
+  const int e = p.expert_ids[block];
+  if (e < 0 || n >= p.features) return;  // a whole block or a whole warp: nothing waits for it
+  const TIn* x[kGemvPairs];
+  gemv_inputs<kGated>(p, block, x);
+  const T* w = reinterpret_cast<const T*>(static_cast<const uint8_t*>(p.w.weight) + e * p.w.expert_bytes);
+  float acc[kGemvPairs] = {}, up[kGemvPairs] = {};
+  warp_row_dot(w + n * p.in_features, x, p.in_features, acc);
+  if constexpr (kGated) warp_row_dot(w + (p.features + n) * p.in_features, x, p.in_features, up);
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kGemvPairs; ++c) {
+    const int64_t pos = block * kGemvPairs + c;
+    if (lane != c || p.sorted_token_ids[pos] >= p.pairs) continue;
+    static_cast<float*>(p.out)[pos * p.features + n] = kGated ? silu(acc[c]) * up[c] : acc[c];
+  }
 }
 
 // The tensor-core version of expert_gemv_kernel (expert_mma.cuh): a block of kMmaPairs pairs
@@ -443,20 +524,35 @@ MoeScratch moe_scratch(const FusedMoeParams& p, int64_t pairs, int block) {
                     floats, floats + cap * p.intermediate, cap};
 }
 
-// One pass of the chunk on either kernel; TIn: the type of its input rows.
+// Whether a dense 16-bit stack's rows, and the pass's input rows, can be read in 16-byte packs.
+template <typename TIn, typename Row>
+bool dense_packs_fit(const ExpertPass& pass) {
+  if constexpr (std::is_same_v<Row, DenseRow<bf16>> || std::is_same_v<Row, DenseRow<f16>>) {
+    return aligned(pass.w.weight, 16) && pass.w.expert_bytes % 16 == 0 && pass.in_features % 8 == 0 &&
+           aligned(pass.input, 16) && pass.in_stride * sizeof(TIn) % 16 == 0;
+  } else {
+    return false;
+  }
+}
+
+// One pass of the chunk on the kernel its path and weights take; TIn: the type of its input rows.
 template <typename TIn, typename Row, bool kGated, bool kMma>
 void launch_pass(const ExpertPass& pass) {
   OCTAVO_CHECK(aligned(pass.w.weight, Row::kAlign) && pass.w.expert_bytes % Row::kAlign == 0,
                "fused_moe on CUDA: each expert's weights must start at a " << Row::kAlign << "-byte boundary");
-  const int rows = kMma ? (kGated ? kMmaRows / 2 : kMmaRows) : (kGated ? 2 : kExpertRows);
+  const bool dense = !kMma && dense_packs_fit<TIn, Row>(pass);
+  const int rows = kMma ? (kGated ? kMmaRows / 2 : kMmaRows) : dense ? kGemvWarps : (kGated ? 2 : kExpertRows);
   const int64_t blocks = pass.blocks * ceil_div(pass.features, rows);
   OCTAVO_CHECK(blocks < (int64_t{1} << 31), "fused_moe on CUDA: too many outputs for one launch");
+  const dim3 grid(static_cast<unsigned>(blocks));
   if constexpr (kMma) {
-    launch_kernel(expert_mma_kernel<TIn, Row, kGated>, dim3(static_cast<unsigned>(blocks)), kMmaThreads,
-                  kMmaSharedBytes, pass);
+    launch_kernel(expert_mma_kernel<TIn, Row, kGated>, grid, kMmaThreads, kMmaSharedBytes, pass);
+  } else if constexpr (std::is_same_v<Row, DenseRow<bf16>> || std::is_same_v<Row, DenseRow<f16>>) {
+    using TW = std::conditional_t<std::is_same_v<Row, DenseRow<bf16>>, bf16, f16>;
+    if (dense) launch_kernel(expert_dense_kernel<TW, TIn, kGated>, grid, kGemvWarps * 32, 0, pass);
+    else launch_kernel(expert_gemv_kernel<TIn, Row, kGated>, grid, kExpertThreads, 0, pass);
   } else {
-    launch_kernel(expert_gemv_kernel<TIn, Row, kGated>, dim3(static_cast<unsigned>(blocks)), kExpertThreads, 0,
-                  pass);
+    launch_kernel(expert_gemv_kernel<TIn, Row, kGated>, grid, kExpertThreads, 0, pass);
   }
   check_launch("fused_moe");
 }
