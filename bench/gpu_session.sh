@@ -4,7 +4,7 @@
 # tests, then the benchmarks. Logs go to $OUT, which the device tool brings back.
 #
 #   bash bench/gpu_session.sh [PART[,PART...]] [--quick]
-#   PART: tests, kernels, e2e, bench (= kernels,e2e) or all (the default)
+#   PART: tests, kernels (with moe), moe, e2e, bench (= kernels,e2e) or all (the default)
 #
 # The build uses the machine's own compiler ($CXX; on the lent machines a GCC build that links
 # libstdc++ statically into the module); OCTAVO_CXX=g++ builds with the distribution's instead.
@@ -20,7 +20,8 @@ OUT=${OUT:-/tmp/octavo-gpu}
 mkdir -p "$OUT"
 what=${1:-all}
 quick=${2:-}
-part() { [[ $what == all || ,$what, == *,$1,* || ($what == bench && ($1 == kernels || $1 == e2e)) ]]; }
+part() { [[ $what == all || ,$what, == *,$1,* || ($1 == moe && ,$what, == *,kernels,*) ||
+            ($what == bench && ($1 == kernels || $1 == moe || $1 == e2e)) ]]; }
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -53,7 +54,8 @@ if part tests; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/python/test_cuda_ops.py tests/python/test_cuda_sampling.py \
     tests/python/test_cuda_elementwise_ops.py tests/python/test_cuda_attention.py tests/python/test_cuda_engine.py \
     tests/python/test_cuda_moe_ops.py tests/python/test_moe_models.py::test_greedy_tokens_match_transformers_on_the_gpu \
-    tests/python/test_cuda_processes.py tests/python/test_build_info.py 2>&1 | tail -40 | tee "$OUT/tests.log"
+    tests/python/test_cuda_processes.py tests/python/test_build_info.py 2>&1 | tee "$OUT/tests_full.log" | tail -40 \
+    | tee "$OUT/tests.log"
 fi
 cli="python3 -m octavo.entrypoints.cli"
 if part e2e; then
@@ -72,9 +74,19 @@ main('bench latency --device cuda --dummy-shape llama-3-8b --dtype bfloat16'.spl
 fi
 if part kernels; then
   timeout 240 python3 bench/python/bench_cuda.py $quick 2>&1 | tee "$OUT/bench_cuda.log"
-  # fused_moe against the torch loop over experts (decode and prefill sizes).
+fi
+if part moe; then
+  # fused_moe against the torch loop over experts (decode and prefill sizes), moe_align alone.
   timeout 200 python3 bench/python/bench_moe.py --device cuda --shapes qwen3 mixtral --formats dense int4 \
-    --tokens 1 16 64 512 2048 --repeats 5 2>&1 | tee "$OUT/bench_moe.log"
+    --tokens 1 16 64 512 2048 --repeats 5 --align-tokens 4096 16384 2>&1 | tee "$OUT/bench_moe.log"
+fi
+if part moe && [[ -z $quick ]]; then
+  # Both CUDA paths of fused_moe at the same sizes: where the tensor cores start to win.
+  for from in 0 1073741824; do
+    OCTAVO_FUSED_MOE_MMA_FROM_PAIRS=$from timeout 150 python3 bench/python/bench_moe.py --device cuda \
+      --shapes qwen3 mixtral --formats dense int4 --tokens 1 2 4 8 16 32 64 128 --repeats 5 2>&1 \
+      | sed "s/^/mma from $from: /" | tee -a "$OUT/moe_paths.log"
+  done
 fi
 if part e2e; then
   baseline=$([[ -z $quick ]] && echo "32 64")

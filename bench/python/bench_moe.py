@@ -106,6 +106,17 @@ def stack_args(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, int]:
     return stacked, per_expert
 
 
+def time_align(tokens: int, num: int, top_k: int, block: int, device: str, repeats: int) -> float:
+    """Seconds of one moe_align of `tokens` random routings over `num` experts."""
+    _, ids = route(tokens, num, top_k, device)
+    pairs = ids.numel()
+    capacity = pairs + num * (block - 1)
+    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(capacity // block, dtype=torch.int32, device=device)
+    padded = torch.empty(1, dtype=torch.int32, device=device)
+    return best_seconds([lambda: _C.ops.moe_align(ids, num, block, sorted_ids, expert_ids, padded)], repeats, device)[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -114,10 +125,17 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=["dense", "int8", "int4"])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--align-tokens", type=int, nargs="*", default=[],
+                        help="first time moe_align alone at these token counts (each shape's experts, block 64)")
     args = parser.parse_args()
     dtype, device = getattr(torch, args.dtype), args.device
     line, bandwidth = device_line(device)
     print(f"{line}\ntorch {torch.__version__}, activations {args.dtype}")
+    for name in args.shapes if args.align_tokens else []:
+        num, top_k = SHAPES[name][:2]
+        for tokens in args.align_tokens:
+            seconds = time_align(tokens, num, top_k, 64, device, args.repeats)
+            print(f"moe_align {name}: {tokens} tokens, {tokens * top_k} pairs: {seconds * 1e6:.1f} us", flush=True)
     print(f"{'shape':>8} {'format':>6} {'T':>5} {'octavo ms':>10} {'torch ms':>9} {'speedup':>7} {'active GB/s':>11} "
           f"{'of bw':>6}")
     for name in args.shapes:

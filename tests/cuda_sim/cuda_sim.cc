@@ -162,7 +162,7 @@ struct Fiber {
   Context context;
   void* stack = nullptr;
   void* race_fiber = nullptr;  // ThreadSanitizer's, in the racecheck build
-  unsigned barriers_passed = 0;
+  unsigned barriers_passed = 0, warp_barriers_passed = 0;
   uint3 idx{0, 0, 0};
   int linear = 0;
   unsigned turn = 0;  // its place in the block's pass order
@@ -204,6 +204,7 @@ struct Launch {
   // its barriers, alternately (a fiber that is through one barrier and arrives at the next must
   // not publish to a fiber still leaving the first).
   char block_start = 0, block_end = 0, barrier[2] = {};
+  std::vector<char> warp_barrier;  // the same for each warp's __syncwarp: two per warp
   void* race_scheduler = nullptr;
 #ifdef CUDA_SIM_ASAN
   const void* scheduler_stack = nullptr;
@@ -320,12 +321,13 @@ void choose_order(Launch& l, unsigned threads) {
 void start_fibers(Launch& l, unsigned threads) {
   if (g_fibers.size() < threads) g_fibers.resize(threads);
   choose_order(l, threads);
+  l.warp_barrier.assign(2 * ((threads + kWarp - 1) / kWarp), 0);
   for (unsigned i = 0; i < threads; ++i) g_fibers[l.order[i]].turn = i;
   for (unsigned i = 0; i < threads; ++i) {
     Fiber& f = g_fibers[i];
     if (f.stack == nullptr) f.stack = map_stack();
     if (f.race_fiber == nullptr) f.race_fiber = race::create(static_cast<int>(i));
-    f.barriers_passed = 0;
+    f.barriers_passed = f.warp_barriers_passed = 0;
 #ifdef CUDA_SIM_ASAN
     ASAN_UNPOISON_MEMORY_REGION(f.stack, kStackBytes);  // an abandoned fiber may leave poisoned frames
 #endif
@@ -559,6 +561,16 @@ void warp_collective(const char* kind, unsigned mask, const void* in, void* out,
   f.combine = combine;
   f.state = State::kInCollective;
   yield(l, f);
+}
+
+void warp_barrier(unsigned mask) {
+  Launch& l = running();
+  Fiber& f = *l.current;
+  char* sync = &l.warp_barrier[2 * (f.linear / kWarp) + f.warp_barriers_passed++ % 2];
+  race::release(sync);
+  int none = 0, unused = 0;
+  warp_collective("__syncwarp", mask, &none, &unused, 0, [](const void* const*, void* const*, unsigned, int) {});
+  race::acquire(sync);
 }
 
 int block_barrier(int predicate) {

@@ -1,4 +1,4 @@
-// The simulator itself: barriers, shuffles and the tensor-core fragments against their
+// The simulator itself: barriers, shuffles, votes and the tensor-core fragments against their
 // definitions, and the failures it must report instead of hanging or running on.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -31,6 +31,34 @@ TEST(CudaSim, ShufflesReadTheirSourceLanes) {
     EXPECT_EQ(out[t * 3], (lane ^ 5) * 10) << t;
     EXPECT_EQ(out[t * 3 + 1], (lane >= 3 ? lane - 3 : lane) * 10) << t;
     EXPECT_EQ(out[t * 3 + 2], (lane * 7 + 3) % 41 % 32 * 10) << t;
+  }
+}
+
+// Lanes vote and group by value; the last lane then reads what lane 0 wrote before a __syncwarp.
+__global__ void vote_kernel(unsigned* out) {
+  __shared__ unsigned seen[2];
+  const int lane = static_cast<int>(threadIdx.x % 32), warp = static_cast<int>(threadIdx.x / 32);
+  out[threadIdx.x * 3] = __ballot_sync(0xffffffffu, lane % 3 == 0);
+  out[threadIdx.x * 3 + 1] = __match_any_sync(0xffffffffu, lane % 4 + warp);
+  if (lane == 0) seen[warp] = 100u + static_cast<unsigned>(warp);
+  __syncwarp();
+  out[threadIdx.x * 3 + 2] = lane == 31 ? seen[warp] : 0u;
+}
+
+TEST(CudaSim, VotesGroupLanesAndSyncwarpOrdersTheirWrites) {
+  std::vector<unsigned> out(64 * 3);
+  cuda_sim::launch(vote_kernel, 1, 64, 0, out.data());
+  ASSERT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int t = 0; t < 64; ++t) {
+    const int lane = t % 32;
+    unsigned thirds = 0, same = 0;
+    for (int other = 0; other < 32; ++other) {
+      if (other % 3 == 0) thirds |= 1u << other;
+      if (other % 4 == lane % 4) same |= 1u << other;
+    }
+    EXPECT_EQ(out[t * 3], thirds) << t;
+    EXPECT_EQ(out[t * 3 + 1], same) << t;
+    EXPECT_EQ(out[t * 3 + 2], lane == 31 ? 100u + static_cast<unsigned>(t / 32) : 0u) << t;
   }
 }
 

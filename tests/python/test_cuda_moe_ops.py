@@ -94,6 +94,11 @@ def layer(dtype, shape: str, fmt: str):
     return stack(w13, fmt, "w13"), stack(w2, fmt, "w2")
 
 
+def takes_tensor_cores(pairs: int, num: int, fmt: str) -> bool:
+    """moe.cu's mma_pays: a block of 64 pairs, or 2 pairs per expert (4 for quantized experts)."""
+    return pairs >= 64 or pairs >= (2 if fmt == "dense" else 4) * min(num, pairs)
+
+
 @pytest.mark.parametrize("tokens", [1, 7, 64, 600])
 @pytest.mark.parametrize("fmt", ["dense", "int8", "int4"])
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -107,10 +112,9 @@ def test_fused_moe_matches_the_float64_product(dtype, shape, fmt, tokens):
     out = torch.empty_like(x)
     _C.ops.fused_moe(out, x, topk_weights=weights, topk_ids=ids, **a, **b)
     want = fused_moe_torch(x.double(), w13.view(-1, hidden), w2.view(-1, width), weights.double(), ids, num)
-    # Batches of 16-bit activations that give experts 16 rows on average run on tensor cores, which
-    # round weights and activation to 16 bits; the others keep float32 to the end.
-    pairs = tokens * top_k
-    tensor_cores = dtype != torch.float32 and pairs >= 16 * min(num, pairs)
+    # Batches of 16-bit activations with enough pairs run on tensor cores, which round weights and
+    # activation to 16 bits; the others keep float32 to the end.
+    tensor_cores = dtype != torch.float32 and takes_tensor_cores(tokens * top_k, num, fmt)
     atol = (ULP[dtype] if tensor_cores else 2.0 ** -16) * want.abs().max().item()
     torch.testing.assert_close(out.double(), want, rtol=ULP[dtype], atol=atol)
 

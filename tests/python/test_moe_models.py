@@ -314,7 +314,8 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
     greedy tokens on the same GPU, in float32, for a batch whose requests end one by one."""
     from octavo import LLM, SamplingParams
 
-    reference = tiny_moe_checkpoint(kind, tmp_path, head_dim=64).cuda()
+    # hidden / heads = head_dim: some transformers releases size OLMoE's q/k norms from the former.
+    reference = tiny_moe_checkpoint(kind, tmp_path, head_dim=64, hidden_size=256).cuda()
     llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20, max_num_seqs=8,
               enforce_eager=enforce_eager, skip_tokenizer_init=True)
     prompts = [[1, 5, 9, 200, 17], [3] * 40, [250], list(range(2, 70, 3))]

@@ -34,15 +34,34 @@ void check_launch(const char* what);
 // asking, on the current device. The limit is per device and kernel, so each kernel keeps its own
 // `opted_in` table and asks once per device.
 template <typename Kernel>
+void set_shared_memory_limit(Kernel kernel, size_t bytes, int device, const char* what) {
+  if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)) == cudaSuccess)
+    return;
+  cudaGetLastError();  // the refusal is answered here; left set, the next launch check would report it
+  OCTAVO_CHECK_KIND(ErrorKind::kRuntime, false,
+                    what << ": the kernel's " << bytes << " bytes of shared memory are not available (CUDA device "
+                         << device << " allows " << shared_memory_optin() << " per block, its static shared "
+                         << "memory included)");
+}
+
+template <typename Kernel>
 void allow_shared_memory(Kernel kernel, size_t bytes, std::atomic<bool> (&opted_in)[kMaxDevices], const char* what) {
   const int device = current_device();
   if (opted_in[device].load()) return;
-  OCTAVO_CHECK_KIND(ErrorKind::kRuntime,
-                    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(bytes)) == cudaSuccess,
-                    what << ": the kernel's " << bytes << " bytes of shared memory are not available (CUDA device "
-                         << device << " allows " << shared_memory_optin() << " per block)");
+  set_shared_memory_limit(kernel, bytes, device, what);
   opted_in[device].store(true);
+}
+
+// The same for a kernel whose dynamic shared memory varies by call: its limit is raised when a call
+// needs more than the 48 KiB every launch gets and than any call before. (Asking once for the
+// device's whole opt-in fails where the kernel has static shared memory: that counts too.)
+template <typename Kernel>
+void allow_shared_memory(Kernel kernel, size_t bytes, std::atomic<size_t> (&allowed)[kMaxDevices], const char* what) {
+  constexpr size_t kWithoutAsking = 48 * 1024;
+  const int device = current_device();
+  if (bytes <= kWithoutAsking || bytes <= allowed[device].load()) return;
+  set_shared_memory_limit(kernel, bytes, device, what);
+  allowed[device].store(bytes);
 }
 
 // kernel<<<grid, block, shared_bytes, current_stream()>>>(args...): the one place that spells a

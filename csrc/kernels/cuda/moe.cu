@@ -14,11 +14,13 @@
 // memory once per step while the blocks of its expert read it from L2, which is what decode
 // needs; act stays float32, so the result is the float32 product rounded once. expert_mma_kernel
 // (expert_mma.cuh, blocks of kMmaPairs) runs the products on tensor cores, for 16-bit
-// activations where the experts average kMmaFromPairsPerExpert rows or more; its act is rounded to
+// activations once a chunk has enough pairs (mma_pays); its act is rounded to
 // the activations' type. Within a path a pair's sums do not depend on the other pairs in its
 // block, and the combine's order is fixed: a token gets the same bits alone or in any batch that
 // takes the same path.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #include "common.cuh"
@@ -165,18 +167,50 @@ struct AlignParams {
   int32_t pairs, num_experts, block_size, capacity;
 };
 
-// One block. Dynamic shared memory: counts [E], then starts [E + 1]. Each expert's pairs are
-// placed by one warp that walks all pairs in order, 32 at a time, so they keep their order
-// (ballot and popcount give each lane its place). An id outside [0, E) counts as -1.
+constexpr int kAlignWarps = kAlignThreads / 32;
+
+// Shared memory of align_kernel: offsets [kAlignWarps][E], counts [E], starts [E + 1].
+size_t align_shared_bytes(int64_t num_experts) {
+  return ((kAlignWarps + 2) * static_cast<size_t>(num_experts) + 1) * sizeof(int32_t);
+}
+
+// A pair's expert as align_kernel groups it: ids outside [0, E), and lanes past the warp's pairs, are -1.
+__device__ __forceinline__ int32_t align_expert(const AlignParams& p, int i, int end) {
+  const int32_t id = i < end ? p.topk_ids[i] : -1;
+  return id >= 0 && id < p.num_experts ? id : -1;
+}
+
+// One block. Each warp takes a contiguous range of the pairs and counts them per expert; a prefix
+// over the warps then gives each warp where its pairs of each expert start, and each warp places
+// its pairs in order, 32 at a time (__match_any_sync groups a round's lanes by expert). So every
+// expert's pairs keep their order, as on the CPU, in O(pairs / threads) steps per thread.
 __global__ void __launch_bounds__(kAlignThreads) align_kernel(AlignParams p) {
-  int32_t* counts = reinterpret_cast<int32_t*>(dynamic_shared_memory());
-  int32_t* starts = counts + p.num_experts;
   const int E = p.num_experts, B = p.block_size;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) counts[e] = 0;
+  int32_t* offsets = reinterpret_cast<int32_t*>(dynamic_shared_memory());  // [warp][expert]
+  int32_t* counts = offsets + kAlignWarps * E;
+  int32_t* starts = counts + E;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const unsigned below = (1u << lane) - 1u;  // the lanes before this one
+  const int per_warp = (p.pairs + kAlignWarps - 1) / kAlignWarps;
+  const int begin = warp * per_warp, end = min(p.pairs, begin + per_warp);
+  int32_t* mine = offsets + warp * E;
+  for (int i = threadIdx.x; i < kAlignWarps * E; i += blockDim.x) offsets[i] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < p.pairs; i += blockDim.x) {
-    const int32_t id = p.topk_ids[i];
-    if (id >= 0 && id < E) atomicAdd(&counts[id], 1);
+  for (int base = begin; base < end; base += 32) {
+    const int32_t id = align_expert(p, base + lane, end);
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    if (id >= 0 && (peers & below) == 0) mine[id] += __popc(peers);  // one lane per expert and round
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {  // counts, and each warp's offset in its expert
+    int32_t total = 0;
+    for (int w = 0; w < kAlignWarps; ++w) {
+      const int32_t n = offsets[w * E + e];
+      offsets[w * E + e] = total;
+      total += n;
+    }
+    counts[e] = total;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -194,29 +228,25 @@ __global__ void __launch_bounds__(kAlignThreads) align_kernel(AlignParams p) {
   for (int b = threadIdx.x; b < p.capacity / B; b += blockDim.x)
     p.expert_ids[b] = b * B < used ? last_at_most(starts, E, b * B) : -1;
   __syncthreads();  // the padding first: the pairs overwrite some of it
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const unsigned below = (1u << lane) - 1u;  // the lanes before this one
-  for (int e = warp; e < E; e += blockDim.x / 32) {
-    if (counts[e] == 0) continue;
-    int32_t next = starts[e];
-    for (int base = 0; base < p.pairs; base += 32) {
-      const int i = base + lane;
-      const bool mine = i < p.pairs && p.topk_ids[i] == e;
-      const unsigned mask = __ballot_sync(0xffffffffu, mine);
-      if (mine) {
-        const int32_t row = next + __popc(mask & below);
-        p.sorted_token_ids[row] = i;
-        if (p.pair_rows != nullptr) p.pair_rows[i] = row;
-      }
-      next += __popc(mask);
+  for (int base = begin; base < end; base += 32) {
+    const int i = base + lane;
+    const int32_t id = align_expert(p, i, end);
+    const unsigned peers = __match_any_sync(0xffffffffu, id);
+    if (id >= 0) {
+      const int32_t row = starts[id] + mine[id] + __popc(peers & below);
+      p.sorted_token_ids[row] = i;
+      if (p.pair_rows != nullptr) p.pair_rows[i] = row;
     }
+    __syncwarp();  // every lane has read its expert's offset before the first lane moves it on
+    if (id >= 0 && (peers & below) == 0) mine[id] += __popc(peers);
+    __syncwarp();
   }
 }
 
 void launch_align(const AlignParams& p) {
-  const size_t bytes = (2 * static_cast<size_t>(p.num_experts) + 1) * sizeof(int32_t);
-  static std::atomic<bool> opted_in[kMaxDevices];  // to all the device has: the size varies by call
-  allow_shared_memory(align_kernel, shared_memory_optin(), opted_in, "moe_align");
+  const size_t bytes = align_shared_bytes(p.num_experts);
+  static std::atomic<size_t> allowed[kMaxDevices];
+  allow_shared_memory(align_kernel, bytes, allowed, "moe_align");
   launch_kernel(align_kernel, dim3(1), kAlignThreads, bytes, p);
   check_launch("moe_align");
 }
@@ -498,10 +528,32 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
 // 14336, top-2) runs ~1500 tokens at once, a Qwen3-30B-A3B-sized one (2048, 768, top-8) ~1900.
 constexpr int64_t kWorkspaceFloats = int64_t{1} << 26;
 constexpr int64_t kMinChunkPairs = 2048;
-// The tensor-core kernels take 16-bit activations once the experts average this many pairs: a
-// block of kMmaPairs rows then is at least a quarter full. (A first guess, to be measured on a GPU
-// against the GEMV kernels, which read each weight once per step too.)
-constexpr int64_t kMmaFromPairsPerExpert = 16;
+// The tensor-core kernels take 16-bit activations once a chunk fills one of their blocks
+// (kMmaPairs), or once the experts average this many pairs, where the GEMV kernels would read each
+// weight tile once per kGemvPairs of them. Measured on an H200 (bench_moe.py, both paths at 1-128
+// tokens, bench/RESULTS.md): Mixtral-like dense experts cross over at ~2 pairs each, int4 ones at
+// ~4 (their tiles cost the decode too); Qwen3-30B-like experts (128 of them, small) from 64 pairs.
+constexpr int64_t kMmaFromPairsPerDenseExpert = 2;
+constexpr int64_t kMmaFromPairsPerQuantizedExpert = 4;
+
+// OCTAVO_FUSED_MOE_MMA_FROM_PAIRS, read once where set, replaces the rule: tensor cores from that
+// many pairs per expert (0: wherever rows fit). Benchmarks time both paths at the same sizes with it.
+int64_t forced_mma_from_pairs() {
+  static const int64_t value = [] {
+    const char* set = std::getenv("OCTAVO_FUSED_MOE_MMA_FROM_PAIRS");
+    return set ? std::clamp<int64_t>(std::strtoll(set, nullptr, 10), 0, int64_t{1} << 30) : int64_t{-1};
+  }();
+  return value;
+}
+
+// Whether `pairs` are enough for the tensor-core kernels (above).
+bool mma_pays(const FusedMoeParams& p, int64_t pairs) {
+  const int64_t experts = std::min(p.num_experts, pairs), forced = forced_mma_from_pairs();
+  if (forced >= 0) return pairs >= forced * experts;
+  const bool quantized = p.w13.format != WeightFormat::kDense || p.w2.format != WeightFormat::kDense;
+  return pairs >= kMmaPairs ||
+         pairs >= (quantized ? kMmaFromPairsPerQuantizedExpert : kMmaFromPairsPerDenseExpert) * experts;
+}
 
 // The chunk's scratch in one workspace: sorted ids, expert ids, the padded count, pair rows,
 // then act [capacity, I] (float32, or T on the tensor-core path) and y [capacity, H] float32.
@@ -574,14 +626,13 @@ void dispatch_rows(const ExpertStack& w, Fn&& fn) {
 }
 
 // Whether a chunk of `pairs` with 16-bit activations takes the tensor-core kernels: enough pairs
-// per expert, and rows that cp.async can copy (16-byte aligned input rows and dense expert rows).
+// (mma_pays), and rows that cp.async can copy (16-byte aligned input rows and dense expert rows).
 template <typename T>
 bool takes_mma(const FusedMoeParams& p, int64_t pairs) {
   const auto dense_fits = [](const ExpertStack& w) {
     return w.format != WeightFormat::kDense || (aligned(w.weight, 16) && w.expert_bytes % 16 == 0);
   };
-  return pairs >= kMmaFromPairsPerExpert * std::min(p.num_experts, pairs) &&
-         packs_fit<T>(p.hidden_states, p.hidden, p.in_stride) && dense_fits(p.w13) && dense_fits(p.w2);
+  return mma_pays(p, pairs) && packs_fit<T>(p.hidden_states, p.hidden, p.in_stride) && dense_fits(p.w13) && dense_fits(p.w2);
 }
 
 // Tokens [t0, t1) through their experts into out's rows t0..t1.
@@ -642,15 +693,15 @@ void topk_softmax(const TopkParams& p) {
                "topk_softmax on CUDA: " << p.num_experts << " experts need more shared memory than the device has");
   dispatch_float(p.dtype, "topk_softmax", [&](auto t) {
     using T = decltype(t);
-    static std::atomic<bool> opted_in[kMaxDevices];  // to all the device has: the size varies by call
-    allow_shared_memory(topk_kernel<T>, shared_memory_optin(), opted_in, "topk_softmax");
+    static std::atomic<size_t> allowed[kMaxDevices];
+    allow_shared_memory(topk_kernel<T>, bytes, allowed, "topk_softmax");
     launch_kernel(topk_kernel<T>, dim3(static_cast<unsigned>(p.tokens)), kTopkThreads, bytes, p);
   });
   check_launch("topk_softmax");
 }
 
 void moe_align(const MoeAlignParams& p) {
-  OCTAVO_CHECK(static_cast<int64_t>((2 * p.num_experts + 1) * sizeof(int32_t)) <= shared_memory_optin(),
+  OCTAVO_CHECK(static_cast<int64_t>(align_shared_bytes(p.num_experts)) <= shared_memory_optin(),
                "moe_align on CUDA: " << p.num_experts << " experts need more shared memory than the device has");
   launch_align(AlignParams{p.topk_ids, p.sorted_token_ids, p.expert_ids, p.num_tokens_post_padded, nullptr,
                            static_cast<int32_t>(p.pairs), static_cast<int32_t>(p.num_experts),
@@ -659,7 +710,7 @@ void moe_align(const MoeAlignParams& p) {
 
 void fused_moe(const FusedMoeParams& p) {
   if (p.tokens == 0) return;
-  OCTAVO_CHECK(static_cast<int64_t>((2 * p.num_experts + 1) * sizeof(int32_t)) <= shared_memory_optin(),
+  OCTAVO_CHECK(static_cast<int64_t>(align_shared_bytes(p.num_experts)) <= shared_memory_optin(),
                "fused_moe on CUDA: " << p.num_experts << " experts need more shared memory than the device has");
   dispatch_float(p.dtype, "fused_moe", [&](auto t) { run_fused_moe<decltype(t)>(p); });
 }

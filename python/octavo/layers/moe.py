@@ -174,12 +174,13 @@ def fused_moe_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_w
     """The same product as a loop over experts in torch (what transformers does: each expert's
     tokens selected, projected, weighted and added back). The benchmarks' baseline."""
     w13, w2 = w13.view(num_experts, -1, x.shape[1]), w2.view(num_experts, x.shape[1], -1)
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    acc = torch.promote_types(x.dtype, torch.float32)  # float32 sums, float64 for a float64 reference
+    out = torch.zeros(x.shape, dtype=acc, device=x.device)
     flat = topk_ids.flatten().long()
     for e in flat[flat >= 0].unique().tolist():
         pairs = (flat == e).nonzero().squeeze(1)
         tokens = pairs // topk_ids.shape[1]
         gate, up = F.linear(x.index_select(0, tokens), w13[e]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, w2[e])
-        out.index_add_(0, tokens, y.float() * topk_weights.flatten()[pairs, None])
+        out.index_add_(0, tokens, y.to(acc) * topk_weights.flatten()[pairs, None].to(acc))
     return out.to(x.dtype)

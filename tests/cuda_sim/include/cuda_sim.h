@@ -130,6 +130,8 @@ unsigned char* dynamic_shared_memory();  // the running block's, as many bytes a
 // (in[lane], null for lanes outside the mask) and result slot.
 using Combine = void (*)(const void* const* in, void* const* out, unsigned mask, int arg);
 void warp_collective(const char* kind, unsigned mask, const void* in, void* out, int arg, Combine combine);
+// __syncwarp: a collective that orders the memory accesses of the lanes in `mask` around it.
+void warp_barrier(unsigned mask);
 // __syncthreads and its _or form: waits for every thread of the block that has not exited.
 int block_barrier(int predicate);
 
@@ -245,6 +247,17 @@ CUDA_SIM_UNCHECKED inline void combine_ballot(const void* const* in, void* const
   for (int lane = 0; lane < 32; ++lane)
     if (mask >> lane & 1u) *static_cast<unsigned*>(out[lane]) = bits;
 }
+// Every lane in the mask gets the mask's lanes whose value equals its own, one bit each.
+CUDA_SIM_UNCHECKED inline void combine_match_any(const void* const* in, void* const* out, unsigned mask, int) {
+  for (int lane = 0; lane < 32; ++lane) {
+    if (!(mask >> lane & 1u)) continue;
+    unsigned bits = 0;
+    for (int other = 0; other < 32; ++other)
+      if ((mask >> other & 1u) && *static_cast<const int*>(in[other]) == *static_cast<const int*>(in[lane]))
+        bits |= 1u << other;
+    *static_cast<unsigned*>(out[lane]) = bits;
+  }
+}
 }  // namespace cuda_sim
 
 template <typename T>
@@ -292,6 +305,12 @@ inline unsigned __ballot_sync(unsigned mask, int predicate) {
   ::cuda_sim::warp_collective("__ballot_sync", mask, &predicate, &result, 0, ::cuda_sim::combine_ballot);
   return result;
 }
+inline unsigned __match_any_sync(unsigned mask, int value) {
+  unsigned result;
+  ::cuda_sim::warp_collective("__match_any_sync", mask, &value, &result, 0, ::cuda_sim::combine_match_any);
+  return result;
+}
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::cuda_sim::warp_barrier(mask); }
 inline int __popc(unsigned x) { return __builtin_popcount(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
