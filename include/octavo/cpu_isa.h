@@ -9,7 +9,7 @@ enum class CpuIsa {
   kScalar,  // portable C++; the reference every other level is tested against
   kAvx2,    // AVX2 + FMA + F16C, 8 floats per vector
   kAvx512,  // AVX-512 F/BW/VL (+ the AVX2 set), 16 floats per vector
-  kAvx512Bf16,  // AVX-512 + AVX512_BF16: bfloat16 conversions in one instruction
+  kAvx512Bf16,  // AVX-512 + AVX512_BF16 and AVX512_VNNI: bfloat16 conversions, int8 dot products
   kAmx,  // + AMX-TILE and AMX-BF16 (the OS granting tile state): bfloat16 tile products in linear
 };
 // Lowest to highest.

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from octavo import _C
 from octavo.layers.moe import fused_moe_torch
+from octavo.layers.linear import QuantizedWeight, linear
 from octavo.layers.quantize import quantize_int4, quantize_int8
 from test_elementwise_ops import DTYPE_IDS, DTYPES
 from test_linear import TOLERANCE
@@ -205,7 +206,6 @@ def _quantized_stack(w: torch.Tensor, method: str):
     else:
         from test_linear_gguf import dequantized, quantized
         blocks = quantized(e * n, k, method)
-        from octavo.layers.linear import QuantizedWeight
         q = QuantizedWeight(blocks, method, k)
         assert torch.equal(q.dequantize(), dequantized(blocks, method))
     stack = lambda t: None if t is None else t.view(e, n, *t.shape[1:])  # noqa: E731
@@ -228,6 +228,36 @@ def test_quantized_experts_equal_the_dense_op_on_their_floats(isa, method, token
                   **{f"w13_{key}": a[key] for key in ("format", "scales", "zeros", "group_size")},
                   **{f"w2_{key}": b[key] for key in ("format", "scales", "zeros", "group_size")})
     assert torch.equal(out, run_moe(x, w13_floats, w2_floats, weights, ids))
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_int4_a8_experts_equal_their_linear_calls(isa, tokens):
+    """W4A8 experts: each pair's projections are int4_a8 `linear` calls on its own row (inputs
+    rounded to int8 per group; a float path differs far beyond the bound), its expert outputs added
+    in ascending expert order."""
+    w13, w2 = experts(4, 64, 96)
+    a13, b2 = (quantize_int4(w.reshape(-1, w.shape[2]), 32, weight_format="int4_a8") for w in (w13, w2))
+    stack = lambda t, n: t.view(4, n, *t.shape[1:])  # noqa: E731
+    quant = {f"{p}_{key}": value for p, q, n in (("w13", a13, 192), ("w2", b2, 64))
+             for key, value in (("format", "int4_a8"), ("scales", stack(q.scales, n)), ("zeros", stack(q.zeros, n)),
+                                ("group_size", 32))}
+    x = torch.randn(tokens, 64)
+    weights, ids = routing(tokens, 4, 2)
+    out = run_moe(x, stack(a13.qweight, 192), stack(b2.qweight, 64), weights, ids, **quant)
+    for t in range(tokens):
+        acc = torch.zeros(64)
+        for slot in sorted(range(2), key=lambda s: int(ids[t, s])):
+            e = int(ids[t, slot])
+            gate_up = linear(x[t:t + 1], QuantizedWeight(a13.qweight[e * 192:(e + 1) * 192], "int4_a8", 64,
+                                                         a13.scales[e * 192:(e + 1) * 192],
+                                                         a13.zeros[e * 192:(e + 1) * 192], 32))
+            act = torch.empty(1, 96)
+            _C.ops.silu_and_mul(act, gate_up)
+            y = linear(act, QuantizedWeight(b2.qweight[e * 64:(e + 1) * 64], "int4_a8", 96, b2.scales[e * 64:(e + 1) * 64],
+                                            b2.zeros[e * 64:(e + 1) * 64], 32))
+            acc = acc + weights[t, slot] * y[0]
+        # The op's weighted sum may fuse its multiply-adds (the vector levels): an ulp apart at most.
+        torch.testing.assert_close(out[t], acc, rtol=1e-6, atol=1e-6)
 
 
 def test_fused_moe_refuses_bad_arguments():

@@ -53,9 +53,11 @@ bool cpu_isa_supported(CpuIsa isa) {
     case CpuIsa::kScalar: return true;
     case CpuIsa::kAvx2: return avx2;
     case CpuIsa::kAvx512: return avx2 && f.avx512f && f.avx512bw && f.avx512vl;
-    case CpuIsa::kAvx512Bf16: return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16;
+    // Every CPU with AVX512_BF16 has AVX512_VNNI too (Cooper Lake, Sapphire Rapids, Zen 4 on).
+    case CpuIsa::kAvx512Bf16:
+      return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni;
     case CpuIsa::kAmx:
-      return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.amx_bf16;
+      return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni && f.amx_bf16;
   }
   return false;
 }

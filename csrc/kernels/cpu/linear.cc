@@ -11,6 +11,7 @@
 // CPU has them (linear_amx.h); each is batch invariant on its side of its threshold.
 #include "bf16_tiles.h"
 #include "isa_kernels.h"
+#include "linear_int8_inputs.h"
 #include "linear_panels.h"
 #include "octavo/status.h"
 #include "octavo/threading.h"
@@ -530,7 +531,8 @@ void run_panels(const LinearParams& p) {
     case WeightFormat::kQ4_0: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_0>>{p});
     case WeightFormat::kQ4_1: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_1>>{p});
     case WeightFormat::kInt8: return panels::linear(p, QuantPanel<Int8Rows>{p});
-    case WeightFormat::kInt4: return panels::linear(p, QuantPanel<Int4Rows>{p});
+    case WeightFormat::kInt4:
+    case WeightFormat::kInt4A8: return panels::linear(p, QuantPanel<Int4Rows>{p});
     case WeightFormat::kBf16Tiles: return panels::linear(p, QuantPanel<Bf16TileRows>{p});
   }
 }
@@ -553,7 +555,8 @@ void run_typed(const LinearParams& p) {
     case WeightFormat::kQ4_0: return run_quant<GgufRows<WeightFormat::kQ4_0>, T>(p);
     case WeightFormat::kQ4_1: return run_quant<GgufRows<WeightFormat::kQ4_1>, T>(p);
     case WeightFormat::kInt8: return run_quant<Int8Rows, T>(p);
-    case WeightFormat::kInt4: return run_quant<Int4Rows, T>(p);
+    case WeightFormat::kInt4:
+    case WeightFormat::kInt4A8: return run_quant<Int4Rows, T>(p);
     case WeightFormat::kBf16Tiles: return run_quant<Bf16TileRows, T>(p);
   }
 }
@@ -583,6 +586,14 @@ void dequantize_typed(const LinearParams& p) {
 
 void linear(const LinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
+  if (p.weight_format == WeightFormat::kInt4A8) {  // int8 inputs at every row count
+    switch (p.dtype) {
+      case DType::kFloat32: return int8_inputs::linear<float>(p);
+      case DType::kBFloat16: return int8_inputs::linear<bf16>(p);
+      case DType::kFloat16: return int8_inputs::linear<f16>(p);
+      default: OCTAVO_CHECK(false, "linear: unsupported dtype " << dtype_name(p.dtype));
+    }
+  }
 #if defined(__AMX_BF16__)
   if (tiles::takes_packed(p)) return p.rows < tiles::kPackedFromRows ? tiles::gemv_packed(p) : tiles::linear(p);
   if (p.rows >= kAmxFromRows && tiles::takes(p)) return tiles::linear(p);
@@ -602,7 +613,8 @@ void dequantize(const LinearParams& p) {
     case WeightFormat::kQ4_0: return dequantize_typed<GgufRows<WeightFormat::kQ4_0>>(p);
     case WeightFormat::kQ4_1: return dequantize_typed<GgufRows<WeightFormat::kQ4_1>>(p);
     case WeightFormat::kInt8: return dequantize_typed<Int8Rows>(p);
-    case WeightFormat::kInt4: return dequantize_typed<Int4Rows>(p);
+    case WeightFormat::kInt4:
+    case WeightFormat::kInt4A8: return dequantize_typed<Int4Rows>(p);
     case WeightFormat::kBf16Tiles: return dequantize_typed<Bf16TileRows>(p);
     default: OCTAVO_CHECK(false, "dequantize: not a quantized format");
   }

@@ -162,7 +162,8 @@ void dispatch_quantized(const LinearParams& p, Fn&& fn) {
     case WeightFormat::kQ4_0: return fn(static_cast<Q4_0Row*>(nullptr));
     case WeightFormat::kQ4_1: return fn(static_cast<Q4_1Row*>(nullptr));
     case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
-    case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
+    case WeightFormat::kInt4:
+    case WeightFormat::kInt4A8: return fn(static_cast<Int4Row*>(nullptr));  // int4_a8: dequantize only
     case WeightFormat::kDense: break;
     case WeightFormat::kBf16Tiles: break;  // refused before launch (ops/linear.cc): CPU only
   }

@@ -41,15 +41,18 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
     OCTAVO_CHECK(quant.scales != nullptr, "weight format int8 needs scales");
     ops::check_vector(*quant.scales, "scales", DType::kFloat32, n, ref, ref_arg);
     p.scales = static_cast<const float*>(quant.scales->data);
-  } else if (format == WeightFormat::kInt4) {
+  } else if (format == WeightFormat::kInt4 || format == WeightFormat::kInt4A8) {
     const int64_t g = quant.group_size;
+    const char* name = weight_format_name(format);
     OCTAVO_CHECK(g > 0 && g % kBlockWeights == 0 && k % g == 0,
-                 "weight format int4 needs a group_size that is a multiple of 32 and divides " << k << ", got " << g);
-    OCTAVO_CHECK(quant.scales != nullptr && quant.zeros != nullptr, "weight format int4 needs scales and zeros");
+                 "weight format " << name << " needs a group_size that is a multiple of 32 and divides " << k
+                                  << ", got " << g);
+    OCTAVO_CHECK(quant.scales != nullptr && quant.zeros != nullptr, "weight format " << name << " needs scales and zeros");
     // The kernel finds a block's group by multiplying (cpu/linear.cc, Int4Rows): exact below this.
     const int64_t blocks_per_group = g / kBlockWeights;
     OCTAVO_CHECK(k / kBlockWeights < (int64_t{1} << 32) / (blocks_per_group * blocks_per_group),
-                 "weight format int4: " << k << " inputs in groups of " << g << " is more than the kernel indexes");
+                 "weight format " << name << ": " << k << " inputs in groups of " << g
+                                  << " is more than the kernel indexes");
     for (const auto& [t, name, dtype] : {std::tuple{quant.scales, "scales", DType::kFloat32},
                                          std::tuple{quant.zeros, "zeros", DType::kUInt8}}) {
       ops::check_same_device(*t, name, ref, ref_arg);
@@ -78,16 +81,17 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::kInt8: return "int8";
     case WeightFormat::kInt4: return "int4";
     case WeightFormat::kBf16Tiles: return "bf16_tiles";
+    case WeightFormat::kInt4A8: return "int4_a8";
   }
   return "?";
 }
 
 WeightFormat parse_weight_format(const char* name) {
   for (WeightFormat f : {WeightFormat::kDense, WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
-                         WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kBf16Tiles})
+                         WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kBf16Tiles, WeightFormat::kInt4A8})
     if (std::strcmp(name, weight_format_name(f)) == 0) return f;
-  OCTAVO_CHECK(false, "unknown weight format '" << name
-                                                << "' (expected dense, q8_0, q4_0, q4_1, int8, int4 or bf16_tiles)");
+  OCTAVO_CHECK(false, "unknown weight format '"
+                          << name << "' (expected dense, q8_0, q4_0, q4_1, int8, int4, int4_a8 or bf16_tiles)");
   return WeightFormat::kDense;
 }
 
@@ -97,7 +101,8 @@ int64_t weight_block_bytes(WeightFormat format) {
     case WeightFormat::kQ4_0: return 2 + 16;      // float16 scale, 32 nibbles
     case WeightFormat::kQ4_1: return 2 + 2 + 16;  // float16 scale and minimum, 32 nibbles
     case WeightFormat::kInt8: return 32;          // scales kept apart
-    case WeightFormat::kInt4: return 16;          // scales and zero points kept apart
+    case WeightFormat::kInt4:
+    case WeightFormat::kInt4A8: return 16;        // scales and zero points kept apart
     case WeightFormat::kBf16Tiles: return 64;     // 32 bfloat16, reordered
     default: return 0;
   }
@@ -124,6 +129,8 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
   p.dtype = input.dtype;
   const bool cuda = ops::runs_on_cuda(input, "input");
   OCTAVO_CHECK(!cuda || format != WeightFormat::kBf16Tiles, "weight format bf16_tiles is for the CPU only");
+  OCTAVO_CHECK(!cuda || format != WeightFormat::kInt4A8,
+               "weight format int4_a8 (int8 inputs) is for the CPU only; CUDA multiplies int4");
   if (cuda) cuda::linear(p);
   else cpu_dispatch(linear, p);
 }

@@ -60,7 +60,7 @@ class LLMEngine:
         self.max_logprobs = max_logprobs
         if not 0 < gpu_memory_utilization <= 1:  # checked on any device: a bad value is a bad value
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
-        self.device = _device(model, device)
+        self.device = _device(model, device, quantization)
         _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                               distributed_executor_backend)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
@@ -326,9 +326,11 @@ def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int, backe
                          f"ranks, but there are only {have} {what}: each rank needs one")
 
 
-def _device(model, device: str) -> torch.device:
+def _device(model, device: str, quantization: str | None = None) -> torch.device:
     resolved = resolve_device(device)
-    reason = cpu_only_reason(model) if resolved.type == "cuda" else None
+    reason = None if resolved.type != "cuda" else (
+        "quantization 'w4a8' multiplies int8 activations on the CPU only (use 'int4' on a GPU)"
+        if quantization == "w4a8" else cpu_only_reason(model))
     if reason and device in (None, "auto"):  # "auto" means the best device this model can use
         print(f"octavo: running on the CPU: {reason}")
         return torch.device("cpu")

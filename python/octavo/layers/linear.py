@@ -87,7 +87,8 @@ class QuantizedWeight(torch.nn.Module):
     GGUF blocks as a file stores them ("q8_0", "q4_0", "q4_1": ``qweight`` uint8 [N, K / 32 *
     block bytes]), or Octavo's own load-time formats ("int8": ``qweight`` int8 [N, K] and
     ``scales`` [N]; "int4": ``qweight`` uint8 [N, K / 2], ``scales`` float32 and ``zeros`` uint8
-    [N, K / group_size]; see ``octavo.layers.quantize``)."""
+    [N, K / group_size]; "int4_a8": int4's data, multiplied with int8-rounded inputs on the CPU;
+    see ``octavo.layers.quantize``)."""
 
     def __init__(self, data: torch.Tensor, weight_format: str, in_features: int, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, group_size: int = 0, input_order: torch.Tensor | None = None):

@@ -5,6 +5,11 @@
   q = round(w / s) + z in [0, 15], s = (max - min) / 15, z = round(-min / s). The group size is
   128 where it divides the row, else the largest multiple of 32 below it that does (the default
   model's 576-wide rows use 96).
+- "w4a8": int4's weights (format "int4_a8"), but on the CPU ``linear`` rounds each input row to
+  int8 with one scale per weight group and multiplies integers (vLLM's W4A8, with llama.cpp's kind
+  of activation blocks): about half the arithmetic of int4's float path at decode, at an accuracy
+  cost lost in int4's own (bench/RESULTS.md). CPU only; prefill-sized bfloat16 batches still
+  multiply dequantized weights.
 
 ``quantize_model`` quantizes a model's projections (fused QKV, output, gate_up, down) in the
 chosen format and its LM head in int8: on a CPU decode step reads every weight once, and the
@@ -19,7 +24,8 @@ import torch
 
 from .linear import QuantizedWeight
 
-METHODS = ("int8", "int4")
+METHODS = ("int8", "int4", "w4a8")
+INT4_FORMATS = ("int4", "int4_a8")  # the same stored weights
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
@@ -44,7 +50,7 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     return (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
 
 
-def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
+def quantize_int4(w: torch.Tensor, group_size: int = 128, weight_format: str = "int4") -> QuantizedWeight:
     n, k = w.shape
     g = int4_group_size(k, group_size)
     groups = w.float().reshape(n, k // g, g)
@@ -53,8 +59,8 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128) -> QuantizedWeight:
     scales[scales == 0] = 1.0
     zeros = torch.round(-low / scales).clamp_(0, 15)
     q = (torch.round(groups / scales[..., None]) + zeros[..., None]).clamp_(0, 15).to(torch.uint8)
-    return QuantizedWeight(pack_nibbles(q.reshape(n, k)), "int4", k, scales=scales, zeros=zeros.to(torch.uint8),
-                           group_size=g)
+    return QuantizedWeight(pack_nibbles(q.reshape(n, k)), weight_format, k, scales=scales,
+                           zeros=zeros.to(torch.uint8), group_size=g)
 
 
 def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
@@ -62,6 +68,8 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
         return quantize_int8(w)
     if method == "int4":
         return quantize_int4(w)
+    if method == "w4a8":
+        return quantize_int4(w, weight_format="int4_a8")
     raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
 
 
@@ -72,9 +80,10 @@ def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight |
     if w.weight_format == "int8" and begin % 32 == 0 and end % 32 == 0:
         return QuantizedWeight(w.qweight[:, begin:end], "int8", end - begin, scales=w.scales)
     g = w.group_size
-    if w.weight_format == "int4" and begin % g == 0 and end % g == 0 and begin % 32 == 0 and end % 32 == 0:
-        return QuantizedWeight(w.qweight[:, begin // 2:end // 2], "int4", end - begin, scales=w.scales[:, begin // g:end // g],
-                               zeros=w.zeros[:, begin // g:end // g], group_size=g)
+    if w.weight_format in INT4_FORMATS and begin % g == 0 and end % g == 0 and begin % 32 == 0 and end % 32 == 0:
+        return QuantizedWeight(w.qweight[:, begin // 2:end // 2], w.weight_format, end - begin,
+                               scales=w.scales[:, begin // g:end // g], zeros=w.zeros[:, begin // g:end // g],
+                               group_size=g)
     return None
 
 

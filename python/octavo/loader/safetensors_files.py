@@ -63,7 +63,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     dtype "auto" takes the checkpoint's ``torch_dtype``. load_format "dummy" skips the files and
     fills every weight with small random values (benchmarks of large shapes). The parameters
     are created on ``device``; checkpoint tensors are copied into them as they are read.
-    ``quantization`` "int8" / "int4" quantizes the projections of a float checkpoint as they
+    ``quantization`` "int8" / "int4" / "w4a8" quantizes the projections of a float checkpoint as they
     are read (layers/quantize.py), so the float model is never whole in memory. Models whose
     projections end up quantized are built in CPU memory and moved: there, float parameters
     that quantized weights replace before they are filled take no pages (on a GPU they would

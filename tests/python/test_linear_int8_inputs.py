@@ -1,0 +1,123 @@
+"""linear on weight format int4_a8 (quantization="w4a8"): int4 weights against inputs rounded to
+int8 with one scale per weight group, at every CPU kernel level, against a float64 product of
+the same rounded inputs; non-finite and zero groups; the refusal on CUDA."""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from octavo import _C
+from octavo.layers.linear import QuantizedWeight, linear
+from octavo.layers.quantize import quantize, quantize_int4
+
+
+def nibbles(w: QuantizedWeight) -> torch.Tensor:
+    """The [N, K] values 0..15 of an int4 weight (each 32 in 16 bytes, low nibbles first)."""
+    blocks = w.qweight.view(w.qweight.shape[0], -1, 16)
+    return torch.cat([blocks & 15, blocks >> 4], -1).reshape(blocks.shape[0], -1).long()
+
+
+def rounded_inputs(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's int8 inputs a [M, groups, group] and scales d [M, groups, 1] (float32 values):
+    a = rint(x * (127 / m)) in float64, m a group's largest |x|, d = m / 127 rounded to float32."""
+    x32 = x.float().view(x.shape[0], -1, group)
+    m = x32.abs().amax(-1, keepdim=True)
+    inv = torch.where(m > 0, torch.full_like(m, 127, dtype=torch.float64) / m.double(), 0.0)  # IEEE division
+    a = torch.round(x32.double() * inv).clamp(-127, 127)
+    return a, (m.double() / 127).float().double()
+
+
+def reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 product of the rounded inputs and the weights, and the sum of its terms' sizes."""
+    g = w.group_size
+    a, d = rounded_inputs(x, g)
+    q = nibbles(w).view(w.shape[0], -1, g).double()
+    dots = torch.einsum("mgk,ngk->mng", a, q) - w.zeros.double()[None] * a.sum(-1)[:, None, :]
+    terms = dots * w.scales.double()[None] * d.view(x.shape[0], 1, -1)
+    return terms.sum(-1), terms.abs().sum(-1)
+
+
+def run(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype)
+    _C.ops.linear(out, x, w.qweight, bias, "int4_a8", w.scales, w.zeros, w.group_size)
+    return out
+
+
+def assert_near_reference(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight, bias=None) -> None:
+    want, size = reference(x, w)
+    if bias is not None:
+        want, size = want + bias.double(), size + bias.double().abs()
+    # float32 sums of the per-group terms; 16-bit outputs are then rounded once more.
+    rounding = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[out.dtype]
+    err = (out.double() - want).abs()
+    assert (err <= 1e-5 * size + rounding * want.abs() + 1e-30).all(), err.max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group,rows", [(8, 64, 32, 1), (13, 384, 96, 3), (37, 2048, 128, 5), (5, 160, 32, 17)])
+def test_int4_a8_is_the_product_of_the_rounded_inputs(isa, dtype, n, k, group, rows):
+    torch.manual_seed(n + rows)
+    w = quantize_int4(torch.randn(n, k), group, weight_format="int4_a8")
+    assert w.group_size == group
+    x = torch.randn(rows, k).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    assert_near_reference(run(x, w), x, w)
+    assert_near_reference(run(x, w, bias), x, w, bias)
+
+
+def test_rows_do_not_depend_on_the_batch(isa):
+    torch.manual_seed(1)
+    w = quantize(torch.randn(40, 256), "w4a8")
+    x = torch.randn(9, 256)
+    batched = run(x, w)
+    for i in (0, 4, 8):
+        assert torch.equal(run(x[i:i + 1], w), batched[i:i + 1])
+
+
+def test_non_finite_inputs_make_their_row_nan_and_zero_rows_give_the_bias(isa):
+    torch.manual_seed(2)
+    w = quantize(torch.randn(6, 128), "w4a8")
+    x = torch.randn(4, 128)
+    x[1, 70] = math.inf
+    x[2, 3] = math.nan
+    x[3] = 0.0
+    bias = torch.randn(6)
+    out = run(x, w, bias)
+    assert out[1].isnan().all() and out[2].isnan().all()
+    assert torch.equal(out[3], bias)
+    assert torch.equal(out[0], run(x[:1], w, bias)[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(exponents=st.lists(st.integers(-40, 37), min_size=4, max_size=4), seed=st.integers(0, 2**31 - 1))
+def test_groups_of_any_float32_magnitude(exponents, seed):
+    """Each group of inputs at its own power of ten, from near float32's smallest normal to near
+    its largest (the weights' sums stay finite)."""
+    g = torch.Generator().manual_seed(seed)
+    w = quantize_int4(torch.randn(3, 128, generator=g) * 1e-3, 32, weight_format="int4_a8")
+    x = torch.randn(2, 128, generator=g).view(2, 4, 32)
+    x = (x * torch.tensor([10.0**e for e in exponents]).view(1, 4, 1)).view(2, 128)
+    out = run(x, w)
+    assert out.isfinite().all()
+    assert_near_reference(out, x, w)
+
+
+def test_quantize_w4a8_keeps_int4_weights():
+    w = torch.randn(16, 192)
+    plain, a8 = quantize(w, "int4"), quantize(w, "w4a8")
+    assert a8.weight_format == "int4_a8" and plain.weight_format == "int4"
+    assert torch.equal(a8.qweight, plain.qweight) and torch.equal(a8.dequantize(), plain.dequantize())
+    x = torch.randn(2, 192)
+    assert not torch.equal(linear(x, a8), linear(x, plain))  # the inputs were rounded
+    torch.testing.assert_close(linear(x, a8), linear(x, plain), rtol=0.05, atol=0.05)
+
+
+def test_w4a8_is_refused_on_cuda(monkeypatch):
+    import octavo.engine.llm_engine as engine
+
+    monkeypatch.setattr(engine, "resolve_device", lambda device: torch.device("cuda", 0))
+    with pytest.raises(ValueError, match="'w4a8' multiplies int8 activations on the CPU only"):
+        engine._device("any-model", "cuda", "w4a8")
+    assert engine._device("any-model", "auto", "w4a8") == torch.device("cpu")
