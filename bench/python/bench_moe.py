@@ -98,7 +98,7 @@ def stack_args(w: torch.Tensor, fmt: str, prefix: str) -> tuple[dict, int]:
         return {prefix: w}, w[0].numel() * w.element_size()
     e, n, k = w.shape
     q = quantize(w.reshape(e * n, k), fmt)
-    stacked = {prefix: q.qweight.view(e, n, -1), f"{prefix}_format": fmt, f"{prefix}_group_size": q.group_size,
+    stacked = {prefix: q.qweight.view(e, n, -1), f"{prefix}_format": q.weight_format, f"{prefix}_group_size": q.group_size,
                f"{prefix}_scales": q.scales.view(e, n, *q.scales.shape[1:])}
     if q.zeros is not None:
         stacked[f"{prefix}_zeros"] = q.zeros.view(e, n, *q.zeros.shape[1:])

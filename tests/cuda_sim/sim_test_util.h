@@ -183,7 +183,7 @@ struct Weight {
   Views on(bool cuda) const {
     Views v{cuda ? data.cuda() : data.cpu(), TensorView{}, TensorView{}, group_size};
     if (!scales.shape().empty()) v.scales = cuda ? scales.cuda() : scales.cpu();
-    if (format == WeightFormat::kInt4) v.zeros = cuda ? zeros.cuda() : zeros.cpu();
+    if (format == WeightFormat::kInt4 || format == WeightFormat::kInt4A8) v.zeros = cuda ? zeros.cuda() : zeros.cpu();
     return v;
   }
 };

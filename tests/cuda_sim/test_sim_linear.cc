@@ -169,6 +169,16 @@ TEST(SimLinear, WhatCudaCannotReadIsRefusedByName) {
   const TensorView cpu_scales = q.scales.cpu();
   expect_refusal([&] { octavo::dequantize(floats.cuda(), q.data.cuda(), q.format, {&cpu_scales}); },
                  "argument 'scales'");
+  // int4_a8 multiplies int8-rounded inputs on the CPU only; CUDA reads its weights as int4.
+  const Weight a8(WeightFormat::kInt4A8, 3, 64, gen);
+  const Weight::Views on_gpu = a8.on(true), on_cpu = a8.on(false);
+  const Tensor x64 = sim_test::randn({2, 64}, DType::kFloat32, gen);
+  expect_refusal([&] { octavo::linear(out.cuda(), x64.cuda(), on_gpu.data, nullptr, a8.format, on_gpu.quant()); },
+                 "int4_a8 (int8 inputs) is for the CPU only");
+  Tensor from_gpu({3, 64}, DType::kFloat32), from_cpu({3, 64}, DType::kFloat32);
+  octavo::dequantize(from_gpu.cuda(), on_gpu.data, a8.format, on_gpu.quant());
+  octavo::dequantize(from_cpu.cpu(), on_cpu.data, a8.format, on_cpu.quant());
+  EXPECT_TRUE(from_gpu.same_bytes(from_cpu));
 }
 
 }  // namespace

@@ -303,6 +303,11 @@ TEST(SimMoe, FusedMoeRefusesWhatCudaCannotRead) {
   const Routing r(T, E, k, gen);
   Tensor out({T, H}, DType::kFloat32);
   sim_test::expect_refusal([&] { run_fused_moe(out, x, w13, w2, r, true); }, "multiples of 32");
+  const Experts a13(WeightFormat::kInt4A8, E, 2 * I, 64, DType::kFloat32, gen), a2(WeightFormat::kInt4A8, E, 64, I,
+                                                                                     DType::kFloat32, gen);
+  const Tensor x64 = sim_test::randn({T, 64}, DType::kFloat32, gen);
+  Tensor out64({T, 64}, DType::kFloat32);
+  sim_test::expect_refusal([&] { run_fused_moe(out64, x64, a13, a2, r, true); }, "int4_a8 (int8 inputs) run on the CPU only");
 }
 
 // ---- router and grouping ----------------------------------------------------------------------
