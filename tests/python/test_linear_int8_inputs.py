@@ -70,9 +70,9 @@ def test_int4_a8_is_the_product_of_the_rounded_inputs(isa, dtype, n, k, group, r
 def test_rows_do_not_depend_on_the_batch(isa):
     torch.manual_seed(1)
     w = quantize(torch.randn(40, 256), "w4a8")
-    x = torch.randn(9, 256)
+    x = torch.randn(11, 256)  # passes of 4, 4, 2 and 1 rows on AVX-512
     batched = run(x, w)
-    for i in (0, 4, 8):
+    for i in (0, 5, 8, 9, 10):
         assert torch.equal(run(x[i:i + 1], w), batched[i:i + 1])
 
 

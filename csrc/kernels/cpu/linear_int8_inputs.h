@@ -39,7 +39,7 @@ constexpr int kTileRows = 4;  // weight rows that share each load of the inputs
 #if defined(__AVX512BW__)
 constexpr int kChunkBlocks = 4;
 constexpr int kLanes = 16;     // 32-bit lanes per integer vector; each sums 4 products
-constexpr int kInputRows = 2;  // input rows per pass over a tile: 8 + 8 accumulators of 32 registers
+constexpr int kInputRows = 4;  // input rows per pass over a tile: 16 + 4 accumulators of 32 registers
 using IVec = __m512i;
 using FVec = __m512;
 inline IVec izero() { return _mm512_setzero_si512(); }
@@ -290,7 +290,14 @@ void linear(const LinearParams& p) {
         dot_tile<kInputRows>(p, r, tq, i, rows, y);
         for (int c = 0; c < kInputRows; ++c) store(i + c, n, nr, y, c);
       }
-      for (; i < p.rows; ++i) {  // a row's sums do not depend on whether it ran with another
+      // The rest two and one at a time: a row's sums do not depend on the rows it ran with.
+      if constexpr (kInputRows > 2) {
+        for (; i + 2 <= p.rows; i += 2) {
+          dot_tile<2>(p, r, tq, i, rows, y);
+          for (int c = 0; c < 2; ++c) store(i + c, n, nr, y, c);
+        }
+      }
+      for (; i < p.rows; ++i) {
         dot_tile<1>(p, r, tq, i, rows, y);
         store(i, n, nr, y, 0);
       }
