@@ -1,15 +1,16 @@
 // linear for weight format int4_a8 (W4A8), included by linear.cc in every ISA level.
 //
 // Each input row is first rounded to int8 with one scale per weight group: a = rint(x * 127 / m)
-// (in double, ties to even), m the group's largest |x|, d = m / 127 rounded to float32. Then out[i][n] = sum over groups g of
-// s[n][g] * d[i][g] * sum over k in g of (q[n][k] - z[n][g]) * a[i][k]. The inner sums are exact
-// integers: four products per 32-bit lane in one instruction (vpdpbusd where the level has
-// AVX512-VNNI, vpmaddubsw + vpmaddwd before it; the nibbles are unsigned, a signed), and the zero
-// point comes off each lane as z times that lane's sum of a. Each group's lanes are then scaled in
-// float32 and accumulated, and the lanes added once at the end of the row. So a 32-weight block
-// costs one or two integer instructions per weight row instead of the float path's two
-// multiply-adds per input row, and the only rounding after the inputs' is float32's on the
-// per-group terms. Rows with a non-finite input in a group give NaN.
+// (in double, ties to even), m the group's largest |x|, and d = m / 127 rounded to float32. Then
+// out[i][n] = sum over groups g of s[n][g] * d[i][g] * sum over k in g of (q[n][k] - z[n][g]) * a[i][k].
+// The inner sums are exact integers: four products per 32-bit lane in one instruction (vpdpbusd
+// where the level has AVX512-VNNI, vpmaddubsw + vpmaddwd before it; nibbles unsigned, a signed).
+// At the end of a group the four weight rows of a tile have their lanes folded and packed into one
+// vector (pack_rows), the zero points come off as z times the inputs' sums over the same lanes,
+// and one float32 multiply-add per group scales and accumulates all four. So a block of 32
+// weights costs one or two integer instructions per weight row and input row, against the float
+// path's decode and two multiply-adds, and the only rounding after the inputs' is float32's on
+// the per-group terms. A group with a non-finite input makes its row's outputs NaN.
 //
 // The rounding of the inputs is plain scalar code: it is O(rows * K), the weights O(N * K).
 #pragma once
