@@ -28,6 +28,8 @@ def cpu_only_reason(model) -> str | None:
     from .loader.gguf_file import gguf_config, is_gguf
 
     config = gguf_config(model) if is_gguf(model) else ModelConfig.from_pretrained(model)
+    if (config.hf.get("quantization_config") or {}).get("format") == "w4a8":  # from `octavo quantize`
+        return "its weights are w4a8, which multiplies int8 activations on the CPU only"
     if config.head_dim not in CUDA_HEAD_SIZES:
         return f"head size {config.head_dim} has no CUDA attention kernel (compiled: {CUDA_HEAD_SIZES})"
     group = config.num_attention_heads // config.num_key_value_heads

@@ -78,12 +78,17 @@ def run(llm: LLM) -> list:
     return [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
 
 
-def assert_same(two: list, one: list) -> None:
+# w4a8 rounds each layer's inputs to int8: where the ranks' sums (added in another order) put an
+# input across a rounding boundary, a term moves by one step of the int8 grid.
+LOGPROB_TOLERANCE = {"w4a8": 2e-2}
+
+
+def assert_same(two: list, one: list, tolerance: float = 1e-4) -> None:
     for a, b in zip(two, one):
         assert a.token_ids == b.token_ids and a.text == b.text
         for x, y in zip(a.logprobs, b.logprobs):
             assert x.keys() == y.keys()
-            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-4
+            assert max(abs(x[t].logprob - y[t].logprob) for t in x) < tolerance
 
 
 # (6 heads over 3 KV groups, cut 2 + 1 like the default model's 9 / 3), odd intermediate size.
@@ -108,7 +113,7 @@ def test_every_architecture_at_tp2_matches_tp1(kind, overrides, tokenizer, tmp_p
 ALIGNED = dict(hidden_size=256, num_attention_heads=8, num_key_value_heads=2, intermediate_size=256)
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "w4a8"])
 def test_quantized_at_load_each_rank_holds_the_whole_weights_part(method, tokenizer, tmp_path):
     """Output rows are cut before quantizing, input columns after: a rank's quantized part is
     bit for bit the whole weight's, so TP = 2 answers as TP = 1 with the same quantization."""
@@ -116,7 +121,7 @@ def test_quantized_at_load_each_rank_holds_the_whole_weights_part(method, tokeni
     two = engine(path, 2, quantization=method)
     try:
         one = engine(path, 1, quantization=method)
-        assert_same(run(two), run(one))
+        assert_same(run(two), run(one), LOGPROB_TOLERANCE.get(method, 1e-4))
         whole = one.apply_model(lambda m: m.layers[0].mlp.down_weight.qweight.clone())[0]
         parts = two.apply_model(lambda m: m.layers[0].mlp.down_weight.qweight.clone())
         halves = [whole[:, :whole.shape[1] // 2], whole[:, whole.shape[1] // 2:]]
@@ -177,8 +182,9 @@ def test_settings_tensor_parallel_cannot_run_are_refused(tokenizer, tmp_path):
 
 
 @pytest.mark.parametrize("method,overrides,tp,pp,o_weight", [
-    ("int4", ALIGNED, 2, 1, "QuantizedWeight"), ("int4", {}, 2, 1, "Parameter"), ("int8", {}, 1, 2, "QuantizedWeight")],
-    ids=["int4-tp2", "int4-tp2-cut-in-a-group", "int8-pp2"])
+    ("int4", ALIGNED, 2, 1, "QuantizedWeight"), ("int4", {}, 2, 1, "Parameter"), ("int8", {}, 1, 2, "QuantizedWeight"),
+    ("w4a8", ALIGNED, 2, 1, "QuantizedWeight")],
+    ids=["int4-tp2", "int4-tp2-cut-in-a-group", "int8-pp2", "w4a8-tp2"])
 def test_an_octavo_quantized_checkpoint_split_answers_as_whole(method, overrides, tp, pp, o_weight, tokenizer,
                                                                 tmp_path):
     """`octavo quantize`'s files hold the whole quantized model: each rank takes its rows and input
@@ -186,9 +192,12 @@ def test_an_octavo_quantized_checkpoint_split_answers_as_whole(method, overrides
     of 128: the tiny model's 128 inputs cut 64 + 64), each pipeline stage its own layers."""
     path = checkpoint(tmp_path, "llama", tokenizer, **overrides)
     assert main(["quantize", str(path), str(tmp_path / "q"), "--method", method]) == 0
+    if method == "w4a8":  # a CPU format: the saved checkpoint says so
+        from octavo.device import cpu_only_reason
+        assert "w4a8" in cpu_only_reason(tmp_path / "q")
     parted = engine(tmp_path / "q", tp, pipeline_parallel_size=pp)
     try:
-        assert_same(run(parted), run(engine(tmp_path / "q", 1)))
+        assert_same(run(parted), run(engine(tmp_path / "q", 1)), LOGPROB_TOLERANCE.get(method, 1e-4))
         kinds = parted.apply_model(lambda m: {type(layer.self_attn.o_weight).__name__ for layer in m.layers})
         assert kinds == [{o_weight}] * (tp * pp)
     finally:

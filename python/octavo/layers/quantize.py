@@ -226,7 +226,8 @@ def quantized_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
 
 
 # The tensors a saved quantized weight has, by format.
-_SAVED_PARTS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros")}
+_SAVED_PARTS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros"),
+                "int4_a8": ("qweight", "scales", "zeros")}
 
 
 def _whole_name(model: torch.nn.Module, local: str) -> str:
