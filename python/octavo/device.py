@@ -21,15 +21,19 @@ CUDA_HEAD_SIZES = (64, 128, 256)  # the attention kernels compiled in csrc/kerne
 CUDA_MAX_GROUP = 16  # query heads per KV head the CUDA attention kernels take (kMaxGroup)
 
 
-def cpu_only_reason(model) -> str | None:
-    """Why this model cannot run on a GPU yet, or None when it can. (Quantized weights can: GGUF
-    blocks, GPTQ / AWQ, Octavo's int8 / int4; see layers/linear.py.)"""
+def cpu_only_reason(model, quantization: str | None = None) -> str | None:
+    """Why this model, quantized at load with ``quantization``, cannot run on a GPU yet, or None
+    when it can. (Quantized weights can: GGUF blocks, GPTQ / AWQ, Octavo's int8 / int4, but not
+    w4a8, whose int8 activations are a CPU kernel's; see layers/linear.py.)"""
     from .config import ModelConfig
     from .loader.gguf_file import gguf_config, is_gguf
 
+    w4a8 = "quantization 'w4a8' multiplies int8 activations on the CPU only (use 'int4' on a GPU)"
+    if quantization == "w4a8":
+        return w4a8
     config = gguf_config(model) if is_gguf(model) else ModelConfig.from_pretrained(model)
     if (config.hf.get("quantization_config") or {}).get("format") == "w4a8":  # from `octavo quantize`
-        return "its weights are w4a8, which multiplies int8 activations on the CPU only"
+        return w4a8
     if config.head_dim not in CUDA_HEAD_SIZES:
         return f"head size {config.head_dim} has no CUDA attention kernel (compiled: {CUDA_HEAD_SIZES})"
     group = config.num_attention_heads // config.num_key_value_heads

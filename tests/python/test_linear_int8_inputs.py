@@ -112,6 +112,9 @@ def test_quantize_w4a8_keeps_int4_weights():
     x = torch.randn(2, 192)
     assert not torch.equal(linear(x, a8), linear(x, plain))  # the inputs were rounded
     torch.testing.assert_close(linear(x, a8), linear(x, plain), rtol=0.05, atol=0.05)
+    # 16-bit inputs go to the kernel as they are: the bits of the float32 call, rounded once.
+    x16 = x.bfloat16()
+    assert torch.equal(linear(x16, a8), linear(x16.float(), a8).bfloat16())
 
 
 def test_w4a8_is_refused_on_cuda(monkeypatch):

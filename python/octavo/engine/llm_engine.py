@@ -328,9 +328,7 @@ def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int, backe
 
 def _device(model, device: str, quantization: str | None = None) -> torch.device:
     resolved = resolve_device(device)
-    reason = None if resolved.type != "cuda" else (
-        "quantization 'w4a8' multiplies int8 activations on the CPU only (use 'int4' on a GPU)"
-        if quantization == "w4a8" else cpu_only_reason(model))
+    reason = cpu_only_reason(model, quantization) if resolved.type == "cuda" else None
     if reason and device in (None, "auto"):  # "auto" means the best device this model can use
         print(f"octavo: running on the CPU: {reason}")
         return torch.device("cpu")

@@ -158,7 +158,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         if x.device.type == "cpu" and dtype != torch.float32 and weight_format != "bf16_tiles":
             if dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS:
                 return _gemm_on_dequantized(x, weight, bias)
-            if x.shape[0] < FLOAT_INPUT_MAX_ROWS:
+            if x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format != "int4_a8":  # int4_a8 rounds them to int8
                 # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads
                 # directly (int4 at M = 1: about 1.3x as fast), and below FLOAT_INPUT_MAX_ROWS
                 # either way it rounds the same float32 sums once: the same bits.

@@ -78,7 +78,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     if device.type != "cpu":
         from ..device import cpu_only_reason
 
-        reason = cpu_only_reason(path)
+        reason = cpu_only_reason(path, quantization)
         if reason:
             raise ValueError(f"{path} cannot be loaded on {device}: {reason}; use device='cpu'")
     if is_gguf(path):  # read on the CPU (numpy), then moved: the quantized size, not the float one
