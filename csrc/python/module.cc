@@ -41,6 +41,7 @@ py::dict cpu_features_dict() {
   d["avx512_bf16"] = f.avx512_bf16;
   d["avx512_vnni"] = f.avx512_vnni;
   d["amx_bf16"] = f.amx_bf16;
+  d["amx_int8"] = f.amx_int8;
   return d;
 }
 

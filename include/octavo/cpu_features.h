@@ -15,6 +15,7 @@ struct CpuFeatures {
   bool avx512_bf16 = false;  // bf16 dot products (vdpbf16ps)
   bool avx512_vnni = false;  // int8 dot products (vpdpbusd)
   bool amx_bf16 = false;     // AMX tiles with bf16 (on Linux: and the process was granted tile state)
+  bool amx_int8 = false;     // AMX tiles with int8 (the same grant)
 };
 
 // Detected on first call; cheap afterwards.

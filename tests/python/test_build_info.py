@@ -6,7 +6,8 @@ import torch
 import octavo
 from octavo import _C
 
-CPU_FEATURE_KEYS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16"}
+CPU_FEATURE_KEYS = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "amx_bf16",
+                    "amx_int8"}
 
 
 def test_version_is_the_package_version():

@@ -230,34 +230,37 @@ def test_quantized_experts_equal_the_dense_op_on_their_floats(isa, method, token
     assert torch.equal(out, run_moe(x, w13_floats, w2_floats, weights, ids))
 
 
+@pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("tokens", [1, 5, 70])
-def test_int4_a8_experts_equal_their_linear_calls(isa, tokens):
-    """W4A8 experts: each pair's projections are int4_a8 `linear` calls on its own row (inputs
-    rounded to int8 per group; a float path differs far beyond the bound), its expert outputs added
-    in ascending expert order."""
-    w13, w2 = experts(4, 64, 96)
-    a13, b2 = (quantize_int4(w.reshape(-1, w.shape[2]), 32, weight_format="int4_a8") for w in (w13, w2))
+def test_int4_a8_experts_equal_their_linear_calls(isa, tokens, group):
+    """W4A8 experts: each expert's projections are one int4_a8 `linear` call on the rows routed to
+    it (inputs rounded to int8 per group; a float path differs far beyond the bound; at 70 tokens
+    an expert has 35 rows, and with groups of 64 the AMX level multiplies them on int8 tiles), and
+    a token's expert outputs are added in ascending expert order."""
+    w13, w2 = experts(4, 128, 192)
+    a13, b2 = (quantize_int4(w.reshape(-1, w.shape[2]), group, weight_format="int4_a8") for w in (w13, w2))
     stack = lambda t, n: t.view(4, n, *t.shape[1:])  # noqa: E731
-    quant = {f"{p}_{key}": value for p, q, n in (("w13", a13, 192), ("w2", b2, 64))
+    quant = {f"{p}_{key}": value for p, q, n in (("w13", a13, 384), ("w2", b2, 128))
              for key, value in (("format", "int4_a8"), ("scales", stack(q.scales, n)), ("zeros", stack(q.zeros, n)),
-                                ("group_size", 32))}
-    x = torch.randn(tokens, 64)
+                                ("group_size", group))}
+    x = torch.randn(tokens, 128)
     weights, ids = routing(tokens, 4, 2)
-    out = run_moe(x, stack(a13.qweight, 192), stack(b2.qweight, 64), weights, ids, **quant)
-    for t in range(tokens):
-        acc = torch.zeros(64)
-        for slot in sorted(range(2), key=lambda s: int(ids[t, s])):
-            e = int(ids[t, slot])
-            gate_up = linear(x[t:t + 1], QuantizedWeight(a13.qweight[e * 192:(e + 1) * 192], "int4_a8", 64,
-                                                         a13.scales[e * 192:(e + 1) * 192],
-                                                         a13.zeros[e * 192:(e + 1) * 192], 32))
-            act = torch.empty(1, 96)
-            _C.ops.silu_and_mul(act, gate_up)
-            y = linear(act, QuantizedWeight(b2.qweight[e * 64:(e + 1) * 64], "int4_a8", 96, b2.scales[e * 64:(e + 1) * 64],
-                                            b2.zeros[e * 64:(e + 1) * 64], 32))
-            acc = acc + weights[t, slot] * y[0]
-        # The op's weighted sum may fuse its multiply-adds (the vector levels): an ulp apart at most.
-        torch.testing.assert_close(out[t], acc, rtol=1e-6, atol=1e-6)
+    out = run_moe(x, stack(a13.qweight, 384), stack(b2.qweight, 128), weights, ids, **quant)
+    part = lambda q, e, n: QuantizedWeight(q.qweight[e * n:(e + 1) * n], "int4_a8", q.shape[1],  # noqa: E731
+                                           q.scales[e * n:(e + 1) * n], q.zeros[e * n:(e + 1) * n], group)
+    acc = torch.zeros(tokens, 128)
+    for e in range(4):  # ascending expert order
+        rows, slots = (ids == e).nonzero(as_tuple=True)
+        if len(rows) == 0:
+            continue
+        gate_up = linear(x[rows], part(a13, e, 384))
+        act = torch.empty(len(rows), 192)
+        _C.ops.silu_and_mul(act, gate_up)
+        y = linear(act, part(b2, e, 128))
+        for j in range(len(rows)):
+            acc[rows[j]] += weights[rows[j], slots[j]] * y[j]
+    # The op's weighted sum may fuse its multiply-adds (the vector levels): an ulp apart at most.
+    torch.testing.assert_close(out, acc, rtol=1e-6, atol=1e-6)
 
 
 def test_fused_moe_refuses_bad_arguments():

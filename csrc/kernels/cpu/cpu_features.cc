@@ -60,7 +60,9 @@ CpuFeatures detect() {
     f.avx512vl = f.avx512f && bit(b, 31);
     f.avx512_vnni = f.avx512f && bit(c, 11);
   }
-  f.amx_bf16 = os_amx && bit(d, 22) && bit(d, 24) && os_grants_amx();  // AMX-BF16 and AMX-TILE
+  const bool amx_tile = os_amx && bit(d, 24) && os_grants_amx();
+  f.amx_bf16 = amx_tile && bit(d, 22);
+  f.amx_int8 = amx_tile && bit(d, 25);
   if (max_subleaf >= 1 && f.avx512f) {
     __cpuid_count(7, 1, a, b, c, d);
     f.avx512_bf16 = bit(a, 5);

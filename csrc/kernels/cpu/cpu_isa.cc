@@ -57,7 +57,8 @@ bool cpu_isa_supported(CpuIsa isa) {
     case CpuIsa::kAvx512Bf16:
       return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni;
     case CpuIsa::kAmx:
-      return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni && f.amx_bf16;
+      return avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512_bf16 && f.avx512_vnni && f.amx_bf16 &&
+             f.amx_int8;
   }
   return false;
 }

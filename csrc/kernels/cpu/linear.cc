@@ -8,7 +8,9 @@
 // streams its own contiguous slab of the weight. Each output element is the same sum in the same
 // order whatever M is and whichever thread computes it (batch invariant). From 16 rows on, float32
 // runs on transposed weight panels instead (linear_panels.h) and bfloat16 on AMX tiles where the
-// CPU has them (linear_amx.h); each is batch invariant on its side of its threshold.
+// CPU has them (linear_amx.h); each is batch invariant on its side of its threshold. W4A8 weights
+// (int4_a8) multiply int8 inputs: linear_int8_inputs.h, and from 8 rows on AMX int8 tiles
+// (linear_int8_tiles.h).
 #include "bf16_tiles.h"
 #include "isa_kernels.h"
 #include "linear_int8_inputs.h"
@@ -19,6 +21,7 @@
 #include "vec.h"
 #if defined(__AMX_BF16__)
 #include "linear_amx.h"
+#include "linear_int8_tiles.h"
 #endif
 
 namespace octavo::cpu::OCTAVO_ISA {
@@ -587,6 +590,16 @@ void dequantize_typed(const LinearParams& p) {
 void linear(const LinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
   if (p.weight_format == WeightFormat::kInt4A8) {  // int8 inputs at every row count
+#if defined(__AMX_BF16__)
+    if (int8_tiles::takes(p)) {
+      switch (p.dtype) {
+        case DType::kFloat32: return int8_tiles::linear<float>(p);
+        case DType::kBFloat16: return int8_tiles::linear<bf16>(p);
+        case DType::kFloat16: return int8_tiles::linear<f16>(p);
+        default: break;
+      }
+    }
+#endif
     switch (p.dtype) {
       case DType::kFloat32: return int8_inputs::linear<float>(p);
       case DType::kBFloat16: return int8_inputs::linear<bf16>(p);

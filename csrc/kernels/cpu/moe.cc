@@ -196,7 +196,7 @@ void slab_weight(const ExpertStack& w, int64_t expert, const Slab& slab, int64_t
 void project(const ExpertStack& w, const std::vector<Segment>& segments, void* out, const void* in,
              int64_t in_features, DType dtype) {
   const int64_t n = w.rows, elem = static_cast<int64_t>(dtype_size(dtype));
-  const bool to_bf16 = dtype == DType::kBFloat16 && decodes_to_float(w);
+  const bool to_bf16 = dtype == DType::kBFloat16 && decodes_to_float(w) && w.format != WeightFormat::kInt4A8;
   const std::vector<Slab> slabs = slabs_of(segments, n);
   parallel_for(static_cast<int64_t>(slabs.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> buffer;
@@ -218,12 +218,34 @@ void project(const ExpertStack& w, const std::vector<Segment>& segments, void* o
   });
 }
 
+// The calling thread's buffer `slot`, at least `count` elements of U, kept for the next call: a
+// prefill's buffers are tens of MB, and fresh ones cost their page faults on every call (OLMoE-
+// sized w4a8 experts at 512 tokens: a fifth of the call). Not thread_scratch: `linear` runs on
+// this thread too and uses those slots.
+enum KeptSlot { kKeptX, kKeptGateUp, kKeptAct, kKeptY, kKeptAcc, kKeptSlots };
+template <typename U>
+U* kept_buffer(KeptSlot slot, int64_t count) {
+  struct Buffer {
+    std::unique_ptr<U[]> data;
+    int64_t count = 0;
+  };
+  thread_local Buffer buffers[kKeptSlots];
+  Buffer& b = buffers[slot];
+  if (b.count < count) {
+    b.data.reset();  // the old one goes first: peak memory is the new size
+    b.data.reset(new U[count]);
+    b.count = count;
+  }
+  return b.data.get();
+}
+
 // C: the type the experts compute in (see run_fused_moe).
 template <typename C>
 struct BatchScratch {
-  std::unique_ptr<C[]> x, gate_up, act, y;  // [rows, H], [rows, 2I], [rows, I], [rows, H]
+  C *x, *gate_up, *act, *y;  // [rows, H], [rows, 2I], [rows, I], [rows, H]
   BatchScratch(int64_t rows, int64_t H, int64_t I)
-      : x(new C[rows * H]), gate_up(new C[rows * 2 * I]), act(new C[rows * I]), y(new C[rows * H]) {}
+      : x(kept_buffer<C>(kKeptX, rows * H)), gate_up(kept_buffer<C>(kKeptGateUp, rows * 2 * I)),
+        act(kept_buffer<C>(kKeptAct, rows * I)), y(kept_buffer<C>(kKeptY, rows * H)) {}
 };
 
 // The pairs order[0, rows) (grouped by expert in `segments`) through their experts, each result
@@ -236,14 +258,14 @@ void run_batch(const FusedMoeParams& p, const int32_t* order, int64_t rows, cons
   parallel_for(rows, grain_for(rows, H, kSerialElems, kMinChunkElems), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* row = hidden + order[i] / p.top_k * p.in_stride;
-      C* x = s.x.get() + i * H;
+      C* x = s.x + i * H;
       for (int64_t h = 0; h < H; ++h) x[h] = from_float<C>(to_float(row[h]));
     }
   });
   const DType compute = std::is_same_v<C, float> ? DType::kFloat32 : p.dtype;
-  project(p.w13, segments, s.gate_up.get(), s.x.get(), H, compute);
-  silu_and_mul(GatedActivationParams{s.act.get(), s.gate_up.get(), rows, I, 2 * I, I, compute});
-  project(p.w2, segments, s.y.get(), s.act.get(), I, compute);
+  project(p.w13, segments, s.gate_up, s.x, H, compute);
+  silu_and_mul(GatedActivationParams{s.act, s.gate_up, rows, I, 2 * I, I, compute});
+  project(p.w2, segments, s.y, s.act, I, compute);
   // Columns split over threads, rows in order: each token's sum keeps ascending expert order.
   const int64_t blocks = (H + kAddColumns - 1) / kAddColumns;
   parallel_for(blocks, grain_for(blocks, rows * kAddColumns, kSerialElems, kMinChunkElems), [&](int64_t b0, int64_t b1) {
@@ -251,7 +273,7 @@ void run_batch(const FusedMoeParams& p, const int32_t* order, int64_t rows, cons
     for (int64_t i = 0; i < rows; ++i) {
       const float w = p.topk_weights[order[i]];
       float* a = acc + order[i] / p.top_k * H;
-      const C* y = s.y.get() + i * H;
+      const C* y = s.y + i * H;
       for (int64_t h = h0; h < h1; ++h) a[h] += w * to_float(y[h]);
     }
   });
@@ -261,7 +283,8 @@ template <typename T, typename C>
 void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
   const int64_t H = p.hidden;
   const int64_t total = static_cast<int64_t>(groups.order.size());
-  std::vector<float> acc(p.tokens * H, 0.0f);
+  float* acc = kept_buffer<float>(kKeptAcc, p.tokens * H);
+  std::fill(acc, acc + p.tokens * H, 0.0f);
   BatchScratch<C> scratch(std::min(total, kBatchRows), H, p.intermediate);
   int64_t expert = 0;
   for (int64_t first = 0; first < total; first += kBatchRows) {
@@ -272,7 +295,7 @@ void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
       if (begin < end) segments.push_back({expert, begin - first, end - first});
       if (groups.start[expert + 1] > last) break;  // the expert goes on in the next batch
     }
-    run_batch<T, C>(p, groups.order.data() + first, last - first, segments, scratch, acc.data());
+    run_batch<T, C>(p, groups.order.data() + first, last - first, segments, scratch, acc);
   }
   T* out = static_cast<T*>(p.out);
   parallel_for(p.tokens, grain_for(p.tokens, H, kSerialElems, kMinChunkElems), [&](int64_t begin, int64_t end) {
@@ -287,9 +310,15 @@ void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
 // bits); from kBf16FromRows on, bfloat16 activations multiply each slab's weights dequantized to
 // bfloat16 (OLMoE-sized int4 experts at 512 tokens: about 2.7x the float32 path on AMX, see
 // bench/RESULTS.md), which rounds the weights to bfloat16 as a bfloat16 checkpoint's would be.
+//
+// W4A8 experts (int4_a8) always compute in float32: their products run on int8 at every row
+// count (AMX tiles from linear's kTilesFromRows on), so dequantizing to bfloat16 would only lose
+// time and change the arithmetic, and float32 intermediates keep one rounding per projection.
 template <typename T>
 void dispatch_compute(const FusedMoeParams& p) {
   const ExpertGroups groups = group_by_expert(p.topk_ids, p.tokens * p.top_k, p.num_experts);
+  if (p.w13.format == WeightFormat::kInt4A8 || p.w2.format == WeightFormat::kInt4A8)
+    return run_fused_moe<T, float>(p, groups);
   if (std::is_same_v<T, float> || !decodes_to_float(p.w13) || !decodes_to_float(p.w2))
     return run_fused_moe<T, T>(p, groups);
   int64_t experts = 0;  // those with rows

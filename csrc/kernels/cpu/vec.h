@@ -126,6 +126,7 @@ struct VecF {
   friend VecF fma(VecF a, VecF b, VecF c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }  // a*b + c
   friend VecF max(VecF a, VecF b) { return {_mm512_max_ps(a.v, b.v)}; }
   friend VecF min(VecF a, VecF b) { return {_mm512_min_ps(a.v, b.v)}; }
+  friend VecF abs(VecF a) { return {_mm512_abs_ps(a.v)}; }
   friend float reduce_add(VecF a) { return _mm512_reduce_add_ps(a.v); }
   friend float reduce_max(VecF a) { return _mm512_reduce_max_ps(a.v); }
   // Lanes where x < limit get `value` instead of a's lane.
@@ -222,6 +223,7 @@ struct VecF {
   friend VecF fma(VecF a, VecF b, VecF c) { return {_mm256_fmadd_ps(a.v, b.v, c.v)}; }
   friend VecF max(VecF a, VecF b) { return {_mm256_max_ps(a.v, b.v)}; }
   friend VecF min(VecF a, VecF b) { return {_mm256_min_ps(a.v, b.v)}; }
+  friend VecF abs(VecF a) { return {_mm256_andnot_ps(_mm256_set1_ps(-0.0f), a.v)}; }
   friend float reduce_add(VecF a) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a.v), _mm256_extractf128_ps(a.v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -292,6 +294,7 @@ struct VecF {
   friend VecF fma(VecF a, VecF b, VecF c) { return {std::fma(a.v, b.v, c.v)}; }
   friend VecF max(VecF a, VecF b) { return {a.v > b.v ? a.v : b.v}; }
   friend VecF min(VecF a, VecF b) { return {a.v < b.v ? a.v : b.v}; }
+  friend VecF abs(VecF a) { return {std::fabs(a.v)}; }
   friend float reduce_add(VecF a) { return a.v; }
   friend float reduce_max(VecF a) { return a.v; }
   friend VecF select_below(VecF x, float limit, VecF a, float value) { return {x.v < limit ? value : a.v}; }

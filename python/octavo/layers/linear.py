@@ -70,7 +70,9 @@ FLOAT_INPUT_MAX_ROWS = 16
 # torch's bfloat16 GEMM on the weights dequantized to bfloat16 (oneDNN, AMX tiles where the CPU
 # has them), as on CUDA: int4 6144x2048 on an AMX Xeon, 2 threads, 1024 rows 130 -> 17 ms, 128
 # rows 17 -> 7 ms, even at 32 (bench/RESULTS.md, MoE section). Rows then multiply the weights
-# rounded to bfloat16, as a bfloat16 checkpoint's would be.
+# rounded to bfloat16, as a bfloat16 checkpoint's would be. Not for int4_a8 where the CPU has AMX:
+# its int8 tiles beat that GEMM at every row count (6144x2048 at 512 rows: 5.1 ms against the
+# bfloat16 GEMM's 5.6 on weights already dequantized) and keep the int8 inputs' arithmetic.
 CPU_BF16_GEMM_FROM_ROWS = 64
 
 
@@ -156,7 +158,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
             return _gemm_on_dequantized(x, weight, bias)
         dtype = x.dtype
         if x.device.type == "cpu" and dtype != torch.float32 and weight_format != "bf16_tiles":
-            if dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS:
+            if (dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS
+                    and not (weight_format == "int4_a8" and _C.cpu_isa() == "amx")):
                 return _gemm_on_dequantized(x, weight, bias)
             if x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format != "int4_a8":  # int4_a8 rounds them to int8
                 # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads
