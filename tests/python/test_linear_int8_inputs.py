@@ -30,13 +30,17 @@ def rounded_inputs(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Ten
 
 
 def reference(x: torch.Tensor, w: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The float64 product of the rounded inputs and the weights, and the sum of its terms' sizes."""
+    """The float64 product of the rounded inputs and the weights, and the sum of its terms' sizes,
+    a term per block of 32 inputs: the vector kernel sums a group's blocks in separate lanes, each
+    rounded to float32, before it adds them."""
     g = w.group_size
     a, d = rounded_inputs(x, g)
-    q = nibbles(w).view(w.shape[0], -1, g).double()
-    dots = torch.einsum("mgk,ngk->mng", a, q) - w.zeros.double()[None] * a.sum(-1)[:, None, :]
-    terms = dots * w.scales.double()[None] * d.view(x.shape[0], 1, -1)
-    return terms.sum(-1), terms.abs().sum(-1)
+    m, n, blocks = x.shape[0], w.shape[0], g // 32
+    q = nibbles(w).view(n, -1, blocks, 32).double()
+    a = a.view(m, -1, blocks, 32)
+    dots = torch.einsum("mgbk,ngbk->mngb", a, q) - w.zeros.double()[None, :, :, None] * a.sum(-1)[:, None]
+    terms = dots * (w.scales.double()[None] * d.view(m, 1, -1))[..., None]
+    return terms.sum((-1, -2)), terms.abs().sum((-1, -2))
 
 
 def run(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -56,10 +60,12 @@ def assert_near_reference(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# From 8 rows with groups of 64s, the AMX level multiplies on int8 tiles (linear_int8_tiles.h):
-# partial blocks of rows and panels of features, groups of one and of four tiles.
+# From 4 rows with groups of 64s, the AMX level multiplies on int8 tiles (linear_int8_tiles.h): up
+# to 16 rows with the weights as the first operand, then on panels (partial blocks of rows and
+# panels of features, groups of one and of four tiles).
 @pytest.mark.parametrize("n,k,group,rows", [(8, 64, 32, 1), (13, 384, 96, 3), (37, 2048, 128, 5), (5, 160, 32, 17),
-                                            (37, 2048, 128, 40), (70, 384, 64, 8), (33, 512, 256, 70)])
+                                            (20, 256, 64, 4), (70, 384, 64, 8), (16, 128, 128, 16),
+                                            (37, 2048, 128, 40), (33, 512, 256, 70)])
 def test_int4_a8_is_the_product_of_the_rounded_inputs(isa, dtype, n, k, group, rows):
     torch.manual_seed(n + rows)
     w = quantize_int4(torch.randn(n, k), group, weight_format="int4_a8")
@@ -73,14 +79,16 @@ def test_int4_a8_is_the_product_of_the_rounded_inputs(isa, dtype, n, k, group, r
 def test_rows_do_not_depend_on_the_batch(isa):
     torch.manual_seed(1)
     w = quantize(torch.randn(40, 256), "w4a8")
-    x = torch.randn(7, 256)  # passes of 4, 2 and 1 rows on AVX-512
+    on_tiles = _C.cpu_isa() == "amx"
+    x = torch.randn(3 if on_tiles else 7, 256)  # passes of 4, 2 and 1 rows on AVX-512
     batched = run(x, w)
-    for i in (0, 4, 5, 6):
+    for i in range(x.shape[0]):
         assert torch.equal(run(x[i:i + 1], w), batched[i:i + 1])
-    # From 8 rows on (int8 tiles at the AMX level): any batch of at least 8 rows.
+    # From 4 rows on (int8 tiles at the AMX level): any batch of at least 4 rows, on either side
+    # of 16 (the weights as the tiles' first operand, then panels).
     x = torch.randn(75, 256)
     batched = run(x, w)
-    for begin, end in ((0, 8), (8, 40), (40, 75), (67, 75)):
+    for begin, end in ((0, 4), (4, 20), (20, 36), (36, 75), (67, 75)):
         assert torch.equal(run(x[begin:end], w), batched[begin:end])
 
 
@@ -95,10 +103,11 @@ def test_non_finite_inputs_make_their_row_nan_and_zero_rows_give_the_bias(isa):
     out = run(x, w, bias)
     assert out[1].isnan().all() and out[2].isnan().all()
     assert torch.equal(out[3], bias)
-    assert torch.equal(out[0], run(x[:1], w, bias)[0])
-    tiled = run(torch.cat([x, torch.randn(12, 128)]), w, bias)  # 16 rows: on tiles at the AMX level
-    assert tiled[1].isnan().all() and tiled[2].isnan().all() and torch.equal(tiled[3], bias)
-    assert tiled[[0, *range(4, 16)]].isfinite().all()
+    assert_near_reference(out[:1], x[:1], w, bias)
+    for extra in (12, 30):  # 16 and 34 rows: both tile layouts at the AMX level
+        tiled = run(torch.cat([x, torch.randn(extra, 128)]), w, bias)
+        assert tiled[1].isnan().all() and tiled[2].isnan().all() and torch.equal(tiled[3], bias)
+        assert tiled[[0, *range(4, 4 + extra)]].isfinite().all()
 
 
 @settings(max_examples=40, deadline=None)

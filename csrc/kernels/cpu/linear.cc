@@ -9,7 +9,7 @@
 // order whatever M is and whichever thread computes it (batch invariant). From 16 rows on, float32
 // runs on transposed weight panels instead (linear_panels.h) and bfloat16 on AMX tiles where the
 // CPU has them (linear_amx.h); each is batch invariant on its side of its threshold. W4A8 weights
-// (int4_a8) multiply int8 inputs: linear_int8_inputs.h, and from 8 rows on AMX int8 tiles
+// (int4_a8) multiply int8 inputs: linear_int8_inputs.h, and from 4 rows on AMX int8 tiles
 // (linear_int8_tiles.h).
 #include "bf16_tiles.h"
 #include "isa_kernels.h"

@@ -1,20 +1,24 @@
-// linear for weight format int4_a8 (W4A8) on AMX int8 tiles, for prefill and batched decode;
+// linear for weight format int4_a8 (W4A8) on AMX int8 tiles, for batched decode and prefill;
 // included by linear.cc in the "amx" ISA level only, after linear_int8_inputs.h.
 //
 // The arithmetic is linear_int8_inputs.h's: each input row rounded to int8 with one scale d per
 // weight group, exact integer sums per group, then out += s * d * sum in float32 group by group.
-// Here the integer sums come from tdpbssd, which multiplies a 16 x 64 int8 input tile by a 64 x
-// 16 int8 weight tile into 16 x 16 int32 sums (16384 products in one instruction, 16x what
-// vpdpbusd does). The weight tile holds q - z (in [-15, 15]: signed, so the zero points need no
-// separate term), unpacked from the nibbles once per panel of 32 weight rows and row chunk, in
-// the VNNI layout tdpbssd reads: tile row r holds, for 16 output features, the 4 weights k = 4r..4r
-// + 3. A group's sums leave the tiles at its end and are scaled into float32 accumulators, so a
-// group must be a whole number of 64-input tiles (takes()). Tiles 0-3 hold a 32 x 32 block of
-// sums, 4-5 two input tiles and 6-7 two weight tiles.
+// Here the integer sums come from tdpbssd, which multiplies a 16 x 64 int8 tile by a 64 x 16 int8
+// tile (the second in "VNNI" layout: tile row r holds, for each of 16 columns, 4 consecutive k)
+// into 16 x 16 int32 sums: 16384 products in one instruction, 16x what vpdpbusd does. Weights
+// enter as q - z (in [-15, 15]: signed, so the zero points need no separate term), unpacked from
+// the nibbles. A group's sums leave the tiles at its end and are scaled into float32 accumulators,
+// so a group must be a whole number of 64-input tiles (takes()).
 //
-// The per-group float32 terms are the vector kernel's, but that kernel sums a group's blocks in
-// separate lanes before adding them, so the two kernels' results may differ in the last bits: a
-// row is batch invariant on each side of kTilesFromRows, as linear's other tile paths are.
+// Two layouts, by row count (measured in bench/RESULTS.md):
+// - Up to kFewRows input rows (decode batches), the weights are the first operand, in their own
+//   row order: unpacking them is the main cost, and it is paid once per call.
+// - More rows (prefill): panels of 32 weight rows are unpacked and transposed into the second
+//   operand once per chunk of rows, and 32 x 32 blocks of sums use all 8 tiles.
+// Both add the same float32 terms in the same order, so a row gets the same bits from either. The
+// vector kernel sums a group's blocks in separate lanes before adding them, so its results may
+// differ in the last bits: a row is batch invariant on each side of kTilesFromRows, as linear's
+// other tile paths are.
 #pragma once
 
 #include <immintrin.h>
@@ -33,8 +37,9 @@ constexpr int kPanel = 32;                  // weight rows per packed panel (two
 constexpr int kBlockRows = 32;              // input rows per block (two input tiles)
 constexpr int kTileBytes = tiles::kTileBytes;
 constexpr int64_t kChunkBytes = 1 << 20;    // int8 input rows per chunk: kept in L2 across panels
-// From this many input rows on, linear takes the tiles (bench/RESULTS.md, "W4A8 on AMX tiles").
-constexpr int64_t kTilesFromRows = 8;
+// From this many input rows on, linear takes the tiles: up to kFewRows (below) with the weights as
+// the first operand, then on packed panels (bench/RESULTS.md, "W4A8 on AMX int8 tiles").
+constexpr int64_t kTilesFromRows = 4;
 
 inline bool takes(const LinearParams& p) {
   return p.weight_format == WeightFormat::kInt4A8 && p.group_size % kTileK == 0 && p.rows >= kTilesFromRows;
@@ -81,13 +86,30 @@ TiledInputs round_inputs(const LinearParams& p) {
   return r;
 }
 
+// The 64 weights of two nibble blocks at q less their zero point z (q - z in [-15, 15] as signed
+// bytes), in "block order": the low nibbles of both blocks, then the high ones, which is inputs
+// 0-15, 32-47, 16-31, 48-63 of the two blocks.
+inline __m512i weights_minus_zero_block_order(const uint8_t* q, uint8_t z) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
+  return _mm512_sub_epi8(_mm512_and_si512(both, _mm512_set1_epi8(0x0F)), _mm512_set1_epi8(static_cast<char>(z)));
+}
+
+// Swaps the middle two 16-byte quarters: input order to block order and back.
+inline __m512i swap_middle_quarters(__m512i v) { return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)); }
+
+// The same weights in input order.
+inline __m512i weights_minus_zero(const uint8_t* q, uint8_t z) {
+  return swap_middle_quarters(weights_minus_zero_block_order(q, z));
+}
+
 // Weight rows [n, n + nr) (nr <= kPanel; missing rows zero) as K / 64 pairs of weight tiles of q - z
 // (tile (kb, h): rows n + 16h.., inputs [64 kb, 64 kb + 64)), then their scales by group [groups,
 // 32] (0 for missing rows).
 inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel, float* scales) {
   const int64_t K = p.in_features, G = p.group_size, groups = K / G, row_bytes = K / 2;
   const auto* q = static_cast<const uint8_t*>(p.weight) + n * row_bytes;
-  const __m512i low4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  const __m512i zero = _mm512_setzero_si512();
   for (int64_t kb = 0; kb < K / kTileK; ++kb) {
     const int64_t g = kb * kTileK / G;
     for (int h = 0; h < 2; ++h) {
@@ -98,12 +120,7 @@ inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel,
           rows[i] = zero;
           continue;
         }
-        // Two blocks of 32: their low nibbles are inputs 0-15, the high ones 16-31.
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + r * row_bytes + kb * 32));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(v), _mm256_srli_epi16(v, 4), 1);
-        const __m512i nibbles = _mm512_and_si512(both, low4);  // lo0 lo1 hi0 hi1 (16 bytes each)
-        const __m512i ordered = _mm512_shuffle_i64x2(nibbles, nibbles, _MM_SHUFFLE(3, 1, 2, 0));
-        rows[i] = _mm512_sub_epi8(ordered, _mm512_set1_epi8(static_cast<char>(p.zeros[(n + r) * groups + g])));
+        rows[i] = weights_minus_zero(q + r * row_bytes + kb * 32, p.zeros[(n + r) * groups + g]);
       }
       transpose_16x16(rows, cols);  // dword j of every row: the VNNI layout
       uint8_t* tile = panel + (kb * 2 + h) * kTileBytes;
@@ -130,15 +147,16 @@ inline void scale_group(const int32_t* sums, const float* s, const float* d, int
   }
 }
 
-// The float32 block acc (rows [m, m + mr), features [n, n + nr)) plus bias into out.
+// The float32 block acc (rows [m, m + mr), features [n, n + nr), row stride acc_stride) plus bias
+// into out.
 template <typename T>
-void store_block(const LinearParams& p, const float* acc, int64_t m, int mr, int64_t n, int nr) {
+void store_block(const LinearParams& p, const float* acc, int64_t acc_stride, int64_t m, int mr, int64_t n, int nr) {
   const T* bias = static_cast<const T*>(p.bias);
   for (int r = 0; r < mr; ++r) {
     T* out = static_cast<T*>(p.out) + (m + r) * p.out_stride + n;
     for (int c = 0; c < nr; c += kW) {
       const int w = nr - c < kW ? nr - c : kW;
-      VecF y = VecF::load(acc + r * kPanel + c);
+      VecF y = VecF::load(acc + r * acc_stride + c);
       if (bias != nullptr) y = y + (w == kW ? VecF::load(bias + n + c) : load_partial(bias + n + c, w));
       if (w == kW) y.store(out + c);
       else store_partial(y, out + c, w);
@@ -201,7 +219,7 @@ void run_part(const LinearParams& p, const TiledInputs& r, int64_t m_begin, int6
       const uint8_t* a = reinterpret_cast<const uint8_t*>(r.a) + m / kBlockRows * block_bytes;
       if (mr <= 16) block_product<1>(p, a, panel, scales, r.d + m * groups, mr, acc);
       else block_product<2>(p, a, panel, scales, r.d + m * groups, mr, acc);
-      store_block<T>(p, acc, m, mr, n, nr);
+      store_block<T>(p, acc, kPanel, m, mr, n, nr);
     }
   }
   _tile_release();
@@ -209,7 +227,7 @@ void run_part(const LinearParams& p, const TiledInputs& r, int64_t m_begin, int6
 
 // Work items are (row chunk, panel) pairs, panels fastest, as in linear_amx.h.
 template <typename T>
-void linear(const LinearParams& p) {
+void linear_panels(const LinearParams& p) {
   const TiledInputs r = round_inputs<T>(p);
   const int64_t panels = (p.out_features + kPanel - 1) / kPanel;
   const int64_t chunk = std::max<int64_t>(kBlockRows, kChunkBytes / p.in_features / kBlockRows * kBlockRows);
@@ -224,6 +242,123 @@ void linear(const LinearParams& p) {
       begin += last - first;
     }
   });
+}
+
+// ---- A few input rows (decode batches) -------------------------------------------------------
+// With a few rows, packing whole panels costs more than the products it feeds: each weight tile is
+// unpacked, transposed and then used for at most 16 rows. Here the weights are tdpbssd's first
+// operand, 16 rows x 64 inputs in their own order (unpacked, nothing transposed), and the inputs
+// its second, transposed once per call: the sums are 16 weight rows x 16 input rows. Each group's
+// sums are scaled as scale_group does, in the same order, so a row gets the same bits here as on
+// the panels above.
+constexpr int kFewRows = 16;  // the most input rows: one tile's 16 columns
+
+// The input rows as K / 64 tiles in tdpbssd's second-operand layout (tile row j: for each of the
+// 16 input rows, its inputs 4j..4j + 3 of the step; rows past M zeros), and d as [groups, 16].
+struct FewInputs {
+  const uint8_t* b;
+  const float* d;
+};
+
+template <typename T>
+FewInputs transpose_inputs(const LinearParams& p) {
+  const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK;
+  const int64_t b_bytes = steps * kTileBytes, d_bytes = groups * kFewRows * 4;
+  // Slot 3 of the calling thread, as round_inputs above.
+  auto* b = static_cast<uint8_t*>(thread_scratch(3, static_cast<size_t>(b_bytes + d_bytes + kFewRows * K)));
+  auto* d = reinterpret_cast<float*>(b + b_bytes);
+  auto* rows = reinterpret_cast<int8_t*>(b + b_bytes + d_bytes);  // [16, K], row-major
+  std::fill(d, d + groups * kFewRows, 0.0f);
+  std::memset(rows + p.rows * K, 0, static_cast<size_t>((kFewRows - p.rows) * K));
+  for (int64_t i = 0; i < p.rows; ++i) {
+    const T* x = static_cast<const T*>(p.input) + i * p.in_stride;
+    for (int64_t g = 0; g < groups; ++g) {
+      double inv = 0.0;
+      if (int8_inputs::group_scale(x + g * G, G, d[g * kFewRows + i], inv))
+        int8_inputs::round_values(x + g * G, G, inv, rows + i * K + g * G);
+      else std::memset(rows + i * K + g * G, 0, static_cast<size_t>(G));
+    }
+  }
+  for (int64_t kb = 0; kb < steps; ++kb) {
+    __m512i in[kFewRows], out[kFewRows];
+    // In the weights' block order (few_rows_tile), so that they need no shuffle.
+    for (int i = 0; i < kFewRows; ++i) in[i] = swap_middle_quarters(_mm512_loadu_si512(rows + i * K + kb * kTileK));
+    transpose_16x16(in, out);  // dword j of every row: 4 inputs of each row per tile row
+    for (int j = 0; j < kFewRows; ++j) _mm512_store_si512(b + kb * kTileBytes + j * 64, out[j]);
+  }
+  return {b, d};
+}
+
+// Weight rows [n, n + nr) (nr <= 16) against the inputs: out[i][n + r] for i < M. Step kb + 1's
+// weight tile is unpacked while step kb's multiplies (two buffers): a tile load waits for the
+// stores to its buffer to reach the cache, and that wait then overlaps other work.
+template <typename T>
+void few_rows_tile(const LinearParams& p, const FewInputs& in, int64_t n, int nr) {
+  const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK, row_bytes = K / 2;
+  const int64_t steps_per_group = G / kTileK;
+  const auto* q = static_cast<const uint8_t*>(p.weight);
+  int64_t rows[16];  // rows past nr repeat row n (their results are dropped)
+  for (int r = 0; r < 16; ++r) rows[r] = n + (r < nr ? r : 0);
+  alignas(64) uint8_t a[2][kTileBytes];
+  const auto unpack = [&](int64_t kb) {
+    const int64_t g = kb / steps_per_group;
+    for (int r = 0; r < 16; ++r) {
+      const uint8_t* row = q + rows[r] * row_bytes + kb * 32;
+      // The next 16 rows, a tile of rows ahead as the vector kernel prefetches (once per line).
+      if (kb % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes), _MM_HINT_T0);
+      _mm512_store_si512(a[kb & 1] + r * 64, weights_minus_zero_block_order(row, p.zeros[rows[r] * groups + g]));
+    }
+  };
+  alignas(64) int32_t sums[16 * kFewRows];
+  __m512 acc[16];
+  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  unpack(0);
+  _tile_zero(0);
+  for (int64_t kb = 0; kb < steps; ++kb) {
+    _tile_loadd(1, a[kb & 1], 64);
+    _tile_loadd(2, in.b + kb * kTileBytes, 64);
+    _tile_dpbssd(0, 1, 2);
+    if (kb + 1 < steps) unpack(kb + 1);
+    if ((kb + 1) % steps_per_group != 0) continue;
+    const int64_t g = kb / steps_per_group;  // the group ends: its sums scaled into acc
+    _tile_stored(0, sums, 64);
+    _tile_zero(0);
+    const __m512 d = _mm512_load_ps(in.d + g * kFewRows);
+    for (int r = 0; r < 16; ++r) {
+      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(p.scales[rows[r] * groups + g]), d);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kFewRows)), sd, acc[r]);
+    }
+  }
+  // acc[r] holds weight row r's outputs for the 16 input rows: transposed, out's rows.
+  __m512i by_weight[16], by_input[16];
+  for (int r = 0; r < 16; ++r) by_weight[r] = _mm512_castps_si512(acc[r]);
+  transpose_16x16(by_weight, by_input);
+  alignas(64) float block[kFewRows * 16];
+  for (int i = 0; i < kFewRows; ++i) _mm512_store_si512(block + i * 16, by_input[i]);
+  store_block<T>(p, block, 16, 0, static_cast<int>(p.rows), n, nr);
+}
+
+// 1 < M <= kFewRows rows: threads split the weight's tiles of 16 rows, each streaming its own slab.
+template <typename T>
+void linear_few_rows(const LinearParams& p) {
+  const FewInputs in = transpose_inputs<T>(p);
+  const int64_t tiles = (p.out_features + 15) / 16, threads = get_num_threads();
+  const bool serial = p.out_features * p.in_features / 2 < (int64_t{1} << 18);  // waking the pool costs more
+  parallel_for(tiles, serial ? tiles : (tiles + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    static const tiles::TileConfig config;
+    _tile_loadconfig(&config);
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t n = t * 16;
+      few_rows_tile<T>(p, in, n, static_cast<int>(p.out_features - n < 16 ? p.out_features - n : 16));
+    }
+    _tile_release();
+  });
+}
+
+template <typename T>
+void linear(const LinearParams& p) {
+  if (p.rows <= kFewRows) return linear_few_rows<T>(p);
+  linear_panels<T>(p);
 }
 
 }  // namespace int8_tiles
