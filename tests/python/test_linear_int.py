@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from octavo import _C
-from octavo.layers.linear import CPU_BF16_GEMM_FROM_ROWS, QuantizedWeight, linear
+from octavo.layers.linear import CPU_BF16_GEMM_FROM_ROWS, QuantizedWeight, _on_amx_tiles, linear
 from octavo.layers.quantize import int4_group_size, pack_nibbles, quantize_int4, quantize_int8, quantize_model
 from test_elementwise_ops import DTYPE_IDS, DTYPES
 from test_linear import assert_close, reference
@@ -60,7 +60,8 @@ def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, metho
     b = torch.randn(n).to(dtype) if bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype)
     _C.ops.linear(out, x, qw.qweight, b, **qw.kernel_args())
-    if dtype == torch.bfloat16 and m >= CPU_BF16_GEMM_FROM_ROWS:  # torch's GEMM on bfloat16 weights
+    # torch's GEMM on bfloat16 weights, but for int8 on AMX tiles (INT8_BF16_TILES_ROWS)
+    if dtype == torch.bfloat16 and m >= CPU_BF16_GEMM_FROM_ROWS and not _on_amx_tiles(method, m):
         torch.testing.assert_close(linear(x, qw, b), F.linear(x, qw.dequantize(torch.bfloat16), b))
     else:
         assert torch.equal(out, linear(x, qw, b))
@@ -69,6 +70,32 @@ def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, metho
         _C.ops.linear(dense, x, w, b)
         assert torch.equal(out, dense)
     assert_close(out, reference(x, w, b), dtype)
+
+
+@pytest.mark.parametrize("n,k", [(40, 64), (50, 2048), (7, 96)])
+def test_int8_bfloat16_rows_on_amx_tiles_do_not_depend_on_the_batch(isa, n, k):
+    """int8 weights with bfloat16 inputs: from 4 to 128 rows the AMX level multiplies on bf16
+    tiles, 32 rows per pass (linear_int8_bf16_tiles.h). Any batch in that range gives a row the
+    same bits (partial tiles of weight rows and of input rows, several passes, the largest batch);
+    a non-finite input row stays in its row; every level is close to float64."""
+    qw = quantize_int8(torch.randn(n, k))
+    x = torch.randn(128, k).bfloat16()
+    x[37, 5] = float("nan")
+    b = torch.randn(n).bfloat16()
+
+    def run(rows):
+        out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
+        _C.ops.linear(out, rows, qw.qweight, b, **qw.kernel_args())
+        return out
+
+    full = run(x)
+    assert full[37].isnan().all() and full[[36, 38]].isfinite().all()
+    finite = torch.ones(128, dtype=torch.bool)
+    finite[37] = False
+    assert_close(full[finite], reference(x[finite], qw.dequantize(), b), torch.bfloat16)
+    if _C.cpu_isa() == "amx":
+        for begin, end in ((0, 4), (4, 20), (20, 53), (53, 128), (90, 128)):
+            torch.testing.assert_close(run(x[begin:end]), full[begin:end], rtol=0, atol=0, equal_nan=True)
 
 
 def test_bad_quantization_arguments_are_named():

@@ -21,6 +21,7 @@
 #include "vec.h"
 #if defined(__AMX_BF16__)
 #include "linear_amx.h"
+#include "linear_int8_bf16_tiles.h"
 #include "linear_int8_tiles.h"
 #endif
 
@@ -610,6 +611,7 @@ void linear(const LinearParams& p) {
 #if defined(__AMX_BF16__)
   if (tiles::takes_packed(p)) return p.rows < tiles::kPackedFromRows ? tiles::gemv_packed(p) : tiles::linear(p);
   if (p.rows >= kAmxFromRows && tiles::takes(p)) return tiles::linear(p);
+  if (int8_bf16_tiles::takes(p)) return int8_bf16_tiles::linear(p);
 #endif
   if (panels::takes(p)) return run_panels(p);
   switch (p.dtype) {

@@ -70,10 +70,15 @@ FLOAT_INPUT_MAX_ROWS = 16
 # torch's bfloat16 GEMM on the weights dequantized to bfloat16 (oneDNN, AMX tiles where the CPU
 # has them), as on CUDA: int4 6144x2048 on an AMX Xeon, 2 threads, 1024 rows 130 -> 17 ms, 128
 # rows 17 -> 7 ms, even at 32 (bench/RESULTS.md, MoE section). Rows then multiply the weights
-# rounded to bfloat16, as a bfloat16 checkpoint's would be. Not for int4_a8 where the CPU has AMX:
-# its int8 tiles beat that GEMM at every row count (6144x2048 at 512 rows: 5.1 ms against the
-# bfloat16 GEMM's 5.6 on weights already dequantized) and keep the int8 inputs' arithmetic.
+# rounded to bfloat16, as a bfloat16 checkpoint's would be. Not where the CPU has AMX for int4_a8,
+# whose int8 tiles beat that GEMM at every row count (6144x2048 at 512 rows: 5.1 ms against the
+# bfloat16 GEMM's 5.6 on weights already dequantized) and keep the int8 inputs' arithmetic, nor
+# for int8 in INT8_BF16_TILES_ROWS.
 CPU_BF16_GEMM_FROM_ROWS = 64
+# Where the CPU has AMX, int8 weights with bfloat16 activations at these row counts run on bf16
+# tiles (csrc/kernels/cpu/linear_int8_bf16_tiles.h: kFromRows to kMaxRows), 3-5x the vector
+# kernel from 8 rows and 6x the GEMM on dequantized weights at 64: the inputs stay bfloat16.
+INT8_BF16_TILES_ROWS = range(4, 129)
 
 
 def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -158,13 +163,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
             return _gemm_on_dequantized(x, weight, bias)
         dtype = x.dtype
         if x.device.type == "cpu" and dtype != torch.float32 and weight_format != "bf16_tiles":
-            if (dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS
-                    and not (weight_format == "int4_a8" and _C.cpu_isa() == "amx")):
+            on_tiles = dtype == torch.bfloat16 and _on_amx_tiles(weight_format, x.shape[0])
+            if dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS and not on_tiles:
                 return _gemm_on_dequantized(x, weight, bias)
-            if x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format != "int4_a8":  # int4_a8 rounds them to int8
+            if x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format != "int4_a8" and not on_tiles:
                 # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads
                 # directly (int4 at M = 1: about 1.3x as fast), and below FLOAT_INPUT_MAX_ROWS
-                # either way it rounds the same float32 sums once: the same bits.
+                # either way it rounds the same float32 sums once: the same bits. (int4_a8 rounds
+                # its inputs to int8 whatever their type; the tiles multiply bfloat16 ones.)
                 x, bias = x.float(), None if bias is None else bias.float()
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size)
@@ -174,6 +180,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _C.ops.linear(out, x, weight, bias)
     return out
+
+
+def _on_amx_tiles(weight_format: str, rows: int) -> bool:
+    """Whether the CPU kernel multiplies bfloat16 inputs of this quantized product on AMX tiles
+    (int4_a8 at every row count: int8 tiles from 4 rows, and its vector kernel below)."""
+    if weight_format not in ("int4_a8", "int8") or _C.cpu_isa() != "amx":
+        return False
+    return weight_format == "int4_a8" or rows in INT8_BF16_TILES_ROWS
 
 
 def _dense_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
