@@ -112,38 +112,66 @@ inline void pack_rows(const bf16* x, int64_t x_stride, int64_t mr, int64_t K, ui
   }
 }
 
-// A 32 x 32 output block from packed input tiles (pack_rows) and a packed panel; with one input
-// tile (InputTiles = 1), the first 16 rows only: two multiplies per step instead of four (blocks of
-// at most 16 rows: 0.72-0.93x the two-tile time at 8-16 rows, best of 25 alternating calls).
+// The tile multiplies of a block product: tdpbf16ps here, tdpbssd for W4A8 (linear_int8_tiles.h).
+// Tile numbers must be immediates, so a product is a type with run<C, A, B>().
+struct Bf16Product {
+  template <int C, int A, int B>
+  static void run() { _tile_dpbf16ps(C, A, B); }
+};
+
+// Tiles 0-3 (0-1 with one input tile) cleared, and stored as a 32 x 32 block of 4-byte sums c
+// (row stride 32).
 template <int InputTiles>
-inline void block_product(const uint8_t* a, const uint8_t* panel, int64_t K, float* c, const uint8_t* next = nullptr) {
+inline void zero_block() {
   _tile_zero(0);
   _tile_zero(1);
   if constexpr (InputTiles == 2) {
     _tile_zero(2);
     _tile_zero(3);
   }
-  for (int64_t kb = 0; kb < K / kTileK; ++kb) {
-    if (next != nullptr)  // the next panel's two tiles of this step, while this one multiplies
+}
+template <int InputTiles>
+inline void store_sums(void* c) {
+  auto* bytes = static_cast<uint8_t*>(c);
+  _tile_stored(0, bytes, 128);
+  _tile_stored(1, bytes + 64, 128);
+  if constexpr (InputTiles == 2) {
+    _tile_stored(2, bytes + 16 * 128, 128);
+    _tile_stored(3, bytes + 16 * 128 + 64, 128);
+  }
+}
+
+// Steps [kb_begin, kb_end) of a block product into tiles 0-3: input tiles 4-5 (two per step at
+// a, the second only with InputTiles = 2), weight tiles 6-7 (two per step at panel). With `next`,
+// the next panel's two tiles of each step are prefetched while this one multiplies.
+template <typename Product, int InputTiles>
+inline void block_steps(const uint8_t* a, const uint8_t* panel, int64_t kb_begin, int64_t kb_end,
+                        const uint8_t* next = nullptr) {
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
+    if (next != nullptr)
       for (int line = 0; line < 2 * kTileBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(next + kb * 2 * kTileBytes + line), _MM_HINT_T0);
     _tile_loadd(4, a + kb * 2 * kTileBytes, 64);
     if constexpr (InputTiles == 2) _tile_loadd(5, a + (kb * 2 + 1) * kTileBytes, 64);
     _tile_loadd(6, panel + kb * 2 * kTileBytes, 64);
     _tile_loadd(7, panel + (kb * 2 + 1) * kTileBytes, 64);
-    _tile_dpbf16ps(0, 4, 6);
-    _tile_dpbf16ps(1, 4, 7);
+    Product::template run<0, 4, 6>();
+    Product::template run<1, 4, 7>();
     if constexpr (InputTiles == 2) {
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      Product::template run<2, 5, 6>();
+      Product::template run<3, 5, 7>();
     }
   }
-  _tile_stored(0, c, 128);
-  _tile_stored(1, c + 16, 128);
-  if constexpr (InputTiles == 2) {
-    _tile_stored(2, c + 16 * 32, 128);
-    _tile_stored(3, c + 16 * 32 + 16, 128);
-  }
+}
+
+// A 32 x 32 output block from packed input tiles (pack_rows) and a packed panel; with one input
+// tile (InputTiles = 1), the first 16 rows only: two multiplies per step instead of four (blocks of
+// at most 16 rows: 0.72-0.93x the two-tile time at 8-16 rows, best of 25 alternating calls).
+template <int InputTiles>
+inline void block_product(const uint8_t* a, const uint8_t* panel, int64_t K, float* c, const uint8_t* next = nullptr) {
+  zero_block<InputTiles>();
+  block_steps<Bf16Product, InputTiles>(a, panel, 0, K / kTileK, next);
+  store_sums<InputTiles>(c);
 }
 
 // Panel pi's weight tiles: where a kBf16Tiles weight keeps them, or packed from the dense rows into
@@ -276,21 +304,27 @@ inline bool takes(const LinearParams& p) {
 
 // Work items are (row chunk, panel) pairs, panels fastest: each thread takes a contiguous run of
 // panels of one chunk, so it streams its part of the weight while the chunk stays in cache.
-inline void linear(const LinearParams& p) {
-  const int64_t panels = (p.out_features + kPanel - 1) / kPanel;
-  const int64_t chunk = rows_per_chunk(p.rows, p.in_features);
-  const int64_t chunks = (p.rows + chunk - 1) / chunk;
+// run_part(m_begin, m_end, first panel, last panel) per run.
+template <typename RunPart>
+void over_chunks_and_panels(int64_t rows, int64_t chunk, int64_t panels, const RunPart& run_part) {
+  const int64_t chunks = (rows + chunk - 1) / chunk;
   const int threads = get_num_threads();
   const int64_t grain = (panels * chunks + threads - 1) / threads;
   parallel_for(panels * chunks, grain, [&](int64_t begin, int64_t end) {
     while (begin < end) {
       const int64_t ci = begin / panels, first = begin % panels;
       const int64_t last = first + (end - begin) < panels ? first + (end - begin) : panels;
-      const int64_t m_end = (ci + 1) * chunk < p.rows ? (ci + 1) * chunk : p.rows;
-      run_part(p, ci * chunk, m_end, first, last);
+      run_part(ci * chunk, (ci + 1) * chunk < rows ? (ci + 1) * chunk : rows, first, last);
       begin += last - first;
     }
   });
+}
+
+inline void linear(const LinearParams& p) {
+  over_chunks_and_panels(p.rows, rows_per_chunk(p.rows, p.in_features), (p.out_features + kPanel - 1) / kPanel,
+                         [&](int64_t m_begin, int64_t m_end, int64_t first, int64_t last) {
+                           run_part(p, m_begin, m_end, first, last);
+                         });
 }
 
 }  // namespace tiles

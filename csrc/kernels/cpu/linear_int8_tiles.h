@@ -164,6 +164,11 @@ void store_block(const LinearParams& p, const float* acc, int64_t acc_stride, in
   }
 }
 
+struct Int8Product {
+  template <int C, int A, int B>
+  static void run() { _tile_dpbssd(C, A, B); }
+};
+
 // One 32-row block (input tiles a) against a packed panel: the sums group by group into acc (its
 // rows [0, mr) written).
 template <int InputTiles>
@@ -172,30 +177,9 @@ void block_product(const LinearParams& p, const uint8_t* a, const uint8_t* panel
   const int64_t groups = p.in_features / p.group_size, steps_per_group = p.group_size / kTileK;
   alignas(64) int32_t sums[kBlockRows * kPanel];
   for (int64_t g = 0; g < groups; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
-    if constexpr (InputTiles == 2) {
-      _tile_zero(2);
-      _tile_zero(3);
-    }
-    for (int64_t kb = g * steps_per_group; kb < (g + 1) * steps_per_group; ++kb) {
-      _tile_loadd(4, a + kb * 2 * kTileBytes, 64);
-      if constexpr (InputTiles == 2) _tile_loadd(5, a + (kb * 2 + 1) * kTileBytes, 64);
-      _tile_loadd(6, panel + kb * 2 * kTileBytes, 64);
-      _tile_loadd(7, panel + (kb * 2 + 1) * kTileBytes, 64);
-      _tile_dpbssd(0, 4, 6);
-      _tile_dpbssd(1, 4, 7);
-      if constexpr (InputTiles == 2) {
-        _tile_dpbssd(2, 5, 6);
-        _tile_dpbssd(3, 5, 7);
-      }
-    }
-    _tile_stored(0, sums, kPanel * 4);
-    _tile_stored(1, sums + 16, kPanel * 4);
-    if constexpr (InputTiles == 2) {
-      _tile_stored(2, sums + 16 * kPanel, kPanel * 4);
-      _tile_stored(3, sums + 16 * kPanel + 16, kPanel * 4);
-    }
+    tiles::zero_block<InputTiles>();
+    tiles::block_steps<Int8Product, InputTiles>(a, panel, g * steps_per_group, (g + 1) * steps_per_group);
+    tiles::store_sums<InputTiles>(sums);
     scale_group(sums, scales + g * kPanel, d + g, groups, mr, g == 0, acc);
   }
 }
@@ -225,23 +209,14 @@ void run_part(const LinearParams& p, const TiledInputs& r, int64_t m_begin, int6
   _tile_release();
 }
 
-// Work items are (row chunk, panel) pairs, panels fastest, as in linear_amx.h.
 template <typename T>
 void linear_panels(const LinearParams& p) {
   const TiledInputs r = round_inputs<T>(p);
-  const int64_t panels = (p.out_features + kPanel - 1) / kPanel;
   const int64_t chunk = std::max<int64_t>(kBlockRows, kChunkBytes / p.in_features / kBlockRows * kBlockRows);
-  const int64_t chunks = (p.rows + chunk - 1) / chunk;
-  const int threads = get_num_threads();
-  const int64_t grain = (panels * chunks + threads - 1) / threads;
-  parallel_for(panels * chunks, grain, [&](int64_t begin, int64_t end) {
-    while (begin < end) {
-      const int64_t ci = begin / panels, first = begin % panels;
-      const int64_t last = first + (end - begin) < panels ? first + (end - begin) : panels;
-      run_part<T>(p, r, ci * chunk, (ci + 1) * chunk < p.rows ? (ci + 1) * chunk : p.rows, first, last);
-      begin += last - first;
-    }
-  });
+  tiles::over_chunks_and_panels(p.rows, chunk, (p.out_features + kPanel - 1) / kPanel,
+                                [&](int64_t m_begin, int64_t m_end, int64_t first, int64_t last) {
+                                  run_part<T>(p, r, m_begin, m_end, first, last);
+                                });
 }
 
 // ---- A few input rows (decode batches) -------------------------------------------------------
