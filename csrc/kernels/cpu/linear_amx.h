@@ -112,12 +112,23 @@ inline void pack_rows(const bf16* x, int64_t x_stride, int64_t mr, int64_t K, ui
   }
 }
 
-// The tile multiplies of a block product: tdpbf16ps here, tdpbssd for W4A8 (linear_int8_tiles.h).
-// Tile numbers must be immediates, so a product is a type with run<C, A, B>().
-struct Bf16Product {
-  template <int C, int A, int B>
-  static void run() { _tile_dpbf16ps(C, A, B); }
-};
+// A type whose multiply<InputTiles>() runs the tile multiplies of one step of a block product
+// (sums 0-3, inputs 4-5, weights 6-7) with the intrinsic `product`: tdpbf16ps here, tdpbssd for
+// W4A8 (linear_int8_tiles.h). GCC's tile intrinsics are macros that paste their tile numbers into
+// the instruction's text, so the numbers must be literals, not template parameters.
+#define OCTAVO_TILE_PRODUCT(Name, product)  \
+  struct Name {                             \
+    template <int InputTiles>               \
+    static void multiply() {                \
+      product(0, 4, 6);                     \
+      product(1, 4, 7);                     \
+      if constexpr (InputTiles == 2) {      \
+        product(2, 5, 6);                   \
+        product(3, 5, 7);                   \
+      }                                     \
+    }                                       \
+  };
+OCTAVO_TILE_PRODUCT(Bf16Product, _tile_dpbf16ps)
 
 // Tiles 0-3 (0-1 with one input tile) cleared, and stored as a 32 x 32 block of 4-byte sums c
 // (row stride 32).
@@ -155,12 +166,7 @@ inline void block_steps(const uint8_t* a, const uint8_t* panel, int64_t kb_begin
     if constexpr (InputTiles == 2) _tile_loadd(5, a + (kb * 2 + 1) * kTileBytes, 64);
     _tile_loadd(6, panel + kb * 2 * kTileBytes, 64);
     _tile_loadd(7, panel + (kb * 2 + 1) * kTileBytes, 64);
-    Product::template run<0, 4, 6>();
-    Product::template run<1, 4, 7>();
-    if constexpr (InputTiles == 2) {
-      Product::template run<2, 5, 6>();
-      Product::template run<3, 5, 7>();
-    }
+    Product::template multiply<InputTiles>();
   }
 }
 

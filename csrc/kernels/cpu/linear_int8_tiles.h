@@ -164,10 +164,7 @@ void store_block(const LinearParams& p, const float* acc, int64_t acc_stride, in
   }
 }
 
-struct Int8Product {
-  template <int C, int A, int B>
-  static void run() { _tile_dpbssd(C, A, B); }
-};
+OCTAVO_TILE_PRODUCT(Int8Product, _tile_dpbssd)
 
 // One 32-row block (input tiles a) against a packed panel: the sums group by group into acc (its
 // rows [0, mr) written).
