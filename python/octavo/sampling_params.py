@@ -19,6 +19,10 @@ _MIN_TEMPERATURE = 1e-2
 _MAX_LOGIT_BIAS = 100.0
 # Seeds are 64-bit signed integers, as torch's generators and vLLM's API take them.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 63) - 1
+# A top_k past every vocabulary keeps every token; larger ones are held at this, so that they
+# still cross to the engine core's process (msgpack carries 64-bit integers) and fit the
+# sampler's int32 column.
+TOP_K_MAX = (1 << 31) - 1
 
 
 class SamplingType(IntEnum):
@@ -148,6 +152,7 @@ class SamplingParams:
             self.output_text_buffer_length = max(len(s) for s in self.stop) - 1
 
         self._verify_args()
+        self.top_k = min(self.top_k, TOP_K_MAX)
 
         if self.temperature < _SAMPLING_EPS:
             # Greedy: the truncation knobs mean nothing, so reset them as vLLM does.

@@ -104,6 +104,18 @@ def test_chat_fields_at_their_limits(server, fields, extras):
     _check_answer(_post(server, "/v1/chat/completions", body), body)
 
 
+def test_a_top_k_past_64_bits_keeps_every_token(server):
+    """The server's engine core runs in its own process, and a step's new requests cross to it
+    together: one that could not be encoded failed them all (hypothesis found top_k = 2**64)."""
+    answers = []
+    for top_k in (2**64, 0):
+        body = {"prompt": "Hello", "max_tokens": 3, "temperature": 1.0, "seed": 7, "top_k": top_k, "ignore_eos": True}
+        r = _post(server, "/v1/completions", body)
+        assert r.status_code == 200, r.text
+        answers.append(r.json()["choices"][0]["text"])
+    assert answers[0] == answers[1]
+
+
 def test_the_server_is_whole_after_the_limits(server):
     assert httpx.get(f"{server.url}/health").status_code == 200
     assert server.wait_idle()["octavo:kv_cache_used_blocks"] == 0

@@ -93,6 +93,11 @@ def test_normalization():
     assert params.logprobs == 1 and params.prompt_logprobs == 1
     assert params.all_stop_token_ids == {3, 5}
     assert SamplingParams(stop=("a", "bc")).stop == ["a", "bc"]
+    # A top_k past any vocabulary keeps every token: held at int32's largest, so that it still
+    # crosses to the engine core's process (found by test_field_limits with top_k = 2**64).
+    for top_k in (2**31 - 1, 2**31, 2**64, 10**30):
+        assert SamplingParams(temperature=1.0, top_k=top_k).top_k == 2**31 - 1
+    assert SamplingParams(temperature=1.0, top_k=49152).top_k == 49152
 
 
 def test_greedy_resets_truncation_like_vllm():
