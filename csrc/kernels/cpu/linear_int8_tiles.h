@@ -38,7 +38,7 @@ constexpr int kBlockRows = 32;              // input rows per block (two input t
 constexpr int kTileBytes = tiles::kTileBytes;
 constexpr int64_t kChunkBytes = 1 << 20;    // int8 input rows per chunk: kept in L2 across panels
 // From this many input rows on, linear takes the tiles: up to kFewRows (below) with the weights as
-// the first operand, then on packed panels (bench/RESULTS.md, "W4A8 on AMX int8 tiles").
+// the first operand, then on packed panels (bench/RESULTS.md, MoE section, "Fourth session").
 constexpr int64_t kTilesFromRows = 4;
 
 inline bool takes(const LinearParams& p) {
