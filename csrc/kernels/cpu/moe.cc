@@ -196,7 +196,7 @@ void slab_weight(const ExpertStack& w, int64_t expert, const Slab& slab, int64_t
 void project(const ExpertStack& w, const std::vector<Segment>& segments, void* out, const void* in,
              int64_t in_features, DType dtype) {
   const int64_t n = w.rows, elem = static_cast<int64_t>(dtype_size(dtype));
-  const bool to_bf16 = dtype == DType::kBFloat16 && decodes_to_float(w) && w.format != WeightFormat::kInt4A8;
+  const bool to_bf16 = dtype == DType::kBFloat16 && decodes_to_float(w);
   const std::vector<Slab> slabs = slabs_of(segments, n);
   parallel_for(static_cast<int64_t>(slabs.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> buffer;
