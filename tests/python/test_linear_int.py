@@ -60,7 +60,7 @@ def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, metho
     b = torch.randn(n).to(dtype) if bias else None
     out = torch.full((m, n), float("nan"), dtype=dtype)
     _C.ops.linear(out, x, qw.qweight, b, **qw.kernel_args())
-    # torch's GEMM on bfloat16 weights, but for int8 on AMX tiles (INT8_BF16_TILES_ROWS)
+    # torch's GEMM on bfloat16 weights, but for int8 on AMX tiles (INT8_BF16_TILES_FROM_ROWS)
     if dtype == torch.bfloat16 and m >= CPU_BF16_GEMM_FROM_ROWS and not _on_amx_tiles(method, m):
         torch.testing.assert_close(linear(x, qw, b), F.linear(x, qw.dequantize(torch.bfloat16), b))
     else:
@@ -74,12 +74,12 @@ def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, metho
 
 @pytest.mark.parametrize("n,k", [(40, 64), (50, 2048), (7, 96)])
 def test_int8_bfloat16_rows_on_amx_tiles_do_not_depend_on_the_batch(isa, n, k):
-    """int8 weights with bfloat16 inputs: from 4 to 128 rows the AMX level multiplies on bf16
-    tiles, 32 rows per pass (linear_int8_bf16_tiles.h). Any batch in that range gives a row the
-    same bits (partial tiles of weight rows and of input rows, several passes, the largest batch);
-    a non-finite input row stays in its row; every level is close to float64."""
+    """int8 weights with bfloat16 inputs: from 4 rows the AMX level multiplies on bf16 tiles, 64
+    rows per pass (linear_int8_bf16_tiles.h). Any batch of at least 4 rows gives a row the same
+    bits (partial tiles of weight rows and of input rows, passes of 1-4 input tiles, several
+    passes); a non-finite input row stays in its row; every level is close to float64."""
     qw = quantize_int8(torch.randn(n, k))
-    x = torch.randn(128, k).bfloat16()
+    x = torch.randn(150, k).bfloat16()
     x[37, 5] = float("nan")
     b = torch.randn(n).bfloat16()
 
@@ -90,11 +90,11 @@ def test_int8_bfloat16_rows_on_amx_tiles_do_not_depend_on_the_batch(isa, n, k):
 
     full = run(x)
     assert full[37].isnan().all() and full[[36, 38]].isfinite().all()
-    finite = torch.ones(128, dtype=torch.bool)
+    finite = torch.ones(150, dtype=torch.bool)
     finite[37] = False
     assert_close(full[finite], reference(x[finite], qw.dequantize(), b), torch.bfloat16)
     if _C.cpu_isa() == "amx":
-        for begin, end in ((0, 4), (4, 20), (20, 53), (53, 128), (90, 128)):
+        for begin, end in ((0, 4), (4, 20), (20, 53), (53, 101), (101, 150), (10, 150)):
             torch.testing.assert_close(run(x[begin:end]), full[begin:end], rtol=0, atol=0, equal_nan=True)
 
 

@@ -61,11 +61,12 @@ def assert_near_reference(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # From 4 rows with groups of 64s, the AMX level multiplies on int8 tiles (linear_int8_tiles.h): up
-# to 16 rows with the weights as the first operand, then on panels (partial blocks of rows and
-# panels of features, groups of one and of four tiles).
+# to 64 rows with the weights as the first operand (1-4 input tiles), then on panels (partial
+# blocks of rows and panels of features, groups of one and of four tiles).
 @pytest.mark.parametrize("n,k,group,rows", [(8, 64, 32, 1), (13, 384, 96, 3), (37, 2048, 128, 5), (5, 160, 32, 17),
                                             (20, 256, 64, 4), (70, 384, 64, 8), (16, 128, 128, 16),
-                                            (37, 2048, 128, 40), (33, 512, 256, 70)])
+                                            (37, 2048, 128, 40), (20, 256, 64, 61), (33, 512, 256, 70),
+                                            (40, 256, 64, 100)])
 def test_int4_a8_is_the_product_of_the_rounded_inputs(isa, dtype, n, k, group, rows):
     torch.manual_seed(n + rows)
     w = quantize_int4(torch.randn(n, k), group, weight_format="int4_a8")
@@ -85,10 +86,10 @@ def test_rows_do_not_depend_on_the_batch(isa):
     for i in range(x.shape[0]):
         assert torch.equal(run(x[i:i + 1], w), batched[i:i + 1])
     # From 4 rows on (int8 tiles at the AMX level): any batch of at least 4 rows, on either side
-    # of 16 (the weights as the tiles' first operand, then panels).
-    x = torch.randn(75, 256)
+    # of 64 (the weights as the tiles' first operand with 1-4 input tiles, then panels).
+    x = torch.randn(150, 256)
     batched = run(x, w)
-    for begin, end in ((0, 4), (4, 20), (20, 36), (36, 75), (67, 75)):
+    for begin, end in ((0, 4), (4, 20), (20, 52), (52, 101), (101, 150), (85, 150), (67, 75)):
         assert torch.equal(run(x[begin:end], w), batched[begin:end])
 
 
@@ -104,7 +105,7 @@ def test_non_finite_inputs_make_their_row_nan_and_zero_rows_give_the_bias(isa):
     assert out[1].isnan().all() and out[2].isnan().all()
     assert torch.equal(out[3], bias)
     assert_near_reference(out[:1], x[:1], w, bias)
-    for extra in (12, 30):  # 16 and 34 rows: both tile layouts at the AMX level
+    for extra in (12, 30, 70):  # 16, 34 and 74 rows: 1 and 3 input tiles, then panels at the AMX level
         tiled = run(torch.cat([x, torch.randn(extra, 128)]), w, bias)
         assert tiled[1].isnan().all() and tiled[2].isnan().all() and torch.equal(tiled[3], bias)
         assert tiled[[0, *range(4, 4 + extra)]].isfinite().all()

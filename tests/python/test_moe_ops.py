@@ -248,19 +248,28 @@ def test_int4_a8_experts_equal_their_linear_calls(isa, tokens, group):
     out = run_moe(x, stack(a13.qweight, 384), stack(b2.qweight, 128), weights, ids, **quant)
     part = lambda q, e, n: QuantizedWeight(q.qweight[e * n:(e + 1) * n], "int4_a8", q.shape[1],  # noqa: E731
                                            q.scales[e * n:(e + 1) * n], q.zeros[e * n:(e + 1) * n], group)
-    acc = torch.zeros(tokens, 128)
-    for e in range(4):  # ascending expert order
+    acc = experts_by_linear(x, [part(a13, e, 384) for e in range(4)], [part(b2, e, 128) for e in range(4)],
+                            weights, ids)
+    # The op's weighted sum may fuse its multiply-adds (the vector levels): an ulp apart at most.
+    torch.testing.assert_close(out, acc, rtol=1e-6, atol=1e-6)
+
+
+def experts_by_linear(x, w13, w2, weights, ids):
+    """The MoE layer as one `linear` call per expert and projection on the rows routed to it (w13,
+    w2: each expert's QuantizedWeight), in x's dtype, each token's expert outputs added in float32 in
+    ascending expert order."""
+    acc = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(len(w13)):
         rows, slots = (ids == e).nonzero(as_tuple=True)
         if len(rows) == 0:
             continue
-        gate_up = linear(x[rows], part(a13, e, 384))
-        act = torch.empty(len(rows), 192)
+        gate_up = linear(x[rows], w13[e])
+        act = torch.empty(len(rows), gate_up.shape[1] // 2, dtype=x.dtype)
         _C.ops.silu_and_mul(act, gate_up)
-        y = linear(act, part(b2, e, 128))
+        y = linear(act, w2[e]).float()
         for j in range(len(rows)):
             acc[rows[j]] += weights[rows[j], slots[j]] * y[j]
-    # The op's weighted sum may fuse its multiply-adds (the vector levels): an ulp apart at most.
-    torch.testing.assert_close(out, acc, rtol=1e-6, atol=1e-6)
+    return acc
 
 
 def test_fused_moe_refuses_bad_arguments():
@@ -289,7 +298,8 @@ def test_fused_moe_refuses_bad_arguments():
 def test_quantized_experts_with_bf16_activations(isa, method):
     """Few rows per expert compute in float32 (the bits of a float32 call, rounded once); from 32
     rows per expert on, each expert's weights are dequantized to bfloat16 and multiplied as a
-    bfloat16 checkpoint's would be (the bits of the dense op on those weights)."""
+    bfloat16 checkpoint's would be (the bits of the dense op on those weights). int8 on AMX from 4
+    rows instead keeps its weights and bfloat16 inputs (linear's bf16 tiles), as `linear` would."""
     if method.startswith("q"):
         pytest.importorskip("gguf")
     w13, w2 = experts(4, 64, 96)
@@ -303,6 +313,14 @@ def test_quantized_experts_with_bf16_activations(isa, method):
         out = run_moe(x, a["weight"], b["weight"], weights, ids, **quant)
         if tokens == 5:
             expected = run_moe(x.float(), a["weight"], b["weight"], weights, ids, **quant).bfloat16()
+        elif method == "int8" and _C.cpu_isa() == "amx":
+            part = lambda w, e: QuantizedWeight(w["weight"][e], "int8", w["weight"].shape[2], w["scales"][e])  # noqa: E731
+            acc = experts_by_linear(x, [part(a, e) for e in range(4)], [part(b, e) for e in range(4)], weights, ids)
+            # The op's weighted sum may fuse its multiply-adds: an ulp of float32 apart, so that
+            # rounding to bfloat16 may rarely land an ulp apart too.
+            torch.testing.assert_close(out, acc.bfloat16(), rtol=2**-7, atol=0)
+            assert (out == acc.bfloat16()).float().mean() > 0.99
+            continue
         else:
             expected = run_moe(x, w13_floats.bfloat16(), w2_floats.bfloat16(), weights, ids)
         assert torch.equal(out, expected)

@@ -17,6 +17,7 @@
   void sample(const SampleParams& p);                                    \
   void linear(const LinearParams& p);                                    \
   void dequantize(const LinearParams& p);                                \
+  bool linear_keeps_bf16(const LinearParams& p);                         \
   void topk_softmax(const TopkParams& p);                                \
   void moe_align(const MoeAlignParams& p);                               \
   void fused_moe(const FusedMoeParams& p);                               \

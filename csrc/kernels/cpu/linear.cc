@@ -622,6 +622,15 @@ void linear(const LinearParams& p) {
   }
 }
 
+// Whether linear multiplies p's quantized weight by bfloat16 inputs as they are (int8 on AMX bf16
+// tiles), rather than decoding it to float32: callers that could dequantize it to bfloat16 first
+// (fused_moe) then need not.
+#if defined(__AMX_BF16__)
+bool linear_keeps_bf16(const LinearParams& p) { return int8_bf16_tiles::takes(p); }
+#else
+bool linear_keeps_bf16(const LinearParams&) { return false; }
+#endif
+
 void dequantize(const LinearParams& p) {
   switch (p.weight_format) {
     case WeightFormat::kQ8_0: return dequantize_typed<GgufRows<WeightFormat::kQ8_0>>(p);

@@ -152,6 +152,50 @@ inline void store_sums(void* c) {
   }
 }
 
+// ---- The weights as the first operand (int8 layouts for a few input rows) --------------------
+// Each step multiplies one weight tile (16 weight rows, tile 4) by Columns input tiles of 16 input
+// rows each (tiles 5-7; a fourth reuses tile 5 once its product has read it) into sums tiles
+// 0..Columns-1, each 16 weight rows x 16 input rows.
+#define OCTAVO_WEIGHT_FIRST_STEP(Name, product)         \
+  struct Name {                                         \
+    template <int Columns>                              \
+    static void step(const uint8_t* a, const uint8_t* b) { \
+      _tile_loadd(4, a, 64);                            \
+      _tile_loadd(5, b, 64);                            \
+      product(0, 4, 5);                                 \
+      if constexpr (Columns > 1) {                      \
+        _tile_loadd(6, b + tiles::kTileBytes, 64);      \
+        product(1, 4, 6);                               \
+      }                                                 \
+      if constexpr (Columns > 2) {                      \
+        _tile_loadd(7, b + 2 * tiles::kTileBytes, 64);  \
+        product(2, 4, 7);                               \
+      }                                                 \
+      if constexpr (Columns > 3) {                      \
+        _tile_loadd(5, b + 3 * tiles::kTileBytes, 64);  \
+        product(3, 4, 5);                               \
+      }                                                 \
+    }                                                   \
+  };
+
+// Sums tiles 0..Columns-1 cleared, or stored side by side: [16 weight rows][16 * Columns input
+// rows] of 4-byte sums at `sums`, row stride `stride` bytes.
+template <int Columns>
+inline void zero_columns() {
+  _tile_zero(0);
+  if constexpr (Columns > 1) _tile_zero(1);
+  if constexpr (Columns > 2) _tile_zero(2);
+  if constexpr (Columns > 3) _tile_zero(3);
+}
+template <int Columns>
+inline void store_columns(void* sums, int stride) {
+  auto* bytes = static_cast<uint8_t*>(sums);
+  _tile_stored(0, bytes, stride);
+  if constexpr (Columns > 1) _tile_stored(1, bytes + 64, stride);
+  if constexpr (Columns > 2) _tile_stored(2, bytes + 128, stride);
+  if constexpr (Columns > 3) _tile_stored(3, bytes + 192, stride);
+}
+
 // Steps [kb_begin, kb_end) of a block product into tiles 0-3: input tiles 4-5 (two per step at
 // a, the second only with InputTiles = 2), weight tiles 6-7 (two per step at panel). With `next`,
 // the next panel's two tiles of each step are prefetched while this one multiplies.

@@ -1,14 +1,14 @@
-// linear for int8 weights (one scale per row) and bfloat16 activations on AMX bf16 tiles, for
-// batches of a few rows (an LM head at batched decode); included by linear.cc in the "amx" ISA
+// linear for int8 weights (one scale per row) and bfloat16 activations on AMX bf16 tiles, from
+// batched decode (an LM head) to prefill (MoE experts); included by linear.cc in the "amx" ISA
 // level only.
 //
 // The vector kernel decodes each int8 weight to float32 for every group of 4 input rows, so its
 // time grows with the rows: the 50304 x 2048 LM head of an OLMoE-sized model took 6 ms at 1 row
-// and 38 ms at 32. Here each weight is converted once per call to bfloat16 (exact: |q| <= 127),
-// 16 rows x 32 inputs at a time, and is tdpbf16ps's first operand against up to 32 input rows
-// (two tiles of 16 columns, transposed once per call into the operand's pair layout): products of
-// two bfloat16 are exact in float32 and the tile adds them in float32, then each row's sum is
-// multiplied by its scale. The tile's order of addition is the hardware's, so results may differ
+// and 38 ms at 32. Here each weight is converted to bfloat16 (exact: |q| <= 127) once per pass of
+// up to 64 input rows, 16 rows x 32 inputs at a time, and is tdpbf16ps's first operand against
+// those rows (up to four tiles of 16 columns, transposed once per pass into the operand's pair
+// layout): products of two bfloat16 are exact in float32 and the tile adds them in float32, then
+// each row's sum is multiplied by its scale. The tile's order of addition is the hardware's, so results may differ
 // from the vector kernel's in the last bits: a row is batch invariant on each side of kFromRows.
 #pragma once
 
@@ -23,32 +23,34 @@ namespace int8_bf16_tiles {
 
 constexpr int kTileK = 32;      // bf16 per tile row
 constexpr int kTileBytes = tiles::kTileBytes;
-constexpr int kCols = 32;       // input rows per pass: two tiles of 16 columns
+constexpr int kMaxColTiles = 4;  // input tiles of 16 columns per pass
+constexpr int kCols = 16 * kMaxColTiles;  // input rows per pass
 // From this many rows (the vector kernel's time at 4 rows, 3x less at 8, 5x less at 32: the LM
-// head above, bench/RESULTS.md) to kMaxRows: a product re-reads its weights once per kCols rows, so
-// above that torch's GEMM on dequantized weights (layers/linear.py) or the panels take it.
+// head above, bench/RESULTS.md). A product re-reads its weights once per kCols rows; the vector
+// and panel kernels that would otherwise take the larger batches decode every weight to float32
+// per few rows, several times slower still (layers/linear.py sends those to torch's GEMM instead).
 constexpr int64_t kFromRows = 4;
-constexpr int64_t kMaxRows = 128;  // layers/linear.py's INT8_BF16_TILES_ROWS
 
 inline bool takes(const LinearParams& p) {
   return p.weight_format == WeightFormat::kInt8 && p.dtype == DType::kBFloat16 && p.rows >= kFromRows &&
-         p.rows <= kMaxRows && p.in_features % kTileK == 0;
+         p.in_features % kTileK == 0;
 }
 
-// Input rows [m, m + mc) (mc <= kCols; missing rows zero) as K / 32 pairs of second-operand tiles:
-// tile (kb, h) row j holds input pair j (inputs 2j, 2j + 1 of the step) of rows m + 16h...
+// Input rows [m, m + mc) (mc <= kCols; missing rows zero) as K / 32 steps of kMaxColTiles
+// second-operand tiles (those past mc's not written): tile (kb, h) row j holds input pair j (inputs
+// 2j, 2j + 1 of the step) of rows m + 16h...
 inline void transpose_inputs(const LinearParams& p, int64_t m, int mc, uint8_t* b) {
   const auto* x = static_cast<const bf16*>(p.input);
   const __m512i zero = _mm512_setzero_si512();
   for (int64_t kb = 0; kb < p.in_features / kTileK; ++kb)
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; 16 * h < mc; ++h) {
       __m512i rows[16], pairs[16];
       for (int i = 0; i < 16; ++i) {
         const int r = 16 * h + i;
         rows[i] = r < mc ? _mm512_loadu_si512(x + (m + r) * p.in_stride + kb * kTileK) : zero;
       }
       transpose_16x16(rows, pairs);
-      for (int j = 0; j < 16; ++j) _mm512_store_si512(b + (kb * 2 + h) * kTileBytes + j * 64, pairs[j]);
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(b + (kb * kMaxColTiles + h) * kTileBytes + j * 64, pairs[j]);
     }
 }
 
@@ -61,8 +63,11 @@ inline __m512i weights_as_bf16(const int8_t* q) {
   return reinterpret_cast<const __m512i&>(packed);
 }
 
-// Weight rows [n, n + nr) (nr <= 16) against input rows [m, m + mc): out[m + i][n + r]. Step kb +
-// 1's weight tile is converted while step kb's multiplies (two buffers, as in linear_int8_tiles.h).
+OCTAVO_WEIGHT_FIRST_STEP(Bf16Step, _tile_dpbf16ps)
+
+// Weight rows [n, n + nr) (nr <= 16) against input rows [m, m + mc) (ColTiles tiles of 16): out[m
+// + i][n + r]. Step kb + 1's weight tile is converted while step kb's multiplies (two buffers, as
+// in linear_int8_tiles.h).
 template <int ColTiles>
 void weight_tile(const LinearParams& p, const uint8_t* b, int64_t m, int mc, int64_t n, int nr) {
   const int64_t K = p.in_features, steps = K / kTileK;
@@ -78,22 +83,14 @@ void weight_tile(const LinearParams& p, const uint8_t* b, int64_t m, int mc, int
       _mm512_store_si512(a[kb & 1] + r * 64, weights_as_bf16(row));
     }
   };
-  _tile_zero(0);
-  if constexpr (ColTiles == 2) _tile_zero(1);
+  tiles::zero_columns<ColTiles>();
   convert(0);
   for (int64_t kb = 0; kb < steps; ++kb) {
-    _tile_loadd(4, a[kb & 1], 64);
-    _tile_loadd(2, b + kb * 2 * kTileBytes, 64);
-    _tile_dpbf16ps(0, 4, 2);
-    if constexpr (ColTiles == 2) {
-      _tile_loadd(3, b + (kb * 2 + 1) * kTileBytes, 64);
-      _tile_dpbf16ps(1, 4, 3);
-    }
+    Bf16Step::step<ColTiles>(a[kb & 1], b + kb * kMaxColTiles * kTileBytes);
     if (kb + 1 < steps) convert(kb + 1);
   }
   alignas(64) float sums[16 * kCols];  // [weight row][input row]
-  _tile_stored(0, sums, kCols * 4);
-  if constexpr (ColTiles == 2) _tile_stored(1, sums + 16, kCols * 4);
+  tiles::store_columns<ColTiles>(sums, kCols * 4);
   const auto* bias = static_cast<const bf16*>(p.bias);
   for (int h = 0; h < ColTiles; ++h) {
     __m512i by_weight[16], by_input[16];
@@ -110,10 +107,19 @@ void weight_tile(const LinearParams& p, const uint8_t* b, int64_t m, int mc, int
   }
 }
 
+inline void weight_tiles(const LinearParams& p, const uint8_t* b, int64_t m, int mc, int64_t n, int nr) {
+  switch ((mc + 15) / 16) {
+    case 1: return weight_tile<1>(p, b, m, mc, n, nr);
+    case 2: return weight_tile<2>(p, b, m, mc, n, nr);
+    case 3: return weight_tile<3>(p, b, m, mc, n, nr);
+    default: return weight_tile<4>(p, b, m, mc, n, nr);
+  }
+}
+
 // Threads split the weight's tiles of 16 rows, each streaming its own slab once per kCols rows.
 inline void linear(const LinearParams& p) {
   const int64_t steps = p.in_features / kTileK, tiles = (p.out_features + 15) / 16, threads = get_num_threads();
-  auto* b = static_cast<uint8_t*>(thread_scratch(3, static_cast<size_t>(steps * 2 * kTileBytes)));
+  auto* b = static_cast<uint8_t*>(thread_scratch(3, static_cast<size_t>(steps * kMaxColTiles * kTileBytes)));
   const bool serial = p.out_features * p.in_features < (int64_t{1} << 18);  // waking the pool costs more
   for (int64_t m = 0; m < p.rows; m += kCols) {
     const int mc = static_cast<int>(p.rows - m < kCols ? p.rows - m : kCols);
@@ -123,9 +129,7 @@ inline void linear(const LinearParams& p) {
       _tile_loadconfig(&config);
       for (int64_t t = begin; t < end; ++t) {
         const int64_t n = t * 16;
-        const int nr = static_cast<int>(p.out_features - n < 16 ? p.out_features - n : 16);
-        if (mc <= 16) weight_tile<1>(p, b, m, mc, n, nr);
-        else weight_tile<2>(p, b, m, mc, n, nr);
+        weight_tiles(p, b, m, mc, n, static_cast<int>(p.out_features - n < 16 ? p.out_features - n : 16));
       }
       _tile_release();
     });

@@ -11,8 +11,9 @@
 // so a group must be a whole number of 64-input tiles (takes()).
 //
 // Two layouts, by row count (measured in bench/RESULTS.md):
-// - Up to kFewRows input rows (decode batches), the weights are the first operand, in their own
-//   row order: unpacking them is the main cost, and it is paid once per call.
+// - Up to kFewRows (64) input rows (decode batches, a prefill's small MoE experts), the weights are
+//   the first operand, in their own row order: unpacking them is the main cost, and it is paid once
+//   per call. (14336 x 4096 at 32 and 64 rows: the panels took 1.6-1.8x and 1.4-1.6x its time.)
 // - More rows (prefill): panels of 32 weight rows are unpacked and transposed into the second
 //   operand once per chunk of rows, and 32 x 32 blocks of sums use all 8 tiles.
 // Both add the same float32 terms in the same order, so a row gets the same bits from either. The
@@ -172,13 +173,15 @@ template <int InputTiles>
 void block_product(const LinearParams& p, const uint8_t* a, const uint8_t* panel, const float* scales,
                    const float* d, int mr, float* acc) {
   const int64_t groups = p.in_features / p.group_size, steps_per_group = p.group_size / kTileK;
-  alignas(64) int32_t sums[kBlockRows * kPanel];
+  alignas(64) int32_t sums[2][kBlockRows * kPanel];
+  const auto scale = [&](int64_t g) { scale_group(sums[g & 1], scales + g * kPanel, d + g, groups, mr, g == 0, acc); };
   for (int64_t g = 0; g < groups; ++g) {
     tiles::zero_block<InputTiles>();
     tiles::block_steps<Int8Product, InputTiles>(a, panel, g * steps_per_group, (g + 1) * steps_per_group);
-    tiles::store_sums<InputTiles>(sums);
-    scale_group(sums, scales + g * kPanel, d + g, groups, mr, g == 0, acc);
+    if (g > 0) scale(g - 1);  // on the vector units while the tiles multiply group g
+    tiles::store_sums<InputTiles>(sums[g & 1]);
   }
+  scale(groups - 1);
 }
 
 // Rows [m_begin, m_end) (a whole chunk of blocks but the last) against panels [first, last).
@@ -216,58 +219,68 @@ void linear_panels(const LinearParams& p) {
                                 });
 }
 
-// ---- A few input rows (decode batches) -------------------------------------------------------
+// ---- A few input rows (decode batches, small experts) ------------------------------------------
 // With a few rows, packing whole panels costs more than the products it feeds: each weight tile is
-// unpacked, transposed and then used for at most 16 rows. Here the weights are tdpbssd's first
+// unpacked, transposed and then used for a few rows only. Here the weights are tdpbssd's first
 // operand, 16 rows x 64 inputs in their own order (unpacked, nothing transposed), and the inputs
-// its second, transposed once per call: the sums are 16 weight rows x 16 input rows. Each group's
-// sums are scaled as scale_group does, in the same order, so a row gets the same bits here as on
-// the panels above.
-constexpr int kFewRows = 16;  // the most input rows: one tile's 16 columns
+// its second, up to 4 tiles of 16 rows transposed once per call: the sums are 16 weight rows x 16
+// input rows per tile. Each group's sums are scaled as scale_group does, in the same order, so a
+// row gets the same bits here as on the panels above.
+constexpr int kFewRows = 64;  // the most input rows: 4 tiles of 16
 
-// The input rows as K / 64 tiles in tdpbssd's second-operand layout (tile row j: for each of the
-// 16 input rows, its inputs 4j..4j + 3 of the step; rows past M zeros), and d as [groups, 16].
+// The input rows as K / 64 steps of `tiles` tiles in tdpbssd's second-operand layout (tile row j:
+// for each of the tile's 16 input rows, its inputs 4j..4j + 3 of the step; rows past M zeros), and
+// d as [groups, 16 * tiles].
 struct FewInputs {
   const uint8_t* b;
   const float* d;
+  int tiles;
 };
 
 template <typename T>
 FewInputs transpose_inputs(const LinearParams& p) {
   const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK;
-  const int64_t b_bytes = steps * kTileBytes, d_bytes = groups * kFewRows * 4;
+  const int tiles = static_cast<int>((p.rows + 15) / 16), cols = 16 * tiles;
+  const int64_t b_bytes = steps * tiles * kTileBytes, d_bytes = groups * cols * 4;
   // Slot 3 of the calling thread, as round_inputs above.
-  auto* b = static_cast<uint8_t*>(thread_scratch(3, static_cast<size_t>(b_bytes + d_bytes + kFewRows * K)));
+  auto* b = static_cast<uint8_t*>(thread_scratch(3, static_cast<size_t>(b_bytes + d_bytes + cols * K)));
   auto* d = reinterpret_cast<float*>(b + b_bytes);
-  auto* rows = reinterpret_cast<int8_t*>(b + b_bytes + d_bytes);  // [16, K], row-major
-  std::fill(d, d + groups * kFewRows, 0.0f);
-  std::memset(rows + p.rows * K, 0, static_cast<size_t>((kFewRows - p.rows) * K));
+  auto* rows = reinterpret_cast<int8_t*>(b + b_bytes + d_bytes);  // [cols, K], row-major
+  std::fill(d, d + groups * cols, 0.0f);
+  std::memset(rows + p.rows * K, 0, static_cast<size_t>((cols - p.rows) * K));
   for (int64_t i = 0; i < p.rows; ++i) {
     const T* x = static_cast<const T*>(p.input) + i * p.in_stride;
     for (int64_t g = 0; g < groups; ++g) {
       double inv = 0.0;
-      if (int8_inputs::group_scale(x + g * G, G, d[g * kFewRows + i], inv))
+      if (int8_inputs::group_scale(x + g * G, G, d[g * cols + i], inv))
         int8_inputs::round_values(x + g * G, G, inv, rows + i * K + g * G);
       else std::memset(rows + i * K + g * G, 0, static_cast<size_t>(G));
     }
   }
-  for (int64_t kb = 0; kb < steps; ++kb) {
-    __m512i in[kFewRows], out[kFewRows];
-    // In the weights' block order (few_rows_tile), so that they need no shuffle.
-    for (int i = 0; i < kFewRows; ++i) in[i] = swap_middle_quarters(_mm512_loadu_si512(rows + i * K + kb * kTileK));
-    transpose_16x16(in, out);  // dword j of every row: 4 inputs of each row per tile row
-    for (int j = 0; j < kFewRows; ++j) _mm512_store_si512(b + kb * kTileBytes + j * 64, out[j]);
-  }
-  return {b, d};
+  for (int64_t kb = 0; kb < steps; ++kb)
+    for (int t = 0; t < tiles; ++t) {
+      __m512i in[16], out[16];
+      // In the weights' block order (few_rows_tile), so that they need no shuffle.
+      for (int i = 0; i < 16; ++i)
+        in[i] = swap_middle_quarters(_mm512_loadu_si512(rows + (16 * t + i) * K + kb * kTileK));
+      transpose_16x16(in, out);  // dword j of every row: 4 inputs of each row per tile row
+      uint8_t* tile = b + (kb * tiles + t) * kTileBytes;
+      for (int j = 0; j < 16; ++j) _mm512_store_si512(tile + j * 64, out[j]);
+    }
+  return {b, d, tiles};
 }
 
-// Weight rows [n, n + nr) (nr <= 16) against the inputs: out[i][n + r] for i < M. Step kb + 1's
-// weight tile is unpacked while step kb's multiplies (two buffers): a tile load waits for the
-// stores to its buffer to reach the cache, and that wait then overlaps other work.
-template <typename T>
+OCTAVO_WEIGHT_FIRST_STEP(Int8Step, _tile_dpbssd)
+
+// Weight rows [n, n + nr) (nr <= 16) against the inputs' InputTiles tiles: out[i][n + r] for
+// i < M. Step kb + 1's weight tile is unpacked while step kb's multiplies (two buffers): a tile
+// load waits for the stores to its buffer to reach the cache, and that wait then overlaps other
+// work.
+template <typename T, int InputTiles>
 void few_rows_tile(const LinearParams& p, const FewInputs& in, int64_t n, int nr) {
   const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK, row_bytes = K / 2;
   const int64_t steps_per_group = G / kTileK;
+  constexpr int cols = 16 * InputTiles;
   const auto* q = static_cast<const uint8_t*>(p.weight);
   int64_t rows[16];  // rows past nr repeat row n (their results are dropped)
   for (int r = 0; r < 16; ++r) rows[r] = n + (r < nr ? r : 0);
@@ -281,36 +294,51 @@ void few_rows_tile(const LinearParams& p, const FewInputs& in, int64_t n, int nr
       _mm512_store_si512(a[kb & 1] + r * 64, weights_minus_zero_block_order(row, p.zeros[rows[r] * groups + g]));
     }
   };
-  alignas(64) int32_t sums[16 * kFewRows];
-  __m512 acc[16];
-  for (int r = 0; r < 16; ++r) acc[r] = _mm512_setzero_ps();
+  alignas(64) int32_t sums[16 * cols];  // [weight row][input row]
+  __m512 acc[InputTiles][16];  // [t][r]: weight row r's outputs for input rows 16t..16t + 15
+  for (int t = 0; t < InputTiles; ++t)
+    for (int r = 0; r < 16; ++r) acc[t][r] = _mm512_setzero_ps();
   unpack(0);
-  _tile_zero(0);
+  tiles::zero_columns<InputTiles>();
   for (int64_t kb = 0; kb < steps; ++kb) {
-    _tile_loadd(1, a[kb & 1], 64);
-    _tile_loadd(2, in.b + kb * kTileBytes, 64);
-    _tile_dpbssd(0, 1, 2);
+    Int8Step::step<InputTiles>(a[kb & 1], in.b + kb * InputTiles * kTileBytes);
     if (kb + 1 < steps) unpack(kb + 1);
     if ((kb + 1) % steps_per_group != 0) continue;
     const int64_t g = kb / steps_per_group;  // the group ends: its sums scaled into acc
-    _tile_stored(0, sums, 64);
-    _tile_zero(0);
-    const __m512 d = _mm512_load_ps(in.d + g * kFewRows);
-    for (int r = 0; r < 16; ++r) {
-      const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(p.scales[rows[r] * groups + g]), d);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * kFewRows)), sd, acc[r]);
+    tiles::store_columns<InputTiles>(sums, cols * 4);
+    tiles::zero_columns<InputTiles>();
+    for (int t = 0; t < InputTiles; ++t) {
+      const __m512 d = _mm512_load_ps(in.d + g * cols + 16 * t);
+      for (int r = 0; r < 16; ++r) {
+        const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(p.scales[rows[r] * groups + g]), d);
+        acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * cols + 16 * t)), sd, acc[t][r]);
+      }
     }
   }
-  // acc[r] holds weight row r's outputs for the 16 input rows: transposed, out's rows.
-  __m512i by_weight[16], by_input[16];
-  for (int r = 0; r < 16; ++r) by_weight[r] = _mm512_castps_si512(acc[r]);
-  transpose_16x16(by_weight, by_input);
-  alignas(64) float block[kFewRows * 16];
-  for (int i = 0; i < kFewRows; ++i) _mm512_store_si512(block + i * 16, by_input[i]);
-  store_block<T>(p, block, 16, 0, static_cast<int>(p.rows), n, nr);
+  // acc[t][r] holds weight row r's outputs for 16 input rows: transposed, out's rows.
+  for (int t = 0; t < InputTiles && 16 * t < p.rows; ++t) {
+    __m512i by_weight[16], by_input[16];
+    for (int r = 0; r < 16; ++r) by_weight[r] = _mm512_castps_si512(acc[t][r]);
+    transpose_16x16(by_weight, by_input);
+    alignas(64) float block[16 * 16];
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(block + i * 16, by_input[i]);
+    const int64_t m = 16 * t;
+    store_block<T>(p, block, 16, m, static_cast<int>(p.rows - m < 16 ? p.rows - m : 16), n, nr);
+  }
 }
 
-// 1 < M <= kFewRows rows: threads split the weight's tiles of 16 rows, each streaming its own slab.
+template <typename T>
+void few_rows_tiles(const LinearParams& p, const FewInputs& in, int64_t n, int nr) {
+  switch (in.tiles) {
+    case 1: return few_rows_tile<T, 1>(p, in, n, nr);
+    case 2: return few_rows_tile<T, 2>(p, in, n, nr);
+    case 3: return few_rows_tile<T, 3>(p, in, n, nr);
+    default: return few_rows_tile<T, 4>(p, in, n, nr);
+  }
+}
+
+// kTilesFromRows <= M <= kFewRows rows: threads split the weight's tiles of 16 rows, each
+// streaming its own slab.
 template <typename T>
 void linear_few_rows(const LinearParams& p) {
   const FewInputs in = transpose_inputs<T>(p);
@@ -321,7 +349,7 @@ void linear_few_rows(const LinearParams& p) {
     _tile_loadconfig(&config);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t n = t * 16;
-      few_rows_tile<T>(p, in, n, static_cast<int>(p.out_features - n < 16 ? p.out_features - n : 16));
+      few_rows_tiles<T>(p, in, n, static_cast<int>(p.out_features - n < 16 ? p.out_features - n : 16));
     }
     _tile_release();
   });

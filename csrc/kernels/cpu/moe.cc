@@ -165,24 +165,54 @@ bool decodes_to_float(const ExpertStack& w) {
   return w.format != WeightFormat::kDense && w.format != WeightFormat::kBf16Tiles;
 }
 
-// A slab's weights as `linear` takes them: its part of the stack, or with `to_bf16`, that part of
-// a quantized stack dequantized into `buffer` as a dense bfloat16 matrix (bfloat16 products run
-// on AMX tiles or vdpbf16ps, at several times float32's rate for prefill-sized row counts).
-void slab_weight(const ExpertStack& w, int64_t expert, const Slab& slab, int64_t in_features, bool to_bf16,
-                 std::vector<bf16>& buffer, LinearParams& lp) {
-  const int64_t n = w.rows, row_bytes = w.expert_bytes / n;
-  lp.weight = static_cast<const uint8_t*>(w.weight) + expert * w.expert_bytes + slab.first * row_bytes;
-  lp.scales = w.scales != nullptr ? w.scales + expert * w.expert_scales + slab.first * (w.expert_scales / n) : nullptr;
-  lp.zeros = w.zeros != nullptr ? w.zeros + expert * w.expert_zeros + slab.first * (w.expert_zeros / n) : nullptr;
+// `linear`'s arguments for out[seg.begin:seg.end, slab] = in[seg.begin:seg.end, :] · the slab of
+// seg's expert's weightᵀ.
+LinearParams slab_params(const ExpertStack& w, const Segment& seg, const Slab& slab, void* out, const void* in,
+                         int64_t in_features, DType dtype) {
+  const int64_t n = w.rows, row_bytes = w.expert_bytes / n, elem = static_cast<int64_t>(dtype_size(dtype));
+  LinearParams lp{};
+  lp.weight = static_cast<const uint8_t*>(w.weight) + seg.expert * w.expert_bytes + slab.first * row_bytes;
+  lp.scales = w.scales != nullptr ? w.scales + seg.expert * w.expert_scales + slab.first * (w.expert_scales / n) : nullptr;
+  lp.zeros = w.zeros != nullptr ? w.zeros + seg.expert * w.expert_zeros + slab.first * (w.expert_zeros / n) : nullptr;
   lp.group_size = w.group_size;
   lp.weight_format = w.format;
-  if (!to_bf16) return;
-  buffer.resize(slab.count * in_features);
+  lp.out = static_cast<uint8_t*>(out) + (seg.begin * n + slab.first) * elem;
+  lp.input = static_cast<const uint8_t*>(in) + seg.begin * in_features * elem;
+  lp.rows = seg.end - seg.begin;
+  lp.in_features = in_features;
+  lp.out_features = slab.count;
+  lp.in_stride = in_features;
+  lp.out_stride = n;
+  lp.dtype = dtype;
+  return lp;
+}
+
+// Whether `linear` multiplies w's quantized weights by bfloat16 inputs as they are at `rows` rows
+// (int8 on AMX tiles from 4 rows), rather than decoding them to float32.
+bool keeps_bf16(const ExpertStack& w, int64_t in_features, int64_t rows) {
+  LinearParams lp{};
+  lp.weight_format = w.format;
+  lp.dtype = DType::kBFloat16;
+  lp.rows = rows;
+  lp.in_features = in_features;
+  return linear_keeps_bf16(lp);
+}
+
+// Whether a product's quantized weights go to `linear` dequantized to bfloat16: with bfloat16
+// activations (bfloat16 products run on AMX tiles or vdpbf16ps, at several times float32's rate
+// for prefill-sized row counts), unless the kernel keeps bfloat16 inputs for this format. Such a
+// format is kept at any row count: the few rows below the kernel's start cost less on the vector
+// kernel than a dequantized copy of the weights.
+bool to_dense_bf16(const ExpertStack& w, const LinearParams& lp) {
+  return lp.dtype == DType::kBFloat16 && decodes_to_float(w) &&
+         !keeps_bf16(w, lp.in_features, std::max(lp.rows, kBf16FromRows));
+}
+
+// lp's weights dequantized into `buffer` as a dense bfloat16 matrix.
+void dequantize_into(LinearParams& lp, std::vector<bf16>& buffer) {
+  buffer.resize(lp.out_features * lp.in_features);
   LinearParams dq = lp;
   dq.out = buffer.data();
-  dq.out_features = slab.count;
-  dq.in_features = in_features;
-  dq.dtype = DType::kBFloat16;
   dequantize(dq);
   lp.weight = buffer.data();
   lp.scales = nullptr;
@@ -190,29 +220,29 @@ void slab_weight(const ExpertStack& w, int64_t expert, const Slab& slab, int64_t
   lp.weight_format = WeightFormat::kDense;
 }
 
-// out[begin:end, :] = in[begin:end, :] · expert's weightᵀ for every segment, all segments' slabs
-// in one parallel job (each slab runs `linear` on the calling thread), so a decode step's few rows
-// per expert wake the pool once per projection, not once per expert.
+// out[begin:end, :] = in[begin:end, :] · expert's weightᵀ for every segment. Usually all
+// segments' slabs run in one parallel job (each slab `linear` on the calling thread), so a decode
+// step's few rows per expert wake the pool once per projection, not once per expert. With fewer
+// experts than slabs (a prefill's few large experts), each expert's whole product is instead one
+// `linear` call that splits it over the threads: the kernel then prepares its inputs once (W4A8:
+// rounds them to int8) rather than once per slab (OLMoE-sized experts at 2048 tokens: that
+// rounding was a tenth of the time). Not where a slab would be dequantized: a whole expert's
+// bfloat16 copy would not stay in the cache.
 void project(const ExpertStack& w, const std::vector<Segment>& segments, void* out, const void* in,
              int64_t in_features, DType dtype) {
-  const int64_t n = w.rows, elem = static_cast<int64_t>(dtype_size(dtype));
-  const bool to_bf16 = dtype == DType::kBFloat16 && decodes_to_float(w);
-  const std::vector<Slab> slabs = slabs_of(segments, n);
+  const std::vector<Slab> slabs = slabs_of(segments, w.rows);
+  const auto whole = [&](const Segment& seg) { return slab_params(w, seg, {0, 0, w.rows}, out, in, in_features, dtype); };
+  bool dequantizes = false;
+  for (const Segment& seg : segments) dequantizes = dequantizes || to_dense_bf16(w, whole(seg));
+  if (!dequantizes && slabs.size() > segments.size()) {
+    for (const Segment& seg : segments) linear(whole(seg));
+    return;
+  }
   parallel_for(static_cast<int64_t>(slabs.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<bf16> buffer;
     for (int64_t i = begin; i < end; ++i) {
-      const Slab& slab = slabs[i];
-      const Segment& seg = segments[slab.segment];
-      LinearParams lp{};
-      slab_weight(w, seg.expert, slab, in_features, to_bf16, buffer, lp);
-      lp.out = static_cast<uint8_t*>(out) + (seg.begin * n + slab.first) * elem;
-      lp.input = static_cast<const uint8_t*>(in) + seg.begin * in_features * elem;
-      lp.rows = seg.end - seg.begin;
-      lp.in_features = in_features;
-      lp.out_features = slab.count;
-      lp.in_stride = in_features;
-      lp.out_stride = n;
-      lp.dtype = dtype;
+      LinearParams lp = slab_params(w, segments[slabs[i].segment], slabs[i], out, in, in_features, dtype);
+      if (to_dense_bf16(w, lp)) dequantize_into(lp, buffer);
       linear(lp);
     }
   });
@@ -240,6 +270,14 @@ U* kept_buffer(KeptSlot slot, int64_t count) {
   return b.data.get();
 }
 
+// out[0, n) = in[0, n), each value through float32 (as to_float and from_float convert it).
+template <typename T, typename U>
+void convert_row(const T* in, U* out, int64_t n) {
+  int64_t h = 0;
+  for (; h + kW <= n; h += kW) VecF::load(in + h).store(out + h);
+  for (; h < n; ++h) out[h] = from_float<U>(to_float(in[h]));
+}
+
 // C: the type the experts compute in (see run_fused_moe).
 template <typename C>
 struct BatchScratch {
@@ -257,11 +295,7 @@ void run_batch(const FusedMoeParams& p, const int32_t* order, int64_t rows, cons
   const int64_t H = p.hidden, I = p.intermediate;
   const T* hidden = static_cast<const T*>(p.hidden_states);
   parallel_for(rows, grain_for(rows, H, kSerialElems, kMinChunkElems), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      const T* row = hidden + order[i] / p.top_k * p.in_stride;
-      C* x = s.x + i * H;
-      for (int64_t h = 0; h < H; ++h) x[h] = from_float<C>(to_float(row[h]));
-    }
+    for (int64_t i = begin; i < end; ++i) convert_row(hidden + order[i] / p.top_k * p.in_stride, s.x + i * H, H);
   });
   const DType compute = std::is_same_v<C, float> ? DType::kFloat32 : p.dtype;
   project(p.w13, segments, s.gate_up, s.x, H, compute);
@@ -275,7 +309,9 @@ void run_batch(const FusedMoeParams& p, const int32_t* order, int64_t rows, cons
       const float w = p.topk_weights[order[i]];
       float* a = acc + order[i] / p.top_k * H;
       const C* y = s.y + i * H;
-      for (int64_t h = h0; h < h1; ++h) a[h] += w * to_float(y[h]);
+      int64_t h = h0;
+      for (; h + kW <= h1; h += kW) (VecF::load(a + h) + VecF::set1(w) * VecF::load(y + h)).store(a + h);
+      for (; h < h1; ++h) a[h] += w * to_float(y[h]);
     }
   });
 }
@@ -300,8 +336,7 @@ void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
   }
   T* out = static_cast<T*>(p.out);
   parallel_for(p.tokens, grain_for(p.tokens, H, kSerialElems, kMinChunkElems), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t)
-      for (int64_t h = 0; h < H; ++h) out[t * p.out_stride + h] = from_float<T>(acc[t * H + h]);
+    for (int64_t t = begin; t < end; ++t) convert_row(acc + t * H, out + t * p.out_stride, H);
   });
 }
 
@@ -311,6 +346,8 @@ void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
 // bits); from kBf16FromRows on, bfloat16 activations multiply each slab's weights dequantized to
 // bfloat16 (OLMoE-sized int4 experts at 512 tokens: about 2.7x the float32 path on AMX, see
 // bench/RESULTS.md), which rounds the weights to bfloat16 as a bfloat16 checkpoint's would be.
+// Where `linear` multiplies the weights by bfloat16 inputs as they are (int8 on AMX tiles, from 4
+// rows), bfloat16 activations from there on, and nothing is dequantized (to_dense_bf16).
 //
 // W4A8 experts (int4_a8) always compute in float32: their products run on int8 at every row
 // count (AMX tiles from linear's kTilesFromRows on), so dequantizing to bfloat16 would only lose
@@ -325,7 +362,9 @@ void dispatch_compute(const FusedMoeParams& p) {
   int64_t experts = 0;  // those with rows
   for (int64_t e = 0; e < p.num_experts; ++e) experts += groups.start[e + 1] > groups.start[e];
   const int64_t pairs = groups.start[p.num_experts];
-  if (std::is_same_v<T, bf16> && pairs >= kBf16FromRows * experts) return run_fused_moe<T, T>(p, groups);
+  const int64_t rows = pairs / std::max<int64_t>(experts, 1);
+  const bool kept = keeps_bf16(p.w13, p.hidden, rows) && keeps_bf16(p.w2, p.intermediate, rows);
+  if (std::is_same_v<T, bf16> && (rows >= kBf16FromRows || kept)) return run_fused_moe<T, T>(p, groups);
   run_fused_moe<T, float>(p, groups);
 }
 
