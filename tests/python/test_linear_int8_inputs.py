@@ -62,11 +62,12 @@ def assert_near_reference(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # From 4 rows with groups of 64s, the AMX level multiplies on int8 tiles (linear_int8_tiles.h): up
 # to 64 rows with the weights as the first operand (1-4 input tiles), then on panels (partial
-# blocks of rows and panels of features, groups of one and of four tiles).
+# blocks of rows and panels of features, groups of one and of four tiles), or for rows longer than
+# 8192 inputs in passes of 64 rows with the weights first again (the last pass of 2 rows).
 @pytest.mark.parametrize("n,k,group,rows", [(8, 64, 32, 1), (13, 384, 96, 3), (37, 2048, 128, 5), (5, 160, 32, 17),
                                             (20, 256, 64, 4), (70, 384, 64, 8), (16, 128, 128, 16),
                                             (37, 2048, 128, 40), (20, 256, 64, 61), (33, 512, 256, 70),
-                                            (40, 256, 64, 100)])
+                                            (40, 256, 64, 100), (21, 8448, 128, 130)])
 def test_int4_a8_is_the_product_of_the_rounded_inputs(isa, dtype, n, k, group, rows):
     torch.manual_seed(n + rows)
     w = quantize_int4(torch.randn(n, k), group, weight_format="int4_a8")
@@ -90,6 +91,12 @@ def test_rows_do_not_depend_on_the_batch(isa):
     x = torch.randn(150, 256)
     batched = run(x, w)
     for begin, end in ((0, 4), (4, 20), (20, 52), (52, 101), (101, 150), (85, 150), (67, 75)):
+        assert torch.equal(run(x[begin:end], w), batched[begin:end])
+    # Rows longer than 8192 inputs: passes of 64 rows with the weights first, at any alignment.
+    w = quantize(torch.randn(24, 8448), "w4a8")
+    x = torch.randn(140, 8448)
+    batched = run(x, w)
+    for begin, end in ((0, 4), (4, 68), (68, 140), (10, 140)):
         assert torch.equal(run(x[begin:end], w), batched[begin:end])
 
 
