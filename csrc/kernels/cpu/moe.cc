@@ -170,10 +170,11 @@ bool decodes_to_float(const ExpertStack& w) {
 LinearParams slab_params(const ExpertStack& w, const Segment& seg, const Slab& slab, void* out, const void* in,
                          int64_t in_features, DType dtype) {
   const int64_t n = w.rows, row_bytes = w.expert_bytes / n, elem = static_cast<int64_t>(dtype_size(dtype));
+  const int64_t expert = seg.expert;
   LinearParams lp{};
-  lp.weight = static_cast<const uint8_t*>(w.weight) + seg.expert * w.expert_bytes + slab.first * row_bytes;
-  lp.scales = w.scales != nullptr ? w.scales + seg.expert * w.expert_scales + slab.first * (w.expert_scales / n) : nullptr;
-  lp.zeros = w.zeros != nullptr ? w.zeros + seg.expert * w.expert_zeros + slab.first * (w.expert_zeros / n) : nullptr;
+  lp.weight = static_cast<const uint8_t*>(w.weight) + expert * w.expert_bytes + slab.first * row_bytes;
+  lp.scales = w.scales != nullptr ? w.scales + expert * w.expert_scales + slab.first * (w.expert_scales / n) : nullptr;
+  lp.zeros = w.zeros != nullptr ? w.zeros + expert * w.expert_zeros + slab.first * (w.expert_zeros / n) : nullptr;
   lp.group_size = w.group_size;
   lp.weight_format = w.format;
   lp.out = static_cast<uint8_t*>(out) + (seg.begin * n + slab.first) * elem;
@@ -231,7 +232,9 @@ void dequantize_into(LinearParams& lp, std::vector<bf16>& buffer) {
 void project(const ExpertStack& w, const std::vector<Segment>& segments, void* out, const void* in,
              int64_t in_features, DType dtype) {
   const std::vector<Slab> slabs = slabs_of(segments, w.rows);
-  const auto whole = [&](const Segment& seg) { return slab_params(w, seg, {0, 0, w.rows}, out, in, in_features, dtype); };
+  const auto whole = [&](const Segment& seg) {
+    return slab_params(w, seg, {0, 0, w.rows}, out, in, in_features, dtype);
+  };
   bool dequantizes = false;
   for (const Segment& seg : segments) dequantizes = dequantizes || to_dense_bf16(w, whole(seg));
   if (!dequantizes && slabs.size() > segments.size()) {
