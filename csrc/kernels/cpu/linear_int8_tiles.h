@@ -234,7 +234,8 @@ void linear_panels(const LinearParams& p) {
 constexpr int kFewRows = 64;  // the most input rows: 4 tiles of 16
 // Panels pack each weight once per chunk of rows; where an input row is so long that a chunk holds
 // fewer rows than this, the weights-first layout in passes of kFewRows rows is faster (4096 x
-// 14336 at 512 rows: 28.6 ms against 33-37 on chunks of 64 rows).
+// 14336 at 512 rows: 23-24 ms with the rows rounded on all threads, against 33-37 on chunks of 64
+// rows).
 constexpr int64_t kPanelsFromChunkRows = 128;
 
 // The input rows as K / 64 steps of `tiles` tiles in tdpbssd's second-operand layout (tile row j:
