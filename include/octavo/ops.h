@@ -86,16 +86,19 @@ void plan_paged_attention(const TensorView& plan, const TensorView& query_start_
 // csrc/kernels/bf16_tiles.h). CPU only. kInt4A8: kInt4's weights, but `linear` on the CPU first
 // rounds each input row to int8 with one scale per weight group (W4A8: a = rint(x * 127 / m), m
 // the group's largest |x|) and multiplies integers (cpu/linear_int8_inputs.h); the result is
-// that of x rounded so. dequantize reads it as kInt4; CUDA multiplies only kInt4.
-enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4, kBf16Tiles, kInt4A8 };
-// "dense", "q8_0", "q4_0", "q4_1", "int8", "int4", "bf16_tiles", "int4_a8"
+// that of x rounded so. dequantize reads it as kInt4; CUDA multiplies only kInt4. kInt8A8 (W8A8):
+// kInt8's weights, and each input row rounded to int8 with one scale for the whole row (dynamic
+// per-token, as vLLM's W8A8): out = s * d * (exact integer sum); CPU only, dequantize reads it as
+// kInt8.
+enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4, kBf16Tiles, kInt4A8, kInt8A8 };
+// "dense", "q8_0", "q4_0", "q4_1", "int8", "int4", "bf16_tiles", "int4_a8", "int8_a8"
 const char* weight_format_name(WeightFormat format);
 WeightFormat parse_weight_format(const char* name);   // the inverse; throws for an unknown name
 int64_t weight_block_bytes(WeightFormat format);      // weight bytes per 32 weights; 0 for kDense
 
 // The scale / zero-point tensors of kInt8 and kInt4 weights (null members for other formats).
 struct WeightQuant {
-  const TensorView* scales = nullptr;  // float32
+  const TensorView* scales = nullptr;  // float32 (kInt8, kInt8A8: [N]; kInt4, kInt4A8: [N, groups])
   const TensorView* zeros = nullptr;   // uint8 (kInt4, kInt4A8)
   int64_t group_size = 0;              // kInt4, kInt4A8
 };

@@ -24,16 +24,24 @@ CUDA_MAX_GROUP = 16  # query heads per KV head the CUDA attention kernels take (
 def cpu_only_reason(model, quantization: str | None = None) -> str | None:
     """Why this model, quantized at load with ``quantization``, cannot run on a GPU yet, or None
     when it can. (Quantized weights can: GGUF blocks, GPTQ / AWQ, Octavo's int8 / int4, but not
-    w4a8, whose int8 activations are a CPU kernel's; see layers/linear.py.)"""
+    w4a8 / w8a8 nor compressed-tensors W8A8, whose int8 activations are a CPU kernel's; see
+    layers/linear.py.)"""
     from .config import ModelConfig
+    from .loader.compressed_tensors import METHOD as COMPRESSED_TENSORS
+    from .loader.compressed_tensors import quantizes_activations
     from .loader.gguf_file import gguf_config, is_gguf
 
-    w4a8 = "quantization 'w4a8' multiplies int8 activations on the CPU only (use 'int4' on a GPU)"
-    if quantization == "w4a8":
-        return w4a8
+    reasons = {method: f"quantization '{method}' multiplies int8 activations on the CPU only (use '{weights}' on "
+                       "a GPU)" for method, weights in (("w4a8", "int4"), ("w8a8", "int8"))}
+    if quantization in reasons:
+        return reasons[quantization]
     config = gguf_config(model) if is_gguf(model) else ModelConfig.from_pretrained(model)
-    if (config.hf.get("quantization_config") or {}).get("format") == "w4a8":  # from `octavo quantize`
-        return w4a8
+    quant = config.hf.get("quantization_config") or {}
+    if quant.get("format") in reasons:  # from `octavo quantize`
+        return reasons[quant["format"]]
+    if quant.get("quant_method") == COMPRESSED_TENSORS and quantizes_activations(quant):
+        return ("compressed-tensors W8A8 checkpoints multiply int8 activations on the CPU only (format "
+                "'int8_a8'; the CUDA kernels take int8 weights with float activations only)")
     if config.head_dim not in CUDA_HEAD_SIZES:
         return f"head size {config.head_dim} has no CUDA attention kernel (compiled: {CUDA_HEAD_SIZES})"
     group = config.num_attention_heads // config.num_key_value_heads

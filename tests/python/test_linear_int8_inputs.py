@@ -62,8 +62,8 @@ def assert_near_reference(out: torch.Tensor, x: torch.Tensor, w: QuantizedWeight
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # From 4 rows with groups of 64s, the AMX level multiplies on int8 tiles (linear_int8_tiles.h): up
 # to 64 rows with the weights as the first operand (1-4 input tiles), then on panels (partial
-# blocks of rows and panels of features, groups of one and of four tiles), or for rows longer than
-# 8192 inputs in passes of 64 rows with the weights first again (the last pass of 2 rows).
+# blocks of rows and panels of features, groups of one and of four tiles; 130 rows of 8448, more
+# than a chunk of such rows, as groups of panels against all the rows).
 @pytest.mark.parametrize("n,k,group,rows", [(8, 64, 32, 1), (13, 384, 96, 3), (37, 2048, 128, 5), (5, 160, 32, 17),
                                             (20, 256, 64, 4), (70, 384, 64, 8), (16, 128, 128, 16),
                                             (37, 2048, 128, 40), (20, 256, 64, 61), (33, 512, 256, 70),
@@ -92,11 +92,12 @@ def test_rows_do_not_depend_on_the_batch(isa):
     batched = run(x, w)
     for begin, end in ((0, 4), (4, 20), (20, 52), (52, 101), (101, 150), (85, 150), (67, 75)):
         assert torch.equal(run(x[begin:end], w), batched[begin:end])
-    # Rows longer than 8192 inputs: passes of 64 rows with the weights first, at any alignment.
+    # Rows longer than 8192 inputs: passes of 64 rows with the weights first (72 rows, and 1000 rows
+    # whose int8 inputs pass 8 MB), or groups of panels (130 and 860 rows), at any alignment.
     w = quantize(torch.randn(24, 8448), "w4a8")
-    x = torch.randn(140, 8448)
+    x = torch.randn(1000, 8448)
     batched = run(x, w)
-    for begin, end in ((0, 4), (4, 68), (68, 140), (10, 140)):
+    for begin, end in ((0, 4), (4, 68), (68, 140), (10, 140), (140, 1000)):
         assert torch.equal(run(x[begin:end], w), batched[begin:end])
 
 
@@ -132,11 +133,12 @@ def test_groups_of_any_float32_magnitude(exponents, seed):
     assert_near_reference(out, x, w)
 
 
-def test_quantize_w4a8_keeps_int4_weights():
+@pytest.mark.parametrize("method,weights", [("w4a8", "int4"), ("w8a8", "int8")])
+def test_int8_activations_keep_the_weights_of_their_format(method, weights):
     torch.manual_seed(3)
     w = torch.randn(16, 192)
-    plain, a8 = quantize(w, "int4"), quantize(w, "w4a8")
-    assert a8.weight_format == "int4_a8" and plain.weight_format == "int4"
+    plain, a8 = quantize(w, weights), quantize(w, method)
+    assert a8.weight_format == f"{weights}_a8" and plain.weight_format == weights
     assert torch.equal(a8.qweight, plain.qweight) and torch.equal(a8.dequantize(), plain.dequantize())
     x = torch.randn(2, 192)
     assert not torch.equal(linear(x, a8), linear(x, plain))  # the inputs were rounded
@@ -148,24 +150,31 @@ def test_quantize_w4a8_keeps_int4_weights():
     assert torch.equal(linear(x16, a8), linear(x16.float(), a8).bfloat16())
 
 
-def test_bfloat16_prefill_keeps_the_int8_inputs_where_the_cpu_has_amx(isa):
+@pytest.mark.parametrize("method", ["w4a8", "w8a8"])
+def test_bfloat16_prefill_keeps_the_int8_inputs_where_the_cpu_has_amx(isa, method):
     """From CPU_BF16_GEMM_FROM_ROWS rows, bfloat16 products of quantized weights go to torch's GEMM
-    on dequantized weights; int4_a8 stays on its own kernel where the level has AMX int8 tiles."""
+    on dequantized weights; int4_a8 and int8_a8 stay on their own kernel where the level has AMX
+    int8 tiles."""
     torch.manual_seed(4)
-    w = quantize_int4(torch.randn(48, 256), 64, weight_format="int4_a8")
+    w = quantize_int4(torch.randn(48, 256), 64, weight_format="int4_a8") if method == "w4a8" else \
+        quantize(torch.randn(48, 256), method)
     x = torch.randn(CPU_BF16_GEMM_FROM_ROWS + 3, 256).bfloat16()
     out = linear(x, w)
     if _C.cpu_isa() == "amx":
-        assert torch.equal(out, run(x, w))
-        assert_near_reference(out, x, w)
+        kernel = torch.empty_like(out)
+        _C.ops.linear(kernel, x, w.qweight, None, w.weight_format, w.scales, w.zeros, w.group_size)
+        assert torch.equal(out, kernel)
+        if method == "w4a8":
+            assert_near_reference(out, x, w)
     else:
         torch.testing.assert_close(out, torch.nn.functional.linear(x, w.dequantize(torch.bfloat16)))
 
 
-def test_w4a8_is_refused_on_cuda(monkeypatch):
+@pytest.mark.parametrize("method,weights", [("w4a8", "int4"), ("w8a8", "int8")])
+def test_int8_activations_are_refused_on_cuda(monkeypatch, method, weights):
     import octavo.engine.llm_engine as engine
 
     monkeypatch.setattr(engine, "resolve_device", lambda device: torch.device("cuda", 0))
-    with pytest.raises(ValueError, match="'w4a8' multiplies int8 activations on the CPU only"):
-        engine._device("any-model", "cuda", "w4a8")
-    assert engine._device("any-model", "auto", "w4a8") == torch.device("cpu")
+    with pytest.raises(ValueError, match=f"'{method}' multiplies int8 activations on the CPU only \\(use '{weights}'"):
+        engine._device("any-model", "cuda", method)
+    assert engine._device("any-model", "auto", method) == torch.device("cpu")

@@ -107,6 +107,26 @@ def test_quantized_experts_compute_their_dequantized_floats(checkpoint, method):
     assert torch.isfinite(step(quantized, [1, 2, 3, 4], 0)).all()
 
 
+def test_w8a8_experts_keep_int8_weights_and_round_their_inputs(checkpoint):
+    """quantization="w8a8": the experts hold int8's integers in format int8_a8, whose products
+    round each row's inputs to int8: close to int8's results, not equal."""
+    path, _ = checkpoint
+    a8, plain = (load_model(path, dtype="float32", quantization=method) for method in ("w8a8", "int8"))
+    x = torch.randn(9, TINY["hidden_size"])
+    for a_layer, p_layer in zip(a8.layers, plain.layers):
+        if not isinstance(a_layer.mlp, FusedMoE):
+            continue
+        for attr in ("w13", "w2"):
+            weight = getattr(a_layer.mlp, attr)
+            assert weight.weight_format == "int8_a8"
+            assert torch.equal(weight.qweight, getattr(p_layer.mlp, attr).qweight)
+        ours, theirs = a_layer.mlp(x), p_layer.mlp(x)
+        assert not torch.equal(ours, theirs)
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0.05 * theirs.abs().max().item())
+    attach_kv_cache(a8, num_blocks=8)
+    assert torch.isfinite(step(a8, [1, 2, 3, 4], 0)).all()
+
+
 @pytest.mark.parametrize("kind,tp,pp,ep", [("mixtral", 2, 1, False), ("qwen2-moe", 2, 1, False), ("qwen3-moe", 1, 2, False),
                                          ("mixtral", 2, 1, True), ("qwen2-moe", 2, 1, True)])
 def test_split_over_ranks_answers_as_one(kind, tp, pp, ep, tmp_path):

@@ -254,6 +254,29 @@ def test_int4_a8_experts_equal_their_linear_calls(isa, tokens, group):
     torch.testing.assert_close(out, acc, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 70])
+def test_int8_a8_experts_equal_their_linear_calls(isa, tokens, dtype):
+    """W8A8 experts: each expert's projections are one int8_a8 `linear` call on the rows routed to
+    it (each row rounded to int8 with its own scale; from 4 rows on int8 tiles at the AMX level).
+    bfloat16 activations stay bfloat16 from 32 rows per expert on average (70 tokens), as a
+    bfloat16 model's would; fewer compute in float32."""
+    w13, w2 = experts(4, 128, 192)
+    a13, b2 = (quantize_int8(w.reshape(-1, w.shape[2]), weight_format="int8_a8") for w in (w13, w2))
+    stack = lambda t, n: t.view(4, n, *t.shape[1:])  # noqa: E731
+    quant = {f"{p}_{key}": value for p, q, n in (("w13", a13, 384), ("w2", b2, 128))
+             for key, value in (("format", "int8_a8"), ("scales", stack(q.scales, n)))}
+    x = torch.randn(tokens, 128).to(dtype)
+    weights, ids = routing(tokens, 4, 2)
+    out = run_moe(x, stack(a13.qweight, 384), stack(b2.qweight, 128), weights, ids, **quant)
+    part = lambda q, e, n: QuantizedWeight(q.qweight[e * n:(e + 1) * n], "int8_a8", q.shape[1],  # noqa: E731
+                                           scales=q.scales[e * n:(e + 1) * n])
+    compute = x if tokens == 70 else x.float()
+    acc = experts_by_linear(compute, [part(a13, e, 384) for e in range(4)], [part(b2, e, 128) for e in range(4)],
+                            weights, ids)
+    torch.testing.assert_close(out, acc.to(dtype), rtol=1e-6, atol=1e-6)
+
+
 def experts_by_linear(x, w13, w2, weights, ids):
     """The MoE layer as one `linear` call per expert and projection on the rows routed to it (w13,
     w2: each expert's QuantizedWeight), in x's dtype, each token's expert outputs added in float32 in

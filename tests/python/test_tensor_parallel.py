@@ -130,6 +130,29 @@ def test_quantized_at_load_each_rank_holds_the_whole_weights_part(method, tokeni
         two.llm_engine.shutdown()
 
 
+def test_w8a8_ranks_round_their_own_part_of_each_row(tokenizer, tmp_path):
+    """W8A8 rounds a row of inputs with one scale. A row-parallel rank (o_proj, down) holds half
+    of each row and rounds that half with its own scale, as vLLM's ranks do: TP = 2 is then close
+    to TP = 1, not its arithmetic. The ranks still hold the whole weight's integers."""
+    path = checkpoint(tmp_path, "llama", tokenizer, **ALIGNED)
+    two = engine(path, 2, quantization="w8a8")
+    try:
+        one = engine(path, 1, quantization="w8a8")
+        for a, b in zip(run(two), run(one)):
+            assert a.token_ids[0] == b.token_ids[0]
+            first, other = a.logprobs[0], b.logprobs[0]
+            assert max(abs(first[t].logprob - other[t].logprob) for t in first) < 5e-2
+        down = lambda m: (m.layers[0].mlp.down_weight.weight_format,  # noqa: E731
+                          m.layers[0].mlp.down_weight.qweight.clone(), m.layers[0].mlp.down_weight.scales.clone())
+        _, q, scales = one.apply_model(down)[0]
+        half = q.shape[1] // 2
+        for i, (fmt, part, part_scales) in enumerate(two.apply_model(down)):
+            assert fmt == "int8_a8" and bool((part_scales == scales).all())
+            assert bool((part == q[:, i * half:(i + 1) * half]).all())
+    finally:
+        two.llm_engine.shutdown()
+
+
 def test_each_rank_holds_only_its_part(tokenizer, tmp_path):
     path = checkpoint(tmp_path, "llama", tokenizer, tie_word_embeddings=False)
 

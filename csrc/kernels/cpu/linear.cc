@@ -10,9 +10,10 @@
 // runs on transposed weight panels instead (linear_panels.h) and bfloat16 on AMX tiles where the
 // CPU has them (linear_amx.h); each is batch invariant on its side of its threshold. W4A8 weights
 // (int4_a8) multiply int8 inputs: linear_int8_inputs.h, and from 4 rows on AMX int8 tiles
-// (linear_int8_tiles.h).
+// (linear_int8_tiles.h); so do W8A8 weights (int8_a8): linear_int8_a8.h, and the same tiles.
 #include "bf16_tiles.h"
 #include "isa_kernels.h"
+#include "linear_int8_a8.h"
 #include "linear_int8_inputs.h"
 #include "linear_panels.h"
 #include "octavo/status.h"
@@ -534,7 +535,8 @@ void run_panels(const LinearParams& p) {
     case WeightFormat::kQ8_0: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ8_0>>{p});
     case WeightFormat::kQ4_0: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_0>>{p});
     case WeightFormat::kQ4_1: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_1>>{p});
-    case WeightFormat::kInt8: return panels::linear(p, QuantPanel<Int8Rows>{p});
+    case WeightFormat::kInt8:
+    case WeightFormat::kInt8A8: return panels::linear(p, QuantPanel<Int8Rows>{p});
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return panels::linear(p, QuantPanel<Int4Rows>{p});
     case WeightFormat::kBf16Tiles: return panels::linear(p, QuantPanel<Bf16TileRows>{p});
@@ -558,7 +560,8 @@ void run_typed(const LinearParams& p) {
     case WeightFormat::kQ8_0: return run_quant<GgufRows<WeightFormat::kQ8_0>, T>(p);
     case WeightFormat::kQ4_0: return run_quant<GgufRows<WeightFormat::kQ4_0>, T>(p);
     case WeightFormat::kQ4_1: return run_quant<GgufRows<WeightFormat::kQ4_1>, T>(p);
-    case WeightFormat::kInt8: return run_quant<Int8Rows, T>(p);
+    case WeightFormat::kInt8:
+    case WeightFormat::kInt8A8: return run_quant<Int8Rows, T>(p);
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return run_quant<Int4Rows, T>(p);
     case WeightFormat::kBf16Tiles: return run_quant<Bf16TileRows, T>(p);
@@ -586,25 +589,25 @@ void dequantize_typed(const LinearParams& p) {
   }
 }
 
+// W4A8 and W8A8 weights: int8 inputs at every row count.
+template <typename T>
+void linear_int8_inputs(const LinearParams& p) {
+#if defined(__AMX_BF16__)
+  if (int8_tiles::takes(p)) return int8_tiles::linear<T>(p);
+#endif
+  if (p.weight_format == WeightFormat::kInt8A8) return int8_a8::linear<T>(p);
+  int8_inputs::linear<T>(p);
+}
+
 }  // namespace
 
 void linear(const LinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
-  if (p.weight_format == WeightFormat::kInt4A8) {  // int8 inputs at every row count
-#if defined(__AMX_BF16__)
-    if (int8_tiles::takes(p)) {
-      switch (p.dtype) {
-        case DType::kFloat32: return int8_tiles::linear<float>(p);
-        case DType::kBFloat16: return int8_tiles::linear<bf16>(p);
-        case DType::kFloat16: return int8_tiles::linear<f16>(p);
-        default: break;
-      }
-    }
-#endif
+  if (p.weight_format == WeightFormat::kInt4A8 || p.weight_format == WeightFormat::kInt8A8) {
     switch (p.dtype) {
-      case DType::kFloat32: return int8_inputs::linear<float>(p);
-      case DType::kBFloat16: return int8_inputs::linear<bf16>(p);
-      case DType::kFloat16: return int8_inputs::linear<f16>(p);
+      case DType::kFloat32: return linear_int8_inputs<float>(p);
+      case DType::kBFloat16: return linear_int8_inputs<bf16>(p);
+      case DType::kFloat16: return linear_int8_inputs<f16>(p);
       default: OCTAVO_CHECK(false, "linear: unsupported dtype " << dtype_name(p.dtype));
     }
   }
@@ -636,7 +639,8 @@ void dequantize(const LinearParams& p) {
     case WeightFormat::kQ8_0: return dequantize_typed<GgufRows<WeightFormat::kQ8_0>>(p);
     case WeightFormat::kQ4_0: return dequantize_typed<GgufRows<WeightFormat::kQ4_0>>(p);
     case WeightFormat::kQ4_1: return dequantize_typed<GgufRows<WeightFormat::kQ4_1>>(p);
-    case WeightFormat::kInt8: return dequantize_typed<Int8Rows>(p);
+    case WeightFormat::kInt8:
+    case WeightFormat::kInt8A8: return dequantize_typed<Int8Rows>(p);
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return dequantize_typed<Int4Rows>(p);
     case WeightFormat::kBf16Tiles: return dequantize_typed<Bf16TileRows>(p);

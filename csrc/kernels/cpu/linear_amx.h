@@ -155,27 +155,28 @@ inline void store_sums(void* c) {
 // ---- The weights as the first operand (int8 layouts for a few input rows) --------------------
 // Each step multiplies one weight tile (16 weight rows, tile 4) by Columns input tiles of 16 input
 // rows each (tiles 5-7; a fourth reuses tile 5 once its product has read it) into sums tiles
-// 0..Columns-1, each 16 weight rows x 16 input rows.
-#define OCTAVO_WEIGHT_FIRST_STEP(Name, product)         \
-  struct Name {                                         \
-    template <int Columns>                              \
-    static void step(const uint8_t* a, const uint8_t* b) { \
-      _tile_loadd(4, a, 64);                            \
-      _tile_loadd(5, b, 64);                            \
-      product(0, 4, 5);                                 \
-      if constexpr (Columns > 1) {                      \
-        _tile_loadd(6, b + tiles::kTileBytes, 64);      \
-        product(1, 4, 6);                               \
-      }                                                 \
-      if constexpr (Columns > 2) {                      \
-        _tile_loadd(7, b + 2 * tiles::kTileBytes, 64);  \
-        product(2, 4, 7);                               \
-      }                                                 \
-      if constexpr (Columns > 3) {                      \
-        _tile_loadd(5, b + 3 * tiles::kTileBytes, 64);  \
-        product(3, 4, 5);                               \
-      }                                                 \
-    }                                                   \
+// 0..Columns-1, each 16 weight rows x 16 input rows. The weight tile's rows lie a_stride bytes
+// apart: 64 in an unpacked copy, the row length where the tile is read from the weight itself.
+#define OCTAVO_WEIGHT_FIRST_STEP(Name, product)                               \
+  struct Name {                                                               \
+    template <int Columns>                                                    \
+    static void step(const uint8_t* a, int64_t a_stride, const uint8_t* b) {  \
+      _tile_loadd(4, a, a_stride);                                            \
+      _tile_loadd(5, b, 64);                                                  \
+      product(0, 4, 5);                                                       \
+      if constexpr (Columns > 1) {                                            \
+        _tile_loadd(6, b + tiles::kTileBytes, 64);                            \
+        product(1, 4, 6);                                                     \
+      }                                                                       \
+      if constexpr (Columns > 2) {                                            \
+        _tile_loadd(7, b + 2 * tiles::kTileBytes, 64);                        \
+        product(2, 4, 7);                                                     \
+      }                                                                       \
+      if constexpr (Columns > 3) {                                            \
+        _tile_loadd(5, b + 3 * tiles::kTileBytes, 64);                        \
+        product(3, 4, 5);                                                     \
+      }                                                                       \
+    }                                                                         \
   };
 
 // Sums tiles 0..Columns-1 cleared, or stored side by side: [16 weight rows][16 * Columns input

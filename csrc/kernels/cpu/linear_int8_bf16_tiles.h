@@ -88,7 +88,7 @@ void weight_tile(const LinearParams& p, const uint8_t* b, int64_t m, int mc, int
   tiles::zero_columns<ColTiles>();
   convert(0);
   for (int64_t kb = 0; kb < steps; ++kb) {
-    Bf16Step::step<ColTiles>(a[kb & 1], b + kb * kMaxColTiles * kTileBytes);
+    Bf16Step::step<ColTiles>(a[kb & 1], 64, b + kb * kMaxColTiles * kTileBytes);
     if (kb + 1 < steps) convert(kb + 1);
   }
   alignas(64) float sums[16 * kCols];  // [weight row][input row]

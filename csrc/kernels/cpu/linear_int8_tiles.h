@@ -1,5 +1,6 @@
-// linear for weight format int4_a8 (W4A8) on AMX int8 tiles, for batched decode and prefill;
-// included by linear.cc in the "amx" ISA level only, after linear_int8_inputs.h.
+// linear for weight formats int4_a8 (W4A8) and int8_a8 (W8A8) on AMX int8 tiles, for batched
+// decode and prefill; included by linear.cc in the "amx" ISA level only, after
+// linear_int8_inputs.h and linear_int8_a8.h.
 //
 // The arithmetic is linear_int8_inputs.h's: each input row rounded to int8 with one scale d per
 // weight group, exact integer sums per group, then out += s * d * sum in float32 group by group.
@@ -8,18 +9,23 @@
 // into 16 x 16 int32 sums: 16384 products in one instruction, 16x what vpdpbusd does. Weights
 // enter as q - z (in [-15, 15]: signed, so the zero points need no separate term), unpacked from
 // the nibbles. A group's sums leave the tiles at its end and are scaled into float32 accumulators,
-// so a group must be a whole number of 64-input tiles (takes()).
+// so a group must be a whole number of 64-input tiles (takes()). W8A8 weights enter as stored, and
+// its inputs have one group, the whole row (linear() sets group_size to K): one epilogue, the
+// same vfmadd as linear_int8_a8.h's, so its rows get that kernel's bits on either layout.
 //
 // Two layouts, by row count (measured in bench/RESULTS.md):
 // - Up to kFewRows (64) input rows (decode batches, a prefill's small MoE experts), the weights are
 //   the first operand, in their own row order: unpacking them is the main cost, and it is paid once
 //   per call. (14336 x 4096 at 32 and 64 rows: the panels took 1.6-1.8x and 1.4-1.6x its time.)
 // - More rows (prefill): panels of 32 weight rows are unpacked and transposed into the second
-//   operand once per chunk of rows, and 32 x 32 blocks of sums use all 8 tiles.
-// Both add the same float32 terms in the same order, so a row gets the same bits from either. The
-// vector kernel sums a group's blocks in separate lanes before adding them, so its results may
-// differ in the last bits: a row is batch invariant on each side of kTilesFromRows, as linear's
-// other tile paths are.
+//   operand, and 32 x 32 blocks of sums use all 8 tiles. Where the rounded inputs fit in the
+//   last-level cache, groups of panels that fit in L2 meet every input row (the weight is read
+//   once); else each panel is packed once per chunk of rows that fits in L2, or, for rows too
+//   long for such chunks, the first layout runs in passes of kFewRows rows.
+// All add the same float32 terms in the same order, so a row gets the same bits from any. The
+// W4A8 vector kernel sums a group's blocks in separate lanes before adding them, so its results
+// may differ in the last bits: a row is batch invariant on each side of kTilesFromRows, as
+// linear's other tile paths are. (W8A8's are the same bits on both sides.)
 #pragma once
 
 #include <immintrin.h>
@@ -43,8 +49,14 @@ constexpr int64_t kChunkBytes = 1 << 20;    // int8 input rows per chunk: kept i
 constexpr int64_t kTilesFromRows = 4;
 
 inline bool takes(const LinearParams& p) {
-  return p.weight_format == WeightFormat::kInt4A8 && p.group_size % kTileK == 0 && p.rows >= kTilesFromRows;
+  const bool groups_fit = p.weight_format == WeightFormat::kInt4A8   ? p.group_size % kTileK == 0
+                          : p.weight_format == WeightFormat::kInt8A8 ? p.in_features % kTileK == 0
+                                                                     : false;
+  return groups_fit && p.rows >= kTilesFromRows;
 }
+
+inline bool int8_weights(const LinearParams& p) { return p.weight_format == WeightFormat::kInt8A8; }
+inline int64_t weight_row_bytes(const LinearParams& p) { return int8_weights(p) ? p.in_features : p.in_features / 2; }
 
 // The input rows rounded to int8, as input tiles: block b (32 rows) and step kb (64 inputs) are
 // two 16 x 64 tiles at a + (b * steps + kb) * 2 * kTileBytes, rows past M zeros; d [M, groups].
@@ -99,19 +111,34 @@ inline __m512i weights_minus_zero_block_order(const uint8_t* q, uint8_t z) {
 // Swaps the middle two 16-byte quarters: input order to block order and back.
 inline __m512i swap_middle_quarters(__m512i v) { return _mm512_shuffle_i64x2(v, v, _MM_SHUFFLE(3, 1, 2, 0)); }
 
-// The same weights in input order.
-inline __m512i weights_minus_zero(const uint8_t* q, uint8_t z) {
-  return swap_middle_quarters(weights_minus_zero_block_order(q, z));
-}
+// A weight's rows as the tiles take them, read once per call from p.
+struct WeightSteps {
+  const uint8_t* q;
+  const uint8_t* zeros;
+  int64_t row_bytes, groups;
+  bool int8;
+  explicit WeightSteps(const LinearParams& p)
+      : q(static_cast<const uint8_t*>(p.weight)), zeros(p.zeros), row_bytes(weight_row_bytes(p)),
+        groups(p.in_features / p.group_size), int8(int8_weights(p)) {}
+  // Row `row`'s inputs [64 kb, 64 kb + 64), of group g, as signed bytes: W8A8's as stored, W4A8's
+  // q - z in block order, or in input order where InputOrder.
+  template <bool InputOrder>
+  __m512i step(int64_t row, int64_t kb, int64_t g) const {
+    const uint8_t* r = q + row * row_bytes;
+    if (int8) return _mm512_loadu_si512(r + kb * kTileK);
+    const __m512i v = weights_minus_zero_block_order(r + kb * 32, zeros[row * groups + g]);
+    return InputOrder ? swap_middle_quarters(v) : v;
+  }
+};
 
-// Weight rows [n, n + nr) (nr <= kPanel; missing rows zero) as K / 64 pairs of weight tiles of q - z
-// (tile (kb, h): rows n + 16h.., inputs [64 kb, 64 kb + 64)), then their scales by group [groups,
-// 32] (0 for missing rows).
+// Weight rows [n, n + nr) (nr <= kPanel; missing rows zero) as K / 64 pairs of weight tiles (W4A8:
+// of q - z; tile (kb, h): rows n + 16h.., inputs [64 kb, 64 kb + 64)), then their scales by group
+// [groups, 32] (0 for missing rows).
 inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel, float* scales) {
-  const int64_t K = p.in_features, G = p.group_size, groups = K / G, row_bytes = K / 2;
-  const auto* q = static_cast<const uint8_t*>(p.weight) + n * row_bytes;
+  const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK;
+  const WeightSteps w(p);
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t kb = 0; kb < K / kTileK; ++kb) {
+  for (int64_t kb = 0; kb < steps; ++kb) {
     const int64_t g = kb * kTileK / G;
     for (int h = 0; h < 2; ++h) {
       __m512i rows[16], cols[16];
@@ -121,7 +148,7 @@ inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel,
           rows[i] = zero;
           continue;
         }
-        rows[i] = weights_minus_zero(q + r * row_bytes + kb * 32, p.zeros[(n + r) * groups + g]);
+        rows[i] = w.step<true>(n + r, kb, g);
       }
       transpose_16x16(rows, cols);  // dword j of every row: the VNNI layout
       uint8_t* tile = panel + (kb * 2 + h) * kTileBytes;
@@ -184,26 +211,36 @@ void block_product(const LinearParams& p, const uint8_t* a, const uint8_t* panel
   scale(groups - 1);
 }
 
-// Rows [m_begin, m_end) (a whole chunk of blocks but the last) against panels [first, last).
+// Rows [m_begin, m_end) (whole blocks but the last) against panels [first, last), `together`
+// panels packed at a time: each block of input rows meets all of them before the next block.
 template <typename T>
 void run_part(const LinearParams& p, const TiledInputs& r, int64_t m_begin, int64_t m_end, int64_t first,
-              int64_t last) {
+              int64_t last, int64_t together) {
+  // A panel holds as many bytes as a block of inputs: K / 64 pairs of tiles.
   const int64_t groups = p.in_features / p.group_size, block_bytes = r.steps * 2 * kTileBytes;
-  auto* panel = static_cast<uint8_t*>(thread_scratch(0, static_cast<size_t>(block_bytes)));
-  auto* scales = static_cast<float*>(thread_scratch(1, static_cast<size_t>(groups * kPanel * 4)));
+  auto* packed = static_cast<uint8_t*>(thread_scratch(0, static_cast<size_t>(together * block_bytes)));
+  auto* scales = static_cast<float*>(thread_scratch(1, static_cast<size_t>(together * groups * kPanel * 4)));
+  const auto features = [&](int64_t pi) {
+    return static_cast<int>(p.out_features - pi * kPanel < kPanel ? p.out_features - pi * kPanel : kPanel);
+  };
   static const tiles::TileConfig config;
   _tile_loadconfig(&config);
   alignas(64) float acc[kBlockRows * kPanel];
-  for (int64_t pi = first; pi < last; ++pi) {
-    const int64_t n = pi * kPanel;
-    const int nr = static_cast<int>(p.out_features - n < kPanel ? p.out_features - n : kPanel);
-    pack_panel(p, n, nr, panel, scales);
+  for (int64_t begin = first; begin < last; begin += together) {
+    const int64_t end = std::min(last, begin + together);
+    for (int64_t pi = begin; pi < end; ++pi)
+      pack_panel(p, pi * kPanel, features(pi), packed + (pi - begin) * block_bytes,
+                 scales + (pi - begin) * groups * kPanel);
     for (int64_t m = m_begin; m < m_end; m += kBlockRows) {
       const int mr = static_cast<int>(m_end - m < kBlockRows ? m_end - m : kBlockRows);
       const uint8_t* a = reinterpret_cast<const uint8_t*>(r.a) + m / kBlockRows * block_bytes;
-      if (mr <= 16) block_product<1>(p, a, panel, scales, r.d + m * groups, mr, acc);
-      else block_product<2>(p, a, panel, scales, r.d + m * groups, mr, acc);
-      store_block<T>(p, acc, kPanel, m, mr, n, nr);
+      for (int64_t pi = begin; pi < end; ++pi) {
+        const uint8_t* panel = packed + (pi - begin) * block_bytes;
+        const float* s = scales + (pi - begin) * groups * kPanel;
+        if (mr <= 16) block_product<1>(p, a, panel, s, r.d + m * groups, mr, acc);
+        else block_product<2>(p, a, panel, s, r.d + m * groups, mr, acc);
+        store_block<T>(p, acc, kPanel, m, mr, pi * kPanel, features(pi));
+      }
     }
   }
   _tile_release();
@@ -220,8 +257,32 @@ void linear_panels(const LinearParams& p) {
   const int64_t chunk = chunk_rows(p);
   tiles::over_chunks_and_panels(p.rows, chunk, (p.out_features + kPanel - 1) / kPanel,
                                 [&](int64_t m_begin, int64_t m_end, int64_t first, int64_t last) {
-                                  run_part<T>(p, r, m_begin, m_end, first, last);
+                                  run_part<T>(p, r, m_begin, m_end, first, last, 1);
                                 });
+}
+
+// Chunks of rows read the whole weight from memory once per chunk: Mixtral's 14336 x 4096 at 512
+// rows twice, its 4096 x 14336 (passes of 64 rows) eight times, a large part of a MoE layer's time
+// where the experts' weights are far larger than any cache. Where the rounded inputs are small
+// enough to stay in the last-level cache, each thread instead packs groups of panels that stay in
+// L2 (kGroupBytes) and streams all the input rows past each group: the weight is read once, and
+// the inputs once per group from that cache.
+constexpr int64_t kGroupBytes = 1 << 20;
+constexpr int64_t kGroupsUpToInputBytes = 8 << 20;
+
+inline bool by_panel_groups(const LinearParams& p) {
+  return p.rows > chunk_rows(p) && p.rows * p.in_features <= kGroupsUpToInputBytes;
+}
+
+template <typename T>
+void linear_panel_groups(const LinearParams& p) {
+  const TiledInputs r = round_inputs<T>(p);
+  const int64_t panels = (p.out_features + kPanel - 1) / kPanel;
+  const int64_t together = std::max<int64_t>(1, kGroupBytes / (p.in_features * kPanel));
+  const int64_t groups = (panels + together - 1) / together, threads = get_num_threads();
+  parallel_for(groups, (groups + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    run_part<T>(p, r, 0, p.rows, begin * together, std::min(panels, end * together), together);
+  });
 }
 
 // ---- A few input rows (decode batches, small experts) ------------------------------------------
@@ -272,9 +333,11 @@ FewInputs transpose_inputs(const LinearParams& p) {
   for (int64_t kb = 0; kb < steps; ++kb)
     for (int t = 0; t < tiles; ++t) {
       __m512i in[16], out[16];
-      // In the weights' block order (few_rows_tile), so that they need no shuffle.
-      for (int i = 0; i < 16; ++i)
-        in[i] = swap_middle_quarters(_mm512_loadu_si512(rows + (16 * t + i) * K + kb * kTileK));
+      // In W4A8 weights' block order (few_rows_tile), so that they need no shuffle.
+      for (int i = 0; i < 16; ++i) {
+        in[i] = _mm512_loadu_si512(rows + (16 * t + i) * K + kb * kTileK);
+        if (!int8_weights(p)) in[i] = swap_middle_quarters(in[i]);
+      }
       transpose_16x16(in, out);  // dword j of every row: 4 inputs of each row per tile row
       uint8_t* tile = b + (kb * tiles + t) * kTileBytes;
       for (int j = 0; j < 16; ++j) _mm512_store_si512(tile + j * 64, out[j]);
@@ -284,43 +347,56 @@ FewInputs transpose_inputs(const LinearParams& p) {
 
 OCTAVO_WEIGHT_FIRST_STEP(Int8Step, _tile_dpbssd)
 
-// Weight rows [n, n + nr) (nr <= 16) against the inputs' InputTiles tiles: out[i][n + r] for
-// i < M. Step kb + 1's weight tile is unpacked while step kb's multiplies (two buffers): a tile
-// load waits for the stores to its buffer to reach the cache, and that wait then overlaps other
-// work.
+// Weight rows [n, n + nr) (nr <= 16) against InputTiles tiles of the inputs from tile t0:
+// out[i][n + r] for i in [16 t0, 16 (t0 + InputTiles)) and < M. W4A8: step kb + 1's weight tile is
+// unpacked while step kb's multiplies (two buffers): a tile load waits for the stores to its
+// buffer to reach the cache, and that wait then overlaps other work. W8A8: a whole tile of 16 rows
+// is read from the weight itself (from memory in the first pass, t0 = 0; from L2 in the next).
 template <typename T, int InputTiles>
-void few_rows_tile(const LinearParams& p, const FewInputs& in, int64_t n, int nr) {
-  const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK, row_bytes = K / 2;
-  const int64_t steps_per_group = G / kTileK;
+void few_rows_tile(const LinearParams& p, const FewInputs& in, int64_t n, int nr, int t0) {
+  const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK;
+  const int64_t steps_per_group = G / kTileK, row_bytes = weight_row_bytes(p), in_cols = 16 * in.tiles;
   constexpr int cols = 16 * InputTiles;
   const auto* q = static_cast<const uint8_t*>(p.weight);
   int64_t rows[16];  // rows past nr repeat row n (their results are dropped)
   for (int r = 0; r < 16; ++r) rows[r] = n + (r < nr ? r : 0);
+  // The next 16 rows' bytes of step kb are asked for, a tile of rows ahead as the vector kernel
+  // prefetches (once per line: W4A8 steps take half a line).
+  const int64_t step_bytes = row_bytes / steps;
+  const bool direct = int8_weights(p) && nr == 16;
   alignas(64) uint8_t a[2][kTileBytes];
+  const WeightSteps w(p);
   const auto unpack = [&](int64_t kb) {
     const int64_t g = kb / steps_per_group;
     for (int r = 0; r < 16; ++r) {
-      const uint8_t* row = q + rows[r] * row_bytes + kb * 32;
-      // The next 16 rows, a tile of rows ahead as the vector kernel prefetches (once per line).
-      if (kb % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes), _MM_HINT_T0);
-      _mm512_store_si512(a[kb & 1] + r * 64, weights_minus_zero_block_order(row, p.zeros[rows[r] * groups + g]));
+      const uint8_t* row = q + rows[r] * row_bytes + kb * step_bytes;
+      if (step_bytes == 64 || kb % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(row + 16 * row_bytes), _MM_HINT_T0);
+      _mm512_store_si512(a[kb & 1] + r * 64, w.step<false>(rows[r], kb, g));
     }
   };
   alignas(64) int32_t sums[16 * cols];  // [weight row][input row]
   __m512 acc[InputTiles][16];  // [t][r]: weight row r's outputs for input rows 16t..16t + 15
   for (int t = 0; t < InputTiles; ++t)
     for (int r = 0; r < 16; ++r) acc[t][r] = _mm512_setzero_ps();
-  unpack(0);
+  if (!direct) unpack(0);
   tiles::zero_columns<InputTiles>();
   for (int64_t kb = 0; kb < steps; ++kb) {
-    Int8Step::step<InputTiles>(a[kb & 1], in.b + kb * InputTiles * kTileBytes);
-    if (kb + 1 < steps) unpack(kb + 1);
+    const uint8_t* b = in.b + (kb * in.tiles + t0) * kTileBytes;
+    if (direct) {
+      const uint8_t* next = q + (n + 16) * row_bytes + kb * kTileK;
+      if (t0 == 0)
+        for (int r = 0; r < 16; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * row_bytes), _MM_HINT_T0);
+      Int8Step::step<InputTiles>(q + n * row_bytes + kb * kTileK, row_bytes, b);
+    } else {
+      Int8Step::step<InputTiles>(a[kb & 1], 64, b);
+      if (kb + 1 < steps) unpack(kb + 1);
+    }
     if ((kb + 1) % steps_per_group != 0) continue;
     const int64_t g = kb / steps_per_group;  // the group ends: its sums scaled into acc
     tiles::store_columns<InputTiles>(sums, cols * 4);
     tiles::zero_columns<InputTiles>();
     for (int t = 0; t < InputTiles; ++t) {
-      const __m512 d = _mm512_load_ps(in.d + g * cols + 16 * t);
+      const __m512 d = _mm512_load_ps(in.d + g * in_cols + 16 * (t0 + t));
       for (int r = 0; r < 16; ++r) {
         const __m512 sd = _mm512_mul_ps(_mm512_set1_ps(p.scales[rows[r] * groups + g]), d);
         acc[t][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(sums + r * cols + 16 * t)), sd, acc[t][r]);
@@ -328,34 +404,44 @@ void few_rows_tile(const LinearParams& p, const FewInputs& in, int64_t n, int nr
     }
   }
   // acc[t][r] holds weight row r's outputs for 16 input rows: transposed, out's rows.
-  for (int t = 0; t < InputTiles && 16 * t < p.rows; ++t) {
+  for (int t = 0; t < InputTiles && 16 * (t0 + t) < p.rows; ++t) {
     __m512i by_weight[16], by_input[16];
     for (int r = 0; r < 16; ++r) by_weight[r] = _mm512_castps_si512(acc[t][r]);
     transpose_16x16(by_weight, by_input);
     alignas(64) float block[16 * 16];
     for (int i = 0; i < 16; ++i) _mm512_store_si512(block + i * 16, by_input[i]);
-    const int64_t m = 16 * t;
+    const int64_t m = 16 * (t0 + t);
     store_block<T>(p, block, 16, m, static_cast<int>(p.rows - m < 16 ? p.rows - m : 16), n, nr);
   }
 }
 
+// All the input rows against weight rows [n, n + nr), in passes of up to 4 input tiles.
 template <typename T>
 void few_rows_tiles(const LinearParams& p, const FewInputs& in, int64_t n, int nr) {
-  switch (in.tiles) {
-    case 1: return few_rows_tile<T, 1>(p, in, n, nr);
-    case 2: return few_rows_tile<T, 2>(p, in, n, nr);
-    case 3: return few_rows_tile<T, 3>(p, in, n, nr);
-    default: return few_rows_tile<T, 4>(p, in, n, nr);
+  for (int t0 = 0; t0 < in.tiles; t0 += 4) {
+    switch (std::min(4, in.tiles - t0)) {
+      case 1: few_rows_tile<T, 1>(p, in, n, nr, t0); break;
+      case 2: few_rows_tile<T, 2>(p, in, n, nr, t0); break;
+      case 3: few_rows_tile<T, 3>(p, in, n, nr, t0); break;
+      default: few_rows_tile<T, 4>(p, in, n, nr, t0); break;
+    }
   }
 }
 
-// kTilesFromRows <= M <= kFewRows rows: threads split the weight's tiles of 16 rows, each
-// streaming its own slab.
+// Threads split the weight's tiles of 16 rows, each streaming its own slab: kTilesFromRows <= M
+// <= kFewRows rows, and W8A8 prefills whose int8 inputs fit in L2 (weights_first), whose weight
+// tiles are then read from memory once, with no packing at all.
+constexpr int64_t kWeightsFirstInputBytes = 1 << 20;
+
+inline bool weights_first(const LinearParams& p) {
+  return p.rows <= kFewRows || (int8_weights(p) && p.rows * p.in_features <= kWeightsFirstInputBytes);
+}
+
 template <typename T>
 void linear_few_rows(const LinearParams& p) {
   const FewInputs in = transpose_inputs<T>(p);
   const int64_t tiles = (p.out_features + 15) / 16, threads = get_num_threads();
-  const bool serial = p.out_features * p.in_features / 2 < (int64_t{1} << 18);  // waking the pool costs more
+  const bool serial = p.out_features * weight_row_bytes(p) < (int64_t{1} << 18);  // waking the pool costs more
   parallel_for(tiles, serial ? tiles : (tiles + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     static const tiles::TileConfig config;
     _tile_loadconfig(&config);
@@ -368,8 +454,11 @@ void linear_few_rows(const LinearParams& p) {
 }
 
 template <typename T>
-void linear(const LinearParams& p) {
-  if (p.rows <= kFewRows) return linear_few_rows<T>(p);
+void linear(const LinearParams& params) {
+  LinearParams p = params;
+  if (int8_weights(p)) p.group_size = p.in_features;  // W8A8: one group, the whole row
+  if (weights_first(p)) return linear_few_rows<T>(p);
+  if (by_panel_groups(p)) return linear_panel_groups<T>(p);
   if (chunk_rows(p) >= kPanelsFromChunkRows) return linear_panels<T>(p);
   for (int64_t m = 0; m < p.rows; m += kFewRows) {  // long rows: passes of kFewRows rows
     LinearParams pass = p;

@@ -159,10 +159,15 @@ std::vector<Slab> slabs_of(const std::vector<Segment>& segments, int64_t n) {
   return slabs;
 }
 
+// Whether `linear` rounds the inputs of a stack's products to int8 (W4A8, W8A8).
+bool rounds_inputs(const ExpertStack& w) {
+  return w.format == WeightFormat::kInt4A8 || w.format == WeightFormat::kInt8A8;
+}
+
 // Whether a stack's weights decode to float32 in `linear` (every format but dense and the
-// bfloat16 tiles, which multiply in the activations' type).
+// bfloat16 tiles, which multiply in the activations' type, and those that round the inputs).
 bool decodes_to_float(const ExpertStack& w) {
-  return w.format != WeightFormat::kDense && w.format != WeightFormat::kBf16Tiles;
+  return w.format != WeightFormat::kDense && w.format != WeightFormat::kBf16Tiles && !rounds_inputs(w);
 }
 
 // `linear`'s arguments for out[seg.begin:seg.end, slab] = in[seg.begin:seg.end, :] · the slab of
@@ -319,6 +324,20 @@ void run_batch(const FusedMoeParams& p, const int32_t* order, int64_t rows, cons
   });
 }
 
+// Where the batch of pairs that starts at `first` ends: after at most kBatchRows pairs, and at the
+// start of an expert's rows where one lies inside that, so that an expert's rows are split
+// between batches only where they alone pass kBatchRows. Every batch streams its experts' weights
+// from memory: Mixtral-sized experts of about 512 rows each (2048 tokens) were read two or three
+// times over when batches ended at fixed counts.
+int64_t batch_end(const ExpertGroups& groups, int64_t first) {
+  const int64_t total = static_cast<int64_t>(groups.order.size());
+  const int64_t limit = std::min(total, first + kBatchRows);
+  if (limit == total) return total;
+  const auto after = std::upper_bound(groups.start.begin(), groups.start.end(), limit);  // the first start past it
+  const int64_t boundary = *(after - 1);  // start[0] = 0 <= limit, so there is one
+  return boundary > first ? boundary : limit;
+}
+
 template <typename T, typename C>
 void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
   const int64_t H = p.hidden;
@@ -327,8 +346,8 @@ void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
   std::fill(acc, acc + p.tokens * H, 0.0f);
   BatchScratch<C> scratch(std::min(total, kBatchRows), H, p.intermediate);
   int64_t expert = 0;
-  for (int64_t first = 0; first < total; first += kBatchRows) {
-    const int64_t last = std::min(total, first + kBatchRows);
+  for (int64_t first = 0, last = 0; first < total; first = last) {
+    last = batch_end(groups, first);
     std::vector<Segment> segments;
     for (; expert < p.num_experts && groups.start[expert] < last; ++expert) {
       const int64_t begin = std::max(groups.start[expert], first), end = std::min(groups.start[expert + 1], last);
@@ -352,20 +371,25 @@ void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
 // Where `linear` multiplies the weights by bfloat16 inputs as they are (int8 on AMX tiles, from 4
 // rows), bfloat16 activations from there on, and nothing is dequantized (to_dense_bf16).
 //
-// W4A8 experts (int4_a8) always compute in float32: their products run on int8 at every row
-// count (AMX tiles from linear's kTilesFromRows on), so dequantizing to bfloat16 would only lose
-// time and change the arithmetic, and float32 intermediates keep one rounding per projection.
+// W4A8 and W8A8 experts (int4_a8, int8_a8) are never dequantized: their products round the
+// inputs to int8 at every row count (AMX tiles from linear's kTilesFromRows on). Below
+// kBf16FromRows they compute in float32 (one rounding per projection); from there on bfloat16
+// activations stay bfloat16, as a bfloat16 model's intermediates would, and half the bytes move
+// (Mixtral-sized W8A8 experts at 2048 tokens: about 0.9x the float32 path's time, OLMoE-sized
+// 0.85-0.95x).
 template <typename T>
 void dispatch_compute(const FusedMoeParams& p) {
   const ExpertGroups groups = group_by_expert(p.topk_ids, p.tokens * p.top_k, p.num_experts);
-  if (p.w13.format == WeightFormat::kInt4A8 || p.w2.format == WeightFormat::kInt4A8)
-    return run_fused_moe<T, float>(p, groups);
-  if (std::is_same_v<T, float> || !decodes_to_float(p.w13) || !decodes_to_float(p.w2))
-    return run_fused_moe<T, T>(p, groups);
   int64_t experts = 0;  // those with rows
   for (int64_t e = 0; e < p.num_experts; ++e) experts += groups.start[e + 1] > groups.start[e];
   const int64_t pairs = groups.start[p.num_experts];
   const int64_t rows = pairs / std::max<int64_t>(experts, 1);
+  if (rounds_inputs(p.w13) || rounds_inputs(p.w2)) {
+    if (std::is_same_v<T, bf16> && rows >= kBf16FromRows) return run_fused_moe<T, T>(p, groups);
+    return run_fused_moe<T, float>(p, groups);
+  }
+  if (std::is_same_v<T, float> || !decodes_to_float(p.w13) || !decodes_to_float(p.w2))
+    return run_fused_moe<T, T>(p, groups);
   const bool kept = keeps_bf16(p.w13, p.hidden, rows) && keeps_bf16(p.w2, p.intermediate, rows);
   if (std::is_same_v<T, bf16> && (rows >= kBf16FromRows || kept)) return run_fused_moe<T, T>(p, groups);
   run_fused_moe<T, float>(p, groups);

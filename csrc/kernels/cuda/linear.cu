@@ -161,7 +161,8 @@ void dispatch_quantized(const LinearParams& p, Fn&& fn) {
     case WeightFormat::kQ8_0: return fn(static_cast<Q8_0Row*>(nullptr));
     case WeightFormat::kQ4_0: return fn(static_cast<Q4_0Row*>(nullptr));
     case WeightFormat::kQ4_1: return fn(static_cast<Q4_1Row*>(nullptr));
-    case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
+    case WeightFormat::kInt8:
+    case WeightFormat::kInt8A8: return fn(static_cast<Int8Row*>(nullptr));  // int8_a8: dequantize only
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return fn(static_cast<Int4Row*>(nullptr));  // int4_a8: dequantize only
     case WeightFormat::kDense: break;

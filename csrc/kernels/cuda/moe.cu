@@ -620,6 +620,7 @@ void dispatch_rows(const ExpertStack& w, Fn&& fn) {
     case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
     case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
     case WeightFormat::kInt4A8:  // refused before launch (ops/moe.cc): CPU only
+    case WeightFormat::kInt8A8:
     case WeightFormat::kBf16Tiles: break;
   }
   OCTAVO_CHECK(false, "fused_moe on CUDA: experts in " << weight_format_name(w.format)

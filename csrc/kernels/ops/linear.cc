@@ -29,7 +29,8 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
     check_size(weight, "weight", 1, k);
     return n;
   }
-  const DType stored = format == WeightFormat::kInt8 ? DType::kInt8 : DType::kUInt8;
+  const bool int8 = format == WeightFormat::kInt8 || format == WeightFormat::kInt8A8;
+  const DType stored = int8 ? DType::kInt8 : DType::kUInt8;
   OCTAVO_CHECK(weight.dtype == stored, "argument 'weight' in format " << weight_format_name(format) << " must be "
                                            << dtype_name(stored) << ", got " << dtype_name(weight.dtype));
   OCTAVO_CHECK(k % kBlockWeights == 0, "weight format " << weight_format_name(format) << " needs in_features "
@@ -37,10 +38,13 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   check_size(weight, "weight", 1, k / kBlockWeights * weight_block_bytes(format));
   OCTAVO_CHECK(format != WeightFormat::kBf16Tiles || n % bf16_tiles::kPanelRows == 0,
                "weight format bf16_tiles needs out_features divisible by 32, got " << n);
-  if (format == WeightFormat::kInt8) {
-    OCTAVO_CHECK(quant.scales != nullptr, "weight format int8 needs scales");
+  if (int8) {
+    OCTAVO_CHECK(quant.scales != nullptr, "weight format " << weight_format_name(format) << " needs scales");
     ops::check_vector(*quant.scales, "scales", DType::kFloat32, n, ref, ref_arg);
     p.scales = static_cast<const float*>(quant.scales->data);
+    // int8_a8's products are exact int32 sums of |q| <= 128 times |a| <= 127 (cpu/linear_int8_a8.h).
+    OCTAVO_CHECK(format != WeightFormat::kInt8A8 || k <= (int64_t{1} << 17),
+                 "weight format int8_a8 takes at most 131072 inputs, got " << k);
   } else if (format == WeightFormat::kInt4 || format == WeightFormat::kInt4A8) {
     const int64_t g = quant.group_size;
     const char* name = weight_format_name(format);
@@ -82,16 +86,18 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::kInt4: return "int4";
     case WeightFormat::kBf16Tiles: return "bf16_tiles";
     case WeightFormat::kInt4A8: return "int4_a8";
+    case WeightFormat::kInt8A8: return "int8_a8";
   }
   return "?";
 }
 
 WeightFormat parse_weight_format(const char* name) {
   for (WeightFormat f : {WeightFormat::kDense, WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
-                         WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kBf16Tiles, WeightFormat::kInt4A8})
+                         WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kBf16Tiles, WeightFormat::kInt4A8,
+                         WeightFormat::kInt8A8})
     if (std::strcmp(name, weight_format_name(f)) == 0) return f;
   OCTAVO_CHECK(false, "unknown weight format '"
-                          << name << "' (expected dense, q8_0, q4_0, q4_1, int8, int4, int4_a8 or bf16_tiles)");
+                          << name << "' (expected dense, q8_0, q4_0, q4_1, int8, int4, int4_a8, int8_a8 or bf16_tiles)");
   return WeightFormat::kDense;
 }
 
@@ -100,7 +106,8 @@ int64_t weight_block_bytes(WeightFormat format) {
     case WeightFormat::kQ8_0: return 2 + 32;      // float16 scale, 32 int8
     case WeightFormat::kQ4_0: return 2 + 16;      // float16 scale, 32 nibbles
     case WeightFormat::kQ4_1: return 2 + 2 + 16;  // float16 scale and minimum, 32 nibbles
-    case WeightFormat::kInt8: return 32;          // scales kept apart
+    case WeightFormat::kInt8:
+    case WeightFormat::kInt8A8: return 32;        // scales kept apart
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return 16;        // scales and zero points kept apart
     case WeightFormat::kBf16Tiles: return 64;     // 32 bfloat16, reordered
@@ -131,6 +138,8 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
   OCTAVO_CHECK(!cuda || format != WeightFormat::kBf16Tiles, "weight format bf16_tiles is for the CPU only");
   OCTAVO_CHECK(!cuda || format != WeightFormat::kInt4A8,
                "weight format int4_a8 (int8 inputs) is for the CPU only; CUDA multiplies int4");
+  OCTAVO_CHECK(!cuda || format != WeightFormat::kInt8A8,
+               "weight format int8_a8 (int8 inputs) is for the CPU only; CUDA multiplies int8");
   if (cuda) cuda::linear(p);
   else cpu_dispatch(linear, p);
 }

@@ -166,8 +166,11 @@ void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeig
   FusedMoeParams p{out.data, hidden.data, topk_weights.data_as<const float>(), topk_ids.data_as<const int32_t>(),
                    gate_up, down, in.rows, in.cols, gate_up.rows / 2, E, k, in.stride, o.stride, hidden.dtype};
   if (ops::runs_on_cuda(hidden, "hidden_states")) {
-    OCTAVO_CHECK(gate_up.format != WeightFormat::kInt4A8 && down.format != WeightFormat::kInt4A8,
-                 "experts in weight format int4_a8 (int8 inputs) run on the CPU only; CUDA multiplies int4");
+    for (const ExpertStack* w : {&gate_up, &down})
+      OCTAVO_CHECK(w->format != WeightFormat::kInt4A8 && w->format != WeightFormat::kInt8A8,
+                   "experts in weight format " << weight_format_name(w->format)
+                                               << " (int8 inputs) run on the CPU only; CUDA multiplies "
+                                               << (w->format == WeightFormat::kInt4A8 ? "int4" : "int8"));
     cuda::fused_moe(p);
   } else {
     cpu_dispatch(fused_moe, p);

@@ -70,8 +70,8 @@ FLOAT_INPUT_MAX_ROWS = 16
 # torch's bfloat16 GEMM on the weights dequantized to bfloat16 (oneDNN, AMX tiles where the CPU
 # has them), as on CUDA: int4 6144x2048 on an AMX Xeon, 2 threads, 1024 rows 130 -> 17 ms, 128
 # rows 17 -> 7 ms, even at 32 (bench/RESULTS.md, MoE section). Rows then multiply the weights
-# rounded to bfloat16, as a bfloat16 checkpoint's would be. Not where the CPU has AMX for int4_a8,
-# whose int8 tiles beat that GEMM at every row count (6144x2048 at 512 rows: 5.1 ms against the
+# rounded to bfloat16, as a bfloat16 checkpoint's would be. Not where the CPU has AMX for int4_a8
+# and int8_a8, whose int8 tiles beat that GEMM at every row count (6144x2048 at 512 rows: 5.1 ms against the
 # bfloat16 GEMM's 5.6 on weights already dequantized) and keep the int8 inputs' arithmetic, nor
 # for int8 from INT8_BF16_TILES_FROM_ROWS.
 CPU_BF16_GEMM_FROM_ROWS = 64
@@ -80,6 +80,8 @@ CPU_BF16_GEMM_FROM_ROWS = 64
 # rows, 6x the GEMM on dequantized weights at 64, and still faster than that GEMM alone at 512
 # (14336x4096: 36.6 ms against 40-42 without the dequantizing): the inputs stay bfloat16.
 INT8_BF16_TILES_FROM_ROWS = 4
+# The formats whose CPU kernels round the activations to int8 (W4A8, W8A8).
+INT8_INPUT_FORMATS = ("int4_a8", "int8_a8")
 
 
 def param(*shape: int, dtype: torch.dtype) -> torch.nn.Parameter:
@@ -95,8 +97,8 @@ class QuantizedWeight(torch.nn.Module):
     GGUF blocks as a file stores them ("q8_0", "q4_0", "q4_1": ``qweight`` uint8 [N, K / 32 *
     block bytes]), or Octavo's own load-time formats ("int8": ``qweight`` int8 [N, K] and
     ``scales`` [N]; "int4": ``qweight`` uint8 [N, K / 2], ``scales`` float32 and ``zeros`` uint8
-    [N, K / group_size]; "int4_a8": int4's data, multiplied with int8-rounded inputs on the CPU;
-    see ``octavo.layers.quantize``)."""
+    [N, K / group_size]; "int4_a8" / "int8_a8": int4's / int8's data, multiplied with int8-rounded
+    inputs on the CPU; see ``octavo.layers.quantize``)."""
 
     def __init__(self, data: torch.Tensor, weight_format: str, in_features: int, scales: torch.Tensor | None = None,
                  zeros: torch.Tensor | None = None, group_size: int = 0, input_order: torch.Tensor | None = None):
@@ -167,11 +169,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
             on_tiles = dtype == torch.bfloat16 and _on_amx_tiles(weight_format, x.shape[0])
             if dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS and not on_tiles:
                 return _gemm_on_dequantized(x, weight, bias)
-            if x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format != "int4_a8" and not on_tiles:
+            if x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format not in INT8_INPUT_FORMATS and not on_tiles:
                 # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads
                 # directly (int4 at M = 1: about 1.3x as fast), and below FLOAT_INPUT_MAX_ROWS
-                # either way it rounds the same float32 sums once: the same bits. (int4_a8 rounds
-                # its inputs to int8 whatever their type; the tiles multiply bfloat16 ones.)
+                # either way it rounds the same float32 sums once: the same bits. (int4_a8 and
+                # int8_a8 round their inputs to int8 whatever their type; the int8 tiles multiply
+                # bfloat16 ones.)
                 x, bias = x.float(), None if bias is None else bias.float()
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
         _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size)
@@ -185,10 +188,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
 
 def _on_amx_tiles(weight_format: str, rows: int) -> bool:
     """Whether the CPU kernel multiplies bfloat16 inputs of this quantized product on AMX tiles
-    (int4_a8 at every row count: int8 tiles from 4 rows, and its vector kernel below)."""
-    if weight_format not in ("int4_a8", "int8") or _C.cpu_isa() != "amx":
+    (int4_a8 and int8_a8 at every row count: int8 tiles from 4 rows, and their vector kernels
+    below)."""
+    if weight_format not in ("int8", *INT8_INPUT_FORMATS) or _C.cpu_isa() != "amx":
         return False
-    return weight_format == "int4_a8" or rows >= INT8_BF16_TILES_FROM_ROWS
+    return weight_format in INT8_INPUT_FORMATS or rows >= INT8_BF16_TILES_FROM_ROWS
 
 
 def _dense_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:

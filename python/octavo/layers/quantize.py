@@ -9,7 +9,11 @@
   int8 with one scale per weight group and multiplies integers (vLLM's W4A8, with llama.cpp's kind
   of activation blocks): about half the arithmetic of int4's float path at decode, at an accuracy
   cost lost in int4's own (bench/RESULTS.md). CPU only; prefill-sized bfloat16 batches still
-  multiply dequantized weights.
+  multiply dequantized weights where the CPU lacks AMX.
+- "w8a8": int8's weights (format "int8_a8"), and ``linear`` rounds each input row to int8 with
+  one scale for the whole row (dynamic per token) and multiplies integers, one scaling per output
+  (vLLM's W8A8 int8, as compressed-tensors checkpoints hold it: loader/compressed_tensors.py). On
+  AMX int8 tiles that is the fastest prefill of any format here. CPU only.
 
 ``quantize_model`` quantizes a model's projections (fused QKV, output, gate_up, down) in the
 chosen format and its LM head in int8: on a CPU decode step reads every weight once, and the
@@ -24,16 +28,17 @@ import torch
 
 from .linear import QuantizedWeight
 
-METHODS = ("int8", "int4", "w4a8")
+METHODS = ("int8", "int4", "w4a8", "w8a8")
 INT4_FORMATS = ("int4", "int4_a8")  # the same stored weights
+INT8_FORMATS = ("int8", "int8_a8")
 
 
-def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+def quantize_int8(w: torch.Tensor, weight_format: str = "int8") -> QuantizedWeight:
     w = w.float()
     scales = w.abs().amax(dim=1) / 127
     scales[scales == 0] = 1.0  # an all-zero row: any scale gives q = 0
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
-    return QuantizedWeight(q, "int8", w.shape[1], scales=scales)
+    return QuantizedWeight(q, weight_format, w.shape[1], scales=scales)
 
 
 def int4_group_size(in_features: int, wanted: int = 128) -> int:
@@ -70,6 +75,8 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
         return quantize_int4(w)
     if method == "w4a8":
         return quantize_int4(w, weight_format="int4_a8")
+    if method == "w8a8":
+        return quantize_int8(w, weight_format="int8_a8")
     raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
 
 
@@ -77,8 +84,8 @@ def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight |
     """Inputs [begin, end) of an int8 / int4 weight (a row-parallel rank's part), with the
     whole rows' scales, so that the part is bit for bit the whole weight's; None where the cut
     does not fall on the format's group boundaries."""
-    if w.weight_format == "int8" and begin % 32 == 0 and end % 32 == 0:
-        return QuantizedWeight(w.qweight[:, begin:end], "int8", end - begin, scales=w.scales)
+    if w.weight_format in INT8_FORMATS and begin % 32 == 0 and end % 32 == 0:
+        return QuantizedWeight(w.qweight[:, begin:end], w.weight_format, end - begin, scales=w.scales)
     g = w.group_size
     if w.weight_format in INT4_FORMATS and begin % g == 0 and end % g == 0 and begin % 32 == 0 and end % 32 == 0:
         return QuantizedWeight(w.qweight[:, begin // 2:end // 2], w.weight_format, end - begin,
@@ -226,8 +233,8 @@ def quantized_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
 
 
 # The tensors a saved quantized weight has, by format.
-_SAVED_PARTS = {"int8": ("qweight", "scales"), "int4": ("qweight", "scales", "zeros"),
-                "int4_a8": ("qweight", "scales", "zeros")}
+_SAVED_PARTS = {"int8": ("qweight", "scales"), "int8_a8": ("qweight", "scales"),
+                "int4": ("qweight", "scales", "zeros"), "int4_a8": ("qweight", "scales", "zeros")}
 
 
 def _whole_name(model: torch.nn.Module, local: str) -> str:

@@ -13,6 +13,8 @@ from ..config import ModelConfig
 from ..distributed.shards import PPStage, TPShard
 from ..layers.quantize import QUANT_METHOD, load_quantized_state, load_quantizing, quantize_model
 from ..models import model_class
+from .compressed_tensors import METHOD as COMPRESSED_TENSORS
+from .compressed_tensors import load_compressed_tensors
 from .gptq_awq import METHODS as GPTQ_AWQ
 from .gptq_awq import load_gptq_awq
 
@@ -26,7 +28,8 @@ def reject_foreign_quantization(config: ModelConfig) -> None:
     method = quant_method(config)
     if method is not None:
         raise ValueError(f"quantization method {method!r} of this checkpoint is not supported "
-                         f"(Octavo reads {', '.join(GPTQ_AWQ)} and {QUANT_METHOD!r} from `octavo quantize`)")
+                         f"(Octavo reads {', '.join(GPTQ_AWQ)}, {COMPRESSED_TENSORS} int8 (W8A8, W8A16) and "
+                         f"{QUANT_METHOD!r} from `octavo quantize`)")
 
 
 def _files(path: Path) -> list[Path]:
@@ -63,12 +66,13 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     dtype "auto" takes the checkpoint's ``torch_dtype``. load_format "dummy" skips the files and
     fills every weight with small random values (benchmarks of large shapes). The parameters
     are created on ``device``; checkpoint tensors are copied into them as they are read.
-    ``quantization`` "int8" / "int4" / "w4a8" quantizes the projections of a float checkpoint as they
-    are read (layers/quantize.py), so the float model is never whole in memory. Models whose
-    projections end up quantized are built in CPU memory and moved: there, float parameters
-    that quantized weights replace before they are filled take no pages (on a GPU they would
-    take their full size). ``tp_rank`` of ``tp_size``: build and fill only that tensor-parallel
-    rank's part (distributed/shards.py), reading each checkpoint tensor's slice; ``pp_rank`` of
+    ``quantization`` "int8" / "int4" / "w4a8" / "w8a8" quantizes the projections of a float
+    checkpoint as they are read (layers/quantize.py), so the float model is never whole in
+    memory. Models whose projections end up quantized are built in CPU memory and moved: there,
+    float parameters that quantized weights replace before they are filled take no pages (on a
+    GPU they would take their full size). GPTQ / AWQ and compressed-tensors int8 checkpoints keep
+    their integers (gptq_awq.py, compressed_tensors.py). ``tp_rank`` of ``tp_size``: build and
+    fill only that tensor-parallel rank's part (distributed/shards.py), reading each checkpoint tensor's slice; ``pp_rank`` of
     ``pp_size``: only that pipeline stage's layers. ``expert_parallel``: mixture-of-experts
     layers hold whole experts of the tensor-parallel rank instead of a cut of every expert.
     """
@@ -85,6 +89,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         model = load_gguf_model(path, dtype, tp_rank, tp_size, pp_rank, pp_size, expert_parallel)
         return _quantized_after(model.to(device), quantization)
     config = ModelConfig.from_pretrained(path)
+    if quantization is not None and quant_method(config) == COMPRESSED_TENSORS:
+        raise ValueError(f"quantization={quantization!r} needs float weights, but {path} is a {COMPRESSED_TENSORS} "
+                         f"checkpoint whose weights are quantized already: load it without quantization")
     if dtype == "auto":
         dtype = config.torch_dtype
     elif isinstance(dtype, str):
@@ -103,6 +110,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     elif load_format == "safetensors" and quant_method(config) in GPTQ_AWQ:
         tensors = {name: t for name, t in iter_safetensors(path) if not model.held_by_another_rank(name)}
         load_gptq_awq(model, tensors, config.hf["quantization_config"])
+    elif load_format == "safetensors" and quant_method(config) == COMPRESSED_TENSORS:
+        tensors = {name: t for name, t in iter_safetensors(path) if not model.held_by_another_rank(name)}
+        load_compressed_tensors(model, tensors, config.hf["quantization_config"])
     elif load_format == "safetensors":
         reject_foreign_quantization(config)
         if quantization is not None:
