@@ -5,9 +5,9 @@
 // W8A8): a = rint(x * 127 / m) in double, m the row's largest |x|, d = m / 127 in float32, which is
 // linear_int8_inputs.h's group_scale and round_values with the row as the one group. Then
 //   out[i][n] = fma(float(sum over k of q[n][k] * a[i][k]), s[n] * d[i], 0) (+ bias[n]).
-// The sum is an exact int32 (|q| <= 128, |a| <= 127, K <= kMaxInputs), so it does not depend on the
-// order of the additions: every level, row count, thread count and tile layout (the amx level's
-// linear_int8_tiles.h) gives the same bits. A row with a non-finite input gives NaN outputs.
+// The sum is an exact int32 (|q| <= 128, |a| <= 127, K <= 2^17 as ops/linear.cc checks), so it
+// does not depend on the order of the additions: every level, row count, thread count and tile
+// layout (the amx level's linear_int8_tiles.h) gives the same bits. A row with a non-finite input gives NaN outputs.
 //
 // The products: weights and inputs widened to int16, and vpmaddwd (vpdpwssd with AVX512-VNNI)
 // sums pairs into int32 lanes. vpdpbusd would take the bytes as they are, but its first operand is
@@ -75,9 +75,7 @@ struct RoundedRows {
 // Row x's inputs rounded into a (int8 values, widened) and its scale into d.
 template <typename T>
 void round_row(const T* x, int64_t K, int8_t* bytes, int16_t* a, float& d) {
-  double inv = 0.0;
-  if (int8_inputs::group_scale(x, K, d, inv)) int8_inputs::round_values(x, K, inv, bytes);
-  else std::fill(bytes, bytes + K, int8_t{0});  // d is NaN: so is every output of the row
+  int8_inputs::round_into(x, K, d, bytes);  // a non-finite input: d is NaN, so is every output
   for (int64_t k = 0; k < K; ++k) a[k] = bytes[k];
 }
 

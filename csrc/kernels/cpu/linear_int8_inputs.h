@@ -212,6 +212,15 @@ void round_values(const T* x, int64_t n, double inv, int8_t* a) {
   for (; k < n; ++k) a[k] = round_input(to_float(x[k]), inv);
 }
 
+// x[0, size) rounded into a with one scale d (group_scale, round_values), as every layout of the
+// int8-input kernels rounds a group; zeros (and d = NaN) where an input is not finite.
+template <typename T>
+void round_into(const T* x, int64_t size, float& d, int8_t* a) {
+  double inv = 0.0;
+  if (group_scale(x, size, d, inv)) round_values(x, size, inv, a);
+  else std::memset(a, 0, static_cast<size_t>(size));
+}
+
 // One group's inputs rounded into the chunked layout, with their slot sums.
 template <typename T>
 void round_group(const T* x, int64_t size, int8_t* a, float& d, int32_t* slot_sums) {

@@ -322,12 +322,8 @@ FewInputs transpose_inputs(const LinearParams& p) {
   parallel_for(p.rows, int8_inputs::rounding_grain(p), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const T* x = static_cast<const T*>(p.input) + i * p.in_stride;
-      for (int64_t g = 0; g < groups; ++g) {
-        double inv = 0.0;
-        if (int8_inputs::group_scale(x + g * G, G, d[g * cols + i], inv))
-          int8_inputs::round_values(x + g * G, G, inv, rows + i * K + g * G);
-        else std::memset(rows + i * K + g * G, 0, static_cast<size_t>(G));
-      }
+      for (int64_t g = 0; g < groups; ++g)
+        int8_inputs::round_into(x + g * G, G, d[g * cols + i], rows + i * K + g * G);
     }
   });
   for (int64_t kb = 0; kb < steps; ++kb)
