@@ -10,6 +10,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "sim_test_util.h"
@@ -178,6 +179,8 @@ TEST(SimMoe, FusedMoeMatchesTheReference) {
     std::vector<std::array<int64_t, 3>> sizes = {{1, 64, 64}, {5, 96, 160}};  // T, H, I
     // 19 tokens give experts several GEMV blocks each; in 16 bits they would take the tensor cores.
     if (c.dtype == DType::kFloat32) sizes.push_back({19, 64, 32});
+    // A hidden size past one combine block's columns (kCombineColumns).
+    if (c.w13 == WeightFormat::kDense) sizes.push_back({3, 1056, 32});
     for (auto [T, H, I] : sizes) {
       SCOPED_TRACE(name(c.w13, c.w2, c.dtype) + " T,H,I " + std::to_string(T) + "," + std::to_string(H) + "," +
                    std::to_string(I));
@@ -274,15 +277,19 @@ TEST(SimMoe, FusedMoeMatchesTheCpuInFloat32) {
 // tokens' pairs.
 TEST(SimMoe, TokensDoNotDependOnTheBatch) {
   std::mt19937 gen(43);
-  for (DType dtype : {DType::kBFloat16, DType::kFloat32}) {
-    const int64_t T = 13, H = 64, I = 64, E = 8, k = 2;  // 26 pairs: the GEMV path alone and batched
-    const Experts w13(WeightFormat::kInt4, E, 2 * I, H, dtype, gen), w2(WeightFormat::kDense, E, H, I, dtype, gen);
+  // The GEMV path alone and batched, so blocks of 1 to 4 real pairs (with_real_pairs): 26 pairs
+  // (int4 experts take the tensor cores from 4 pairs per expert) or 14 (dense ones, from 2).
+  for (auto [dtype, f13, T] : {std::tuple{DType::kBFloat16, WeightFormat::kInt4, int64_t{13}},
+                               {DType::kFloat32, WeightFormat::kInt4, int64_t{13}},
+                               {DType::kBFloat16, WeightFormat::kDense, int64_t{7}}}) {
+    const int64_t H = 64, I = 64, E = 8, k = 2;
+    const Experts w13(f13, E, 2 * I, H, dtype, gen), w2(WeightFormat::kDense, E, H, I, dtype, gen);
     const Tensor x = sim_test::randn({T, H}, dtype, gen);
     const Routing r(T, E, k, gen, 0.0);
     Tensor all({T, H}, dtype);
     run_fused_moe(all, x, w13, w2, r, true);
     const size_t row = static_cast<size_t>(H) * octavo::dtype_size(dtype);
-    for (int64_t t : {0, 5, 12}) {
+    for (int64_t t : {int64_t{0}, T / 2, T - 1}) {
       Tensor one_x({1, H}, dtype), one({1, H}, dtype);
       Routing one_r(1, E, k, gen);
       std::memcpy(one_x.data(), static_cast<const char*>(x.data()) + t * row, row);

@@ -284,13 +284,13 @@ __device__ __forceinline__ LinearParams expert_weight(const ExpertPass& p, int e
 
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 
-// The input rows of aligned block `block`'s pairs (gated: hidden_states rows by token; else act
-// rows by position). A block with an expert holds at least one pair, its first; padding repeats
-// it (its results are not stored).
-template <bool kGated, typename TIn>
-__device__ __forceinline__ void gemv_inputs(const ExpertPass& p, int64_t block, const TIn* (&x)[kGemvPairs]) {
+// The input rows of aligned block `block`'s first kC pairs (gated: hidden_states rows by token;
+// else act rows by position). A block with an expert holds at least one pair, its first; padding
+// repeats it (its results are not stored).
+template <bool kGated, typename TIn, int kC>
+__device__ __forceinline__ void gemv_inputs(const ExpertPass& p, int64_t block, const TIn* (&x)[kC]) {
 #pragma unroll
-  for (int c = 0; c < kGemvPairs; ++c) {
+  for (int c = 0; c < kC; ++c) {
     const bool real = p.sorted_token_ids[block * kGemvPairs + c] < p.pairs;
     const int64_t row = block * kGemvPairs + (real ? c : 0);
     const int64_t input_row = kGated ? p.sorted_token_ids[row] / p.top_k : row;
@@ -298,20 +298,30 @@ __device__ __forceinline__ void gemv_inputs(const ExpertPass& p, int64_t block, 
   }
 }
 
-// A CUDA block: 4 weight rows of one aligned block's expert against its kGemvPairs rows, split over
-// the threads as linear_kernel splits a row (kParts threads per block of 32 weights), partial
-// sums reduced in a fixed order. kGated: rows n, n + 1 of gate and of up, stored as silu(gate) *
-// up; else rows n..n + 3, stored as they are. Aligned blocks are numbered fastest, as
-// linear_kernel numbers its input-row chunks, so the blocks that read one weight tile run
-// together and it comes from memory about once.
-template <typename TIn, typename Row, bool kGated>
-__global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass p) {
-  __shared__ float partial[kExpertThreads / 32][kExpertRows][kGemvPairs];
-  const int64_t block = blockIdx.x % p.blocks, tile = blockIdx.x / p.blocks;
-  const int e = p.expert_ids[block];
-  if (e < 0) return;
+// Calls fn(std::integral_constant<int, kC>) with the fewest input rows (1, 2 or all kGemvPairs)
+// that hold aligned block `block`'s real pairs (moe_align pads an expert's last block at its
+// end). At decode most blocks hold one pair, and multiplying the padding too made the dense
+// kernel L1-bound (H200, Mixtral-shaped experts at one token: 0.55 of read bandwidth, now 0.98).
+template <typename Fn>
+__device__ __forceinline__ void with_real_pairs(const ExpertPass& p, int64_t block, Fn&& fn) {
+  static_assert(kGemvPairs == 4, "the cases below");
+  const int32_t* ids = p.sorted_token_ids + block * kGemvPairs;
+  if (ids[1] >= p.pairs) fn(std::integral_constant<int, 1>{});
+  else if (ids[2] >= p.pairs) fn(std::integral_constant<int, 2>{});
+  else fn(std::integral_constant<int, kGemvPairs>{});
+}
+
+// A CUDA block: 4 weight rows of one aligned block's expert against its first kC pairs' rows
+// (with_real_pairs), split over the threads as linear_kernel splits a row (kParts threads per block
+// of 32 weights), partial sums reduced in a fixed order. kGated: rows n, n + 1 of gate and of up,
+// stored as silu(gate) * up; else rows n..n + 3, stored as they are. Aligned blocks are numbered
+// fastest, as linear_kernel numbers its input-row chunks, so the blocks that read one weight
+// tile run together and it comes from memory about once.
+template <typename TIn, typename Row, bool kGated, int kC>
+__device__ __forceinline__ void expert_gemv_rows(const ExpertPass& p, int64_t block, int64_t tile, int e) {
+  __shared__ float partial[kExpertThreads / 32][kExpertRows][kC];
   const int64_t n0 = tile * (kGated ? 2 : kExpertRows);
-  const TIn* x[kGemvPairs];
+  const TIn* x[kC];
   gemv_inputs<kGated>(p, block, x);
   const LinearParams lp = expert_weight(p, e);
   const int64_t last = p.features - 1;
@@ -321,14 +331,22 @@ __global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass 
       Row(lp, kGated ? up + min64(n0, last) : min64(n0 + 2, last)),
       Row(lp, kGated ? up + min64(n0 + 1, last) : min64(n0 + 3, last))};
   dot_rows<kExpertThreads>(w, x, p.in_features, partial);
-  if (threadIdx.x >= kExpertRows * kGemvPairs) return;
-  const int r = threadIdx.x / kGemvPairs, c = threadIdx.x % kGemvPairs;
+  if (threadIdx.x >= kExpertRows * kC) return;
+  const int r = threadIdx.x / kC, c = threadIdx.x % kC;
   const auto sum = [&](int row) { return sum_partial(partial, row, c); };
   if (kGated && r >= 2) return;
   const int64_t n = n0 + r;
   const int64_t pos = block * kGemvPairs + c;
   if (n >= p.features || p.sorted_token_ids[pos] >= p.pairs) return;
   static_cast<float*>(p.out)[pos * p.features + n] = kGated ? silu(sum(r)) * sum(r + 2) : sum(r);
+}
+
+template <typename TIn, typename Row, bool kGated>
+__global__ void __launch_bounds__(kExpertThreads) expert_gemv_kernel(ExpertPass p) {
+  const int64_t block = blockIdx.x % p.blocks, tile = blockIdx.x / p.blocks;
+  const int e = p.expert_ids[block];
+  if (e < 0) return;
+  with_real_pairs(p, block, [&](auto c) { expert_gemv_rows<TIn, Row, kGated, decltype(c)::value>(p, block, tile, e); });
 }
 
 // Dense 16-bit experts are read as linear.cu's dense_gemv_kernel reads such weights (its shape,
@@ -381,26 +399,32 @@ __device__ __forceinline__ void warp_row_dot(const T* w, const TIn* const (&x)[k
 
 // expert_gemv_kernel for dense bfloat16 / float16 experts, as linear's dense_gemv_kernel reads
 // such weights: a warp per feature (gated: its gate row, then its up row; warp_row_dot) streams
-// 16-byte packs against the block's kGemvPairs rows. Features are numbered aligned block fastest.
+// 16-byte packs against the block's first kC pairs' rows (with_real_pairs). Features are
+// numbered aligned block fastest.
+template <typename T, typename TIn, bool kGated, int kC>
+__device__ __forceinline__ void expert_dense_rows(const ExpertPass& p, int64_t block, int64_t n, int e) {
+  const TIn* x[kC];
+  gemv_inputs<kGated>(p, block, x);
+  const T* w = reinterpret_cast<const T*>(static_cast<const uint8_t*>(p.w.weight) + e * p.w.expert_bytes);
+  float acc[kC] = {}, up[kC] = {};
+  warp_row_dot(w + n * p.in_features, x, p.in_features, acc);
+  if constexpr (kGated) warp_row_dot(w + (p.features + n) * p.in_features, x, p.in_features, up);
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int c = 0; c < kC; ++c) {
+    const int64_t pos = block * kGemvPairs + c;
+    if (lane != c || p.sorted_token_ids[pos] >= p.pairs) continue;
+    static_cast<float*>(p.out)[pos * p.features + n] = kGated ? silu(acc[c]) * up[c] : acc[c];
+  }
+}
+
 template <typename T, typename TIn, bool kGated>
 __global__ void __launch_bounds__(kGemvWarps * 32) expert_dense_kernel(ExpertPass p) {
   const int64_t block = blockIdx.x % p.blocks;
   const int64_t n = blockIdx.x / p.blocks * kGemvWarps + threadIdx.x / 32;
   const int e = p.expert_ids[block];
   if (e < 0 || n >= p.features) return;  // a whole block or a whole warp: nothing waits for it
-  const TIn* x[kGemvPairs];
-  gemv_inputs<kGated>(p, block, x);
-  const T* w = reinterpret_cast<const T*>(static_cast<const uint8_t*>(p.w.weight) + e * p.w.expert_bytes);
-  float acc[kGemvPairs] = {}, up[kGemvPairs] = {};
-  warp_row_dot(w + n * p.in_features, x, p.in_features, acc);
-  if constexpr (kGated) warp_row_dot(w + (p.features + n) * p.in_features, x, p.in_features, up);
-  const int lane = threadIdx.x % 32;
-#pragma unroll
-  for (int c = 0; c < kGemvPairs; ++c) {
-    const int64_t pos = block * kGemvPairs + c;
-    if (lane != c || p.sorted_token_ids[pos] >= p.pairs) continue;
-    static_cast<float*>(p.out)[pos * p.features + n] = kGated ? silu(acc[c]) * up[c] : acc[c];
-  }
+  with_real_pairs(p, block, [&](auto c) { expert_dense_rows<T, TIn, kGated, decltype(c)::value>(p, block, n, e); });
 }
 
 // The tensor-core version of expert_gemv_kernel (expert_mma.cuh): a block of kMmaPairs pairs
@@ -491,11 +515,22 @@ struct CombineParams {
   int64_t hidden, top_k, out_stride, num_experts;
 };
 
-// One block per token: its slots ordered by (expert, slot) by thread 0, as the CPU kernel adds
-// them, then each thread sums its columns in that order. Dynamic shared memory: top_k ints.
+// A block per token and kCombineColumns of its columns: its slots ordered by (expert, slot) by
+// thread 0, as the CPU kernel adds them, with each slot's weight and y row kept beside the
+// order, then each thread sums its columns in that order. At decode a token's columns are all
+// there is to spread over the device: one block per token took 10-14 us per call, its threads
+// walking their columns through chains of dependent loads. Dynamic shared memory: combine_shared_bytes.
+constexpr int kCombineColumns = 4 * kCombineThreads;
+
+inline size_t combine_shared_bytes(int64_t top_k) {
+  return static_cast<size_t>(top_k) * (sizeof(int64_t) + sizeof(float) + sizeof(int32_t));
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
-  int32_t* order = reinterpret_cast<int32_t*>(dynamic_shared_memory());
+  int64_t* rows = reinterpret_cast<int64_t*>(dynamic_shared_memory());  // y's offsets, in slot order
+  float* weights = reinterpret_cast<float*>(rows + p.top_k);
+  int32_t* order = reinterpret_cast<int32_t*>(weights + p.top_k);
   __shared__ int count;
   const int64_t t = blockIdx.x;
   const int32_t* ids = p.topk_ids + t * p.top_k;
@@ -507,16 +542,19 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams 
       for (; j > 0 && ids[order[j - 1]] > ids[slot]; --j) order[j] = order[j - 1];
       order[j] = slot;
     }
+    for (int j = 0; j < n; ++j) {
+      const int64_t pair = t * p.top_k + order[j];
+      weights[j] = p.topk_weights[pair];
+      rows[j] = p.pair_rows[pair] * p.hidden;
+    }
     count = n;
   }
   __syncthreads();
   T* out = static_cast<T*>(p.out) + t * p.out_stride;
-  for (int64_t h = threadIdx.x; h < p.hidden; h += blockDim.x) {
+  const int64_t end = min64(p.hidden, (blockIdx.y + int64_t{1}) * kCombineColumns);
+  for (int64_t h = blockIdx.y * int64_t{kCombineColumns} + threadIdx.x; h < end; h += blockDim.x) {
     float acc = 0.0f;
-    for (int j = 0; j < count; ++j) {
-      const int64_t pair = t * p.top_k + order[j];
-      acc += p.topk_weights[pair] * p.y[p.pair_rows[pair] * p.hidden + h];
-    }
+    for (int j = 0; j < count; ++j) acc += weights[j] * p.y[rows[j] + h];
     out[h] = from_float<T>(acc);
   }
 }
@@ -658,8 +696,8 @@ void run_chunk(const FusedMoeParams& p, int64_t t0, int64_t t1) {
                    [&](auto* row) { launch_pass<Act, std::remove_pointer_t<decltype(row)>, false, kMma>(down); });
   const CombineParams c{static_cast<T*>(p.out) + t0 * p.out_stride, s.y, p.topk_weights + t0 * p.top_k,
                         p.topk_ids + t0 * p.top_k, s.pair_rows, p.hidden, p.top_k, p.out_stride, p.num_experts};
-  launch_kernel(combine_kernel<T>, dim3(static_cast<unsigned>(t1 - t0)), kCombineThreads,
-                p.top_k * sizeof(int32_t), c);
+  const dim3 grid(static_cast<unsigned>(t1 - t0), static_cast<unsigned>(ceil_div(p.hidden, kCombineColumns)));
+  launch_kernel(combine_kernel<T>, grid, kCombineThreads, combine_shared_bytes(p.top_k), c);
   check_launch("fused_moe");
 }
 
