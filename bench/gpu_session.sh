@@ -79,6 +79,9 @@ if part moe; then
   # fused_moe against the torch loop over experts (decode and prefill sizes), moe_align alone.
   timeout 200 python3 bench/python/bench_moe.py --device cuda --shapes qwen3 mixtral --formats dense int4 \
     --tokens 1 16 64 512 2048 --repeats 5 --align-tokens 4096 16384 2>&1 | tee "$OUT/bench_moe.log"
+  # The same calls replayed from CUDA graphs (as decode steps run them), kernel by kernel.
+  (cd bench/python && timeout 120 python3 probe_moe_cuda.py --tokens 1 4 16 64 2048 2>&1 | grep -v -i warn \
+    | tee "$OUT/probe_moe.log")
 fi
 if part moe && [[ -z $quick ]]; then
   # Both CUDA paths of fused_moe at the same sizes: where the tensor cores start to win.

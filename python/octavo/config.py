@@ -38,6 +38,10 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, hf: dict[str, Any]) -> ModelConfig:
+        if not hf.get("quantization_config") and hf.get("compression_config"):
+            # Older llm-compressor checkpoints keep compressed-tensors' settings under this key
+            # (vLLM reads it as the quantization config too).
+            hf = {**hf, "quantization_config": {"quant_method": "compressed-tensors", **hf["compression_config"]}}
         archs = hf.get("architectures") or []
         if not archs:
             raise ValueError("config.json names no architecture ('architectures' is missing or empty)")

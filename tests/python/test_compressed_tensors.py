@@ -115,6 +115,22 @@ def test_projections_hold_the_checkpoint_integers(tmp_path, strategy, activation
     assert isinstance(model.lm_head, torch.nn.Parameter) and torch.equal(model.lm_head.data, tensors["lm_head.weight"])
 
 
+def test_compression_config_key_loads_as_quantization_config(tmp_path):
+    """Older llm-compressor checkpoints write their settings under compression_config (without
+    quant_method); they load as the same projections."""
+    quant_dir, _ = write_checkpoints(tmp_path)
+    config = json.loads((quant_dir / "config.json").read_text())
+    settings = config.pop("quantization_config")
+    del settings["quant_method"]
+    config["compression_config"] = settings
+    (quant_dir / "config.json").write_text(json.dumps(config))
+    model = load_model(quant_dir)
+    tensors = load_file(str(quant_dir / "model.safetensors"))
+    for what, weight, parts in fused(model):
+        assert isinstance(weight, QuantizedWeight) and weight.weight_format == "int8_a8", what
+        assert torch.equal(weight.qweight, written(tensors, parts)[0]), what
+
+
 def greedy(model, prompt: list[int], steps: int) -> tuple[list[int], list[torch.Tensor]]:
     attach_kv_cache(model, num_blocks=8)
     logits = [step(model, prompt, 0)]

@@ -2,7 +2,8 @@
 models vLLM runs), read into Octavo's int8 formats without dequantizing.
 
 The layout, as the compressed-tensors library writes it and vLLM reads it:
-- config.json ``quantization_config``: ``quant_method`` "compressed-tensors", ``format`` (the
+- config.json ``quantization_config`` (older llm-compressor versions: ``compression_config``, which
+  ModelConfig reads as it): ``quant_method`` "compressed-tensors", ``format`` (the
   compressor), ``config_groups`` {name: {``targets``, ``weights``, ``input_activations``,
   ``output_activations``}} and ``ignore``. A group's targets are module names, "re:" regular
   expressions (matched from the start of the name) or module class names ("Linear"); each
