@@ -10,7 +10,8 @@
 //   4. combine_kernel adds each token's y rows, weighted, in ascending expert order.
 // The passes have two paths each. The GEMV path (blocks of kGemvPairs) runs linear.cu's decode
 // kernels over a block of pairs: expert_gemv_kernel (linear_kernel's shape, every format) or, for
-// dense 16-bit experts, expert_dense_kernel (dense_gemv_kernel's). Each weight tile streams from
+// dense 16-bit experts, expert_dense_kernel (dense_gemv_kernel's), against the block's real pairs
+// only (with_real_pairs: at decode, one). Each weight tile streams from
 // memory once per step while the blocks of its expert read it from L2, which is what decode
 // needs; act stays float32, so the result is the float32 product rounded once. expert_mma_kernel
 // (expert_mma.cuh, blocks of kMmaPairs) runs the products on tensor cores, for 16-bit
