@@ -43,7 +43,8 @@ def random_weight(n: int, k: int, generator=None) -> QuantizedWeight:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-# The AMX level multiplies on int8 tiles from 4 rows when K is a multiple of 64: up to 64 rows with
+# The AMX level multiplies on int8 tiles from 4 rows when K is a multiple of 64 (from 2 on weights of
+# 16 MB or more: test_two_rows_of_a_large_weight_take_the_tiles): up to 64 rows with
 # the weights as the first operand (whole tiles of 16 weight rows read from the weight itself, a
 # last partial one copied), then on panels, or for rows longer than 8192 inputs in passes of 64
 # rows. Below, and at the other levels, the vector kernel (4, 2 and 1 rows per pass).
@@ -57,6 +58,16 @@ def test_int8_a8_gives_the_exact_reference_bits(isa, dtype, n, k, rows):
     bias = torch.randn(n).to(dtype)
     assert torch.equal(run(x, w), reference(x, w))
     assert torch.equal(run(x, w, bias), reference(x, w, bias))
+
+
+@pytest.mark.parametrize("rows", [2, 3])
+def test_two_rows_of_a_large_weight_take_the_tiles(isa, rows):
+    """From 16 MB of weight (4112 x 4096: a last partial tile of 16 rows), W8A8 takes the AMX
+    level's tiles from 2 rows: the same exact bits as every level's vector kernel."""
+    torch.manual_seed(rows)
+    w = random_weight(4112, 4096)
+    x = (torch.randn(rows, 4096) * 3).to(torch.bfloat16)
+    assert torch.equal(run(x, w), reference(x, w))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,6 @@
 // linear for weight format int8_a8 (W8A8) on the vector levels; included by linear.cc in every ISA
-// level, after linear_int8_inputs.h (the amx level runs it below linear_int8_tiles.h's kTilesFromRows).
+// level, after linear_int8_inputs.h (the amx level runs it below linear_int8_tiles.h's
+// tiles_from_rows).
 //
 // Each input row is rounded to int8 with one scale for the whole row (dynamic per token, as vLLM's
 // W8A8): a = rint(x * 127 / m) in double, m the row's largest |x|, d = m / 127 in float32, which is

@@ -44,18 +44,30 @@ constexpr int kPanel = 32;                  // weight rows per packed panel (two
 constexpr int kBlockRows = 32;              // input rows per block (two input tiles)
 constexpr int kTileBytes = tiles::kTileBytes;
 constexpr int64_t kChunkBytes = 1 << 20;    // int8 input rows per chunk: kept in L2 across panels
+inline bool int8_weights(const LinearParams& p) { return p.weight_format == WeightFormat::kInt8A8; }
+
 // From this many input rows on, linear takes the tiles: up to kFewRows (below) with the weights as
 // the first operand, then on packed panels (bench/RESULTS.md, MoE section, "Fourth session").
+// W8A8 weights of kInt8TilesFromBytes or more from 2 rows: their weight tiles are read from the
+// weight as stored, with nothing to unpack, so 2-3 rows beat the vector kernel's int16
+// multiply-adds (14336 x 4096 and 4096 x 14336 from DRAM: 2.3-2.4 ms against 2.6-4.0); on a
+// 2048 x 2048 weight they did not (0.26-0.31 ms against 0.24-0.28), nor did one row (OLMoE-shaped
+// experts at one token: 2.4 ms per layer against 2.0). W4A8's unpacking leaves 2-3 rows a draw.
 constexpr int64_t kTilesFromRows = 4;
+constexpr int64_t kInt8TilesFromRows = 2;
+constexpr int64_t kInt8TilesFromBytes = int64_t{1} << 24;
+
+inline int64_t tiles_from_rows(const LinearParams& p) {
+  const bool large = p.out_features * p.in_features >= kInt8TilesFromBytes;
+  return int8_weights(p) && large ? kInt8TilesFromRows : kTilesFromRows;
+}
 
 inline bool takes(const LinearParams& p) {
   const bool groups_fit = p.weight_format == WeightFormat::kInt4A8   ? p.group_size % kTileK == 0
                           : p.weight_format == WeightFormat::kInt8A8 ? p.in_features % kTileK == 0
                                                                      : false;
-  return groups_fit && p.rows >= kTilesFromRows;
+  return groups_fit && p.rows >= tiles_from_rows(p);
 }
-
-inline bool int8_weights(const LinearParams& p) { return p.weight_format == WeightFormat::kInt8A8; }
 inline int64_t weight_row_bytes(const LinearParams& p) { return int8_weights(p) ? p.in_features : p.in_features / 2; }
 
 // The input rows rounded to int8, as input tiles: block b (32 rows) and step kb (64 inputs) are
@@ -426,7 +438,7 @@ void few_rows_tiles(const LinearParams& p, const FewInputs& in, int64_t n, int n
   }
 }
 
-// Threads split the weight's tiles of 16 rows, each streaming its own slab: kTilesFromRows <= M
+// Threads split the weight's tiles of 16 rows, each streaming its own slab: tiles_from_rows <= M
 // <= kFewRows rows, and W8A8 prefills whose int8 inputs fit in L2 (weights_first), whose weight
 // tiles are then read from memory once, with no packing at all.
 constexpr int64_t kWeightsFirstInputBytes = 1 << 20;

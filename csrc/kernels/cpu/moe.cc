@@ -372,7 +372,7 @@ void run_fused_moe(const FusedMoeParams& p, const ExpertGroups& groups) {
 // rows), bfloat16 activations from there on, and nothing is dequantized (to_dense_bf16).
 //
 // W4A8 and W8A8 experts (int4_a8, int8_a8) are never dequantized: their products round the
-// inputs to int8 at every row count (AMX tiles from linear's kTilesFromRows on). Below
+// inputs to int8 at every row count (AMX tiles from linear_int8_tiles.h's tiles_from_rows on). Below
 // kBf16FromRows they compute in float32 (one rounding per projection); from there on bfloat16
 // activations stay bfloat16, as a bfloat16 model's intermediates would, and half the bytes move
 // (Mixtral-sized W8A8 experts at 2048 tokens: about 0.9x the float32 path's time, OLMoE-sized
