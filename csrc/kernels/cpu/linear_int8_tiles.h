@@ -44,6 +44,7 @@ constexpr int kPanel = 32;                  // weight rows per packed panel (two
 constexpr int kBlockRows = 32;              // input rows per block (two input tiles)
 constexpr int kTileBytes = tiles::kTileBytes;
 constexpr int64_t kChunkBytes = 1 << 20;    // int8 input rows per chunk: kept in L2 across panels
+
 inline bool int8_weights(const LinearParams& p) { return p.weight_format == WeightFormat::kInt8A8; }
 
 // From this many input rows on, linear takes the tiles: up to kFewRows (below) with the weights as
