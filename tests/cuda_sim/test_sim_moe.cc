@@ -315,6 +315,18 @@ TEST(SimMoe, FusedMoeRefusesWhatCudaCannotRead) {
   const Tensor x64 = sim_test::randn({T, 64}, DType::kFloat32, gen);
   Tensor out64({T, 64}, DType::kFloat32);
   sim_test::expect_refusal([&] { run_fused_moe(out64, x64, a13, a2, r, true); }, "int4_a8 (int8 inputs) run on the CPU only");
+  // More slots per token than the weighted sum keeps in shared memory (all on expert 0).
+  Routing wide(T, E, k, gen);
+  wide.weights = Tensor({T, 3073}, DType::kFloat32);
+  wide.ids = Tensor({T, 3073}, DType::kInt32);
+  for (int64_t i = 0; i < T * 3073; ++i) {
+    wide.ids.as<int32_t>()[i] = 0;
+    wide.weights.set(i, 0.5);
+  }
+  Tensor out32({T, 64}, DType::kFloat32);
+  const Experts d13(WeightFormat::kDense, E, 2 * I, 64, DType::kFloat32, gen), d2(WeightFormat::kDense, E, 64, I,
+                                                                                    DType::kFloat32, gen);
+  sim_test::expect_refusal([&] { run_fused_moe(out32, x64, d13, d2, wide, true); }, "at most 3072 slots per token");
 }
 
 // ---- router and grouping ----------------------------------------------------------------------

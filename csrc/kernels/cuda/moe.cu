@@ -526,6 +526,7 @@ constexpr int kCombineColumns = 4 * kCombineThreads;
 inline size_t combine_shared_bytes(int64_t top_k) {
   return static_cast<size_t>(top_k) * (sizeof(int64_t) + sizeof(float) + sizeof(int32_t));
 }
+constexpr size_t kCombineSharedBytes = 48 * 1024;  // what a launch may take without opting in
 
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
@@ -704,6 +705,9 @@ void run_chunk(const FusedMoeParams& p, int64_t t0, int64_t t1) {
 
 template <typename T>
 void run_fused_moe(const FusedMoeParams& p) {
+  OCTAVO_CHECK(combine_shared_bytes(p.top_k) <= kCombineSharedBytes,
+               "fused_moe on CUDA takes at most " << kCombineSharedBytes / combine_shared_bytes(1)
+                                                  << " slots per token (top_k), got " << p.top_k);
   OCTAVO_CHECK(p.hidden % kBlockWeights == 0 && p.intermediate % kBlockWeights == 0,
                "fused_moe on CUDA reads rows of 32 inputs: hidden size " << p.hidden << " and intermediate size "
                                                                         << p.intermediate
