@@ -315,18 +315,27 @@ TEST(SimMoe, FusedMoeRefusesWhatCudaCannotRead) {
   const Tensor x64 = sim_test::randn({T, 64}, DType::kFloat32, gen);
   Tensor out64({T, 64}, DType::kFloat32);
   sim_test::expect_refusal([&] { run_fused_moe(out64, x64, a13, a2, r, true); }, "int4_a8 (int8 inputs) run on the CPU only");
-  // More slots per token than the weighted sum keeps in shared memory (all on expert 0).
-  Routing wide(T, E, k, gen);
-  wide.weights = Tensor({T, 3073}, DType::kFloat32);
-  wide.ids = Tensor({T, 3073}, DType::kInt32);
-  for (int64_t i = 0; i < T * 3073; ++i) {
-    wide.ids.as<int32_t>()[i] = 0;
-    wide.weights.set(i, 0.5);
-  }
+  // The weighted sum keeps each slot in shared memory: past the 48 KiB every launch gets it opts in
+  // (3100 slots, the first 3 of each token on an expert, the rest -1, give the reference's sums),
+  // past the device's opt-in it refuses.
+  const auto wide_routing = [&](int64_t slots) {
+    Routing wide(T, E, k, gen);
+    wide.weights = Tensor({T, slots}, DType::kFloat32);
+    wide.ids = Tensor({T, slots}, DType::kInt32);
+    for (int64_t i = 0; i < T * slots; ++i) {
+      wide.ids.as<int32_t>()[i] = i % slots < 3 ? static_cast<int32_t>(i % E) : -1;
+      wide.weights.set(i, 0.5);
+    }
+    return wide;
+  };
   Tensor out32({T, 64}, DType::kFloat32);
   const Experts d13(WeightFormat::kDense, E, 2 * I, 64, DType::kFloat32, gen), d2(WeightFormat::kDense, E, 64, I,
                                                                                     DType::kFloat32, gen);
-  sim_test::expect_refusal([&] { run_fused_moe(out32, x64, d13, d2, wide, true); }, "at most 3072 slots per token");
+  const Routing wide = wide_routing(3100);
+  run_fused_moe(out32, x64, d13, d2, wide, true);
+  expect_near_reference(out32, reference(x64, d13, d2, wide));
+  sim_test::expect_refusal([&] { run_fused_moe(out32, x64, d13, d2, wide_routing(15000), true); },
+                           "need more shared memory than the device has");
 }
 
 // ---- router and grouping ----------------------------------------------------------------------

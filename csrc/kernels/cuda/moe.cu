@@ -526,7 +526,6 @@ constexpr int kCombineColumns = 4 * kCombineThreads;
 inline size_t combine_shared_bytes(int64_t top_k) {
   return static_cast<size_t>(top_k) * (sizeof(int64_t) + sizeof(float) + sizeof(int32_t));
 }
-constexpr size_t kCombineSharedBytes = 48 * 1024;  // what a launch may take without opting in
 
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineParams p) {
@@ -699,15 +698,16 @@ void run_chunk(const FusedMoeParams& p, int64_t t0, int64_t t1) {
   const CombineParams c{static_cast<T*>(p.out) + t0 * p.out_stride, s.y, p.topk_weights + t0 * p.top_k,
                         p.topk_ids + t0 * p.top_k, s.pair_rows, p.hidden, p.top_k, p.out_stride, p.num_experts};
   const dim3 grid(static_cast<unsigned>(t1 - t0), static_cast<unsigned>(ceil_div(p.hidden, kCombineColumns)));
+  static std::atomic<size_t> allowed[kMaxDevices];
+  allow_shared_memory(combine_kernel<T>, combine_shared_bytes(p.top_k), allowed, "fused_moe");
   launch_kernel(combine_kernel<T>, grid, kCombineThreads, combine_shared_bytes(p.top_k), c);
   check_launch("fused_moe");
 }
 
 template <typename T>
 void run_fused_moe(const FusedMoeParams& p) {
-  OCTAVO_CHECK(combine_shared_bytes(p.top_k) <= kCombineSharedBytes,
-               "fused_moe on CUDA takes at most " << kCombineSharedBytes / combine_shared_bytes(1)
-                                                  << " slots per token (top_k), got " << p.top_k);
+  OCTAVO_CHECK(static_cast<int64_t>(combine_shared_bytes(p.top_k)) <= shared_memory_optin(),
+               "fused_moe on CUDA: " << p.top_k << " slots per token (top_k) need more shared memory than the device has");
   OCTAVO_CHECK(p.hidden % kBlockWeights == 0 && p.intermediate % kBlockWeights == 0,
                "fused_moe on CUDA reads rows of 32 inputs: hidden size " << p.hidden << " and intermediate size "
                                                                         << p.intermediate
