@@ -73,10 +73,14 @@ def test_two_rows_of_a_large_weight_take_the_tiles(isa, rows):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # Prefill orders of the AMX level: the weights first in passes of 64 rows where the int8 inputs fit
 # in L2 (300 rows of 1024); else panels, with rows in chunks that stay in L2 (several chunks at 4200
-# rows of 2048), groups of panels against all the rows (130 rows of 8448, 1500 of 1024), and rows
-# longer than 8192 inputs in passes of 64 with the weights first again (1000 of 8448).
-@pytest.mark.parametrize("n,k,rows", [(70, 1024, 300), (40, 2048, 4200), (21, 8448, 130), (70, 1024, 1500),
-                                      (21, 8448, 1000)])
+# rows of 2048), groups of panels against all the rows (1500 rows of 1024), the same in slices of
+# 4096 inputs for longer rows (130 and 120 rows of 8448: two slices and 256 inputs, 10 panels in two
+# groups, last blocks of 2 and 24 rows; 300 rows of 4160: a last slice of one step; 1000 rows of
+# 8448, past the 8 MB of inputs other groups stop at), and past 4096 such rows, passes of 64 with
+# the weights first again (4200 of 8448).
+@pytest.mark.parametrize("n,k,rows", [(70, 1024, 300), (40, 2048, 4200), (21, 8448, 130), (300, 8448, 130),
+                                      (300, 8448, 120), (300, 4160, 300), (70, 1024, 1500), (21, 8448, 1000),
+                                      (21, 8448, 4200)])
 def test_int8_a8_prefill_gives_the_exact_reference_bits(dtype, n, k, rows):
     torch.manual_seed(n + rows)
     w = random_weight(n, k)

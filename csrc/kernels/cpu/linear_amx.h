@@ -152,6 +152,18 @@ inline void store_sums(void* c) {
   }
 }
 
+// Tiles 0-3 (0-1 with one input tile) loaded from a block of sums that store_sums wrote.
+template <int InputTiles>
+inline void load_sums(const void* c) {
+  const auto* bytes = static_cast<const uint8_t*>(c);
+  _tile_loadd(0, bytes, 128);
+  _tile_loadd(1, bytes + 64, 128);
+  if constexpr (InputTiles == 2) {
+    _tile_loadd(2, bytes + 16 * 128, 128);
+    _tile_loadd(3, bytes + 16 * 128 + 64, 128);
+  }
+}
+
 // ---- The weights as the first operand (int8 layouts for a few input rows) --------------------
 // Each step multiplies one weight tile (16 weight rows, tile 4) by Columns input tiles of 16 input
 // rows each (tiles 5-7; a fourth reuses tile 5 once its product has read it) into sums tiles

@@ -20,8 +20,9 @@
 // - More rows (prefill): panels of 32 weight rows are unpacked and transposed into the second
 //   operand, and 32 x 32 blocks of sums use all 8 tiles. Where the rounded inputs fit in the
 //   last-level cache, groups of panels that fit in L2 meet every input row (the weight is read
-//   once); else each panel is packed once per chunk of rows that fits in L2, or, for rows too
-//   long for such chunks, the first layout runs in passes of kFewRows rows.
+//   once; W8A8 rows longer than 4096 inputs in slices of 4096, with or without that cache); else
+//   each panel is packed once per chunk of rows that fits in L2, or, for rows too long for such
+//   chunks, the first layout runs in passes of kFewRows rows.
 // All add the same float32 terms in the same order, so a row gets the same bits from any. The
 // W4A8 vector kernel sums a group's blocks in separate lanes before adding them, so its results
 // may differ in the last bits: a row is batch invariant on each side of kTilesFromRows, as
@@ -144,14 +145,15 @@ struct WeightSteps {
   }
 };
 
-// Weight rows [n, n + nr) (nr <= kPanel; missing rows zero) as K / 64 pairs of weight tiles (W4A8:
-// of q - z; tile (kb, h): rows n + 16h.., inputs [64 kb, 64 kb + 64)), then their scales by group
-// [groups, 32] (0 for missing rows).
-inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel, float* scales) {
-  const int64_t K = p.in_features, G = p.group_size, groups = K / G, steps = K / kTileK;
+// Weight rows [n, n + nr) (nr <= kPanel; missing rows zero), steps [kb_begin, kb_end), as pairs
+// of weight tiles (W4A8: of q - z; tile (kb - kb_begin, h): rows n + 16h.., inputs [64 kb, 64 kb +
+// 64)).
+inline void pack_panel_steps(const LinearParams& p, int64_t n, int nr, int64_t kb_begin, int64_t kb_end,
+                             uint8_t* panel) {
+  const int64_t G = p.group_size;
   const WeightSteps w(p);
   const __m512i zero = _mm512_setzero_si512();
-  for (int64_t kb = 0; kb < steps; ++kb) {
+  for (int64_t kb = kb_begin; kb < kb_end; ++kb) {
     const int64_t g = kb * kTileK / G;
     for (int h = 0; h < 2; ++h) {
       __m512i rows[16], cols[16];
@@ -164,10 +166,17 @@ inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel,
         rows[i] = w.step<true>(n + r, kb, g);
       }
       transpose_16x16(rows, cols);  // dword j of every row: the VNNI layout
-      uint8_t* tile = panel + (kb * 2 + h) * kTileBytes;
+      uint8_t* tile = panel + ((kb - kb_begin) * 2 + h) * kTileBytes;
       for (int i = 0; i < 16; ++i) _mm512_store_si512(tile + i * 64, cols[i]);
     }
   }
+}
+
+// The panel of weight rows [n, n + nr) over all K / 64 steps, then their scales by group
+// [groups, 32] (0 for missing rows).
+inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel, float* scales) {
+  const int64_t groups = p.in_features / p.group_size;
+  pack_panel_steps(p, n, nr, 0, p.in_features / kTileK, panel);
   for (int64_t gi = 0; gi < groups; ++gi)
     for (int r = 0; r < kPanel; ++r) scales[gi * kPanel + r] = r < nr ? p.scales[(n + r) * groups + gi] : 0.0f;
 }
@@ -283,8 +292,26 @@ void linear_panels(const LinearParams& p) {
 constexpr int64_t kGroupBytes = 1 << 20;
 constexpr int64_t kGroupsUpToInputBytes = 8 << 20;
 
+// ---- W8A8's long rows in slices ------------------------------------------------------------------
+// A group holds 1 MB of panels: at K = 14336 (Mixtral's down projection) two panels, so every
+// 32-row block of inputs (458 KB) streams past L2 for each 64 outputs, and the tile loop runs at
+// 0.96 T multiply-adds/s per core there against 1.55 at K = 4096 (bench_amx_ceiling). W8A8's sums
+// are exact int32 over the whole row, so the row can be cut into slices of kSliceInputs: a group
+// packs 8 panels of one slice, every block of rows meets them, and each block's int32 sums wait in
+// memory for the next slice. Exact sums in any order: the same bits as the panels above.
+constexpr int64_t kSliceInputs = 4096;
+
+// Where the rounded inputs pass kGroupsUpToInputBytes, the slices still win: each group of 256
+// outputs reads all the inputs (from memory, if not from cache), but passes of kFewRows rows would
+// read the whole weight once per pass, 4x the bytes (4096 x 14336 at 1024 and 2048 rows: 32 and
+// 60-63 ms against 40-45 and 87-88). Up to kSlicesUpToRows: each thread keeps 1 KB of sums per row.
+constexpr int64_t kSlicesUpToRows = 4096;
+
+inline bool by_slices(const LinearParams& p) { return int8_weights(p) && p.in_features > kSliceInputs; }
+inline bool sliced_rows(const LinearParams& p) { return by_slices(p) && p.rows <= kSlicesUpToRows; }
+
 inline bool by_panel_groups(const LinearParams& p) {
-  return p.rows > chunk_rows(p) && p.rows * p.in_features <= kGroupsUpToInputBytes;
+  return p.rows > chunk_rows(p) && (p.rows * p.in_features <= kGroupsUpToInputBytes || sliced_rows(p));
 }
 
 template <typename T>
@@ -295,6 +322,71 @@ void linear_panel_groups(const LinearParams& p) {
   const int64_t groups = (panels + together - 1) / together, threads = get_num_threads();
   parallel_for(groups, (groups + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     run_part<T>(p, r, 0, p.rows, begin * together, std::min(panels, end * together), together);
+  });
+}
+
+// The sums of one block (tiles a, from its slice's first step) with one panel's slice, `steps`
+// steps, added to the sums in `carried` (cleared first where `first`) and written back there.
+template <int InputTiles>
+void slice_product(const uint8_t* a, const uint8_t* panel, int64_t steps, bool first, int32_t* carried) {
+  if (first) tiles::zero_block<InputTiles>();
+  else tiles::load_sums<InputTiles>(carried);
+  tiles::block_steps<Int8Product, InputTiles>(a, panel, 0, steps);
+  tiles::store_sums<InputTiles>(carried);
+}
+
+// All the rows against panels [first, last), slice by slice; after the last slice each block's
+// sums take scale_group's epilogue, as block_product's single group does.
+template <typename T>
+void run_sliced_part(const LinearParams& p, const TiledInputs& r, int64_t first, int64_t last) {
+  const int64_t slice_steps = kSliceInputs / kTileK, slice_bytes = slice_steps * 2 * kTileBytes;
+  const int64_t together = last - first, blocks = (p.rows + kBlockRows - 1) / kBlockRows;
+  const int64_t block_bytes = r.steps * 2 * kTileBytes, block_sums = kBlockRows * kPanel;
+  auto* packed = static_cast<uint8_t*>(thread_scratch(0, static_cast<size_t>(together * slice_bytes)));
+  auto* scales = static_cast<float*>(thread_scratch(1, static_cast<size_t>(together * kPanel * 4)));
+  auto* carried = static_cast<int32_t*>(thread_scratch(2, static_cast<size_t>(blocks * together * block_sums * 4)));
+  const auto features = [&](int64_t pi) {
+    return static_cast<int>(p.out_features - pi * kPanel < kPanel ? p.out_features - pi * kPanel : kPanel);
+  };
+  for (int64_t pi = first; pi < last; ++pi)
+    for (int c = 0; c < kPanel; ++c)
+      scales[(pi - first) * kPanel + c] = c < features(pi) ? p.scales[pi * kPanel + c] : 0.0f;
+  static const tiles::TileConfig config;
+  _tile_loadconfig(&config);
+  alignas(64) float acc[kBlockRows * kPanel];
+  for (int64_t s0 = 0; s0 < r.steps; s0 += slice_steps) {
+    const int64_t s1 = std::min(r.steps, s0 + slice_steps);
+    for (int64_t pi = first; pi < last; ++pi)
+      pack_panel_steps(p, pi * kPanel, features(pi), s0, s1, packed + (pi - first) * slice_bytes);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t m = b * kBlockRows;
+      const int mr = static_cast<int>(p.rows - m < kBlockRows ? p.rows - m : kBlockRows);
+      const uint8_t* a = reinterpret_cast<const uint8_t*>(r.a) + b * block_bytes + s0 * 2 * kTileBytes;
+      for (int64_t pi = first; pi < last; ++pi) {
+        int32_t* sums = carried + (b * together + pi - first) * block_sums;
+        const uint8_t* panel = packed + (pi - first) * slice_bytes;
+        if (mr <= 16) slice_product<1>(a, panel, s1 - s0, s0 == 0, sums);
+        else slice_product<2>(a, panel, s1 - s0, s0 == 0, sums);
+        if (s1 < r.steps) continue;
+        scale_group(sums, scales + (pi - first) * kPanel, r.d + m, 1, mr, true, acc);
+        store_block<T>(p, acc, kPanel, m, mr, pi * kPanel, features(pi));
+      }
+    }
+  }
+  _tile_release();
+}
+
+template <typename T>
+void linear_slices(const LinearParams& p) {
+  const TiledInputs r = round_inputs<T>(p);
+  const int64_t panels = (p.out_features + kPanel - 1) / kPanel, threads = get_num_threads();
+  // 8 panels of a slice fill kGroupBytes; fewer where that would leave a thread without a group.
+  const int64_t most = kGroupBytes / (kSliceInputs * kPanel);
+  const int64_t together = std::clamp<int64_t>((panels + threads - 1) / threads, 1, most);
+  const int64_t groups = (panels + together - 1) / together;
+  parallel_for(groups, (groups + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g)
+      run_sliced_part<T>(p, r, g * together, std::min(panels, (g + 1) * together));
   });
 }
 
@@ -469,7 +561,7 @@ void linear(const LinearParams& params) {
   LinearParams p = params;
   if (int8_weights(p)) p.group_size = p.in_features;  // W8A8: one group, the whole row
   if (weights_first(p)) return linear_few_rows<T>(p);
-  if (by_panel_groups(p)) return linear_panel_groups<T>(p);
+  if (by_panel_groups(p)) return sliced_rows(p) ? linear_slices<T>(p) : linear_panel_groups<T>(p);
   if (chunk_rows(p) >= kPanelsFromChunkRows) return linear_panels<T>(p);
   for (int64_t m = 0; m < p.rows; m += kFewRows) {  // long rows: passes of kFewRows rows
     LinearParams pass = p;
