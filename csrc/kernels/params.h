@@ -128,8 +128,10 @@ struct SampleParams {
   const int32_t* prompt_token_ids;
   const int32_t* output_offsets;    // [num_reqs + 1] CSR into output_token_ids, or null
   const int32_t* output_token_ids;
-  const int32_t* banned_offsets;    // [num_reqs + 1] CSR into banned_token_ids, or null
-  const int32_t* banned_token_ids;
+  const int32_t* bias_offsets;      // [num_reqs + 1] CSR into bias_token_ids / bias_values, or null
+  const int32_t* bias_token_ids;
+  const float* bias_values;         // added to the logits; -inf bans
+  const int32_t* only_listed;       // [num_reqs] or null: nonzero bans every token not in the row's list
   const int64_t* seeds;             // [num_reqs]
   const int64_t* counters;          // [num_reqs]
   int32_t* sampled;                 // [num_reqs]

@@ -238,7 +238,8 @@ void bind_kernels(py::module_& ops) {
          py::handle top_k, py::handle top_p, py::handle min_p, py::handle repetition_penalty,
          py::handle frequency_penalty, py::handle presence_penalty, py::handle prompt_offsets,
          py::handle prompt_token_ids, py::handle output_offsets, py::handle output_token_ids,
-         py::handle banned_offsets, py::handle banned_token_ids, py::handle sampled_logprobs,
+         py::handle bias_offsets, py::handle bias_token_ids, py::handle bias_values, py::handle only_listed,
+         py::handle sampled_logprobs,
          py::handle sampled_ranks, py::handle top_token_ids, py::handle top_logprobs) {
         PyTensor l = tensor(logits, "logits"), t = tensor(temperature, "temperature");
         PyTensor se = tensor(seeds, "seeds"), c = tensor(counters, "counters"), s = tensor(sampled, "sampled");
@@ -247,7 +248,8 @@ void bind_kernels(py::module_& ops) {
         OptTensor pp(presence_penalty, "presence_penalty");
         OptTensor po(prompt_offsets, "prompt_offsets"), pt(prompt_token_ids, "prompt_token_ids");
         OptTensor oo(output_offsets, "output_offsets"), ot(output_token_ids, "output_token_ids");
-        OptTensor bo(banned_offsets, "banned_offsets"), bt(banned_token_ids, "banned_token_ids");
+        OptTensor bo(bias_offsets, "bias_offsets"), bt(bias_token_ids, "bias_token_ids");
+        OptTensor bv(bias_values, "bias_values"), ol(only_listed, "only_listed");
         OptTensor sl(sampled_logprobs, "sampled_logprobs"), sr(sampled_ranks, "sampled_ranks");
         OptTensor ti(top_token_ids, "top_token_ids"), tl(top_logprobs, "top_logprobs");
         SampleArgs a;
@@ -266,8 +268,10 @@ void bind_kernels(py::module_& ops) {
         a.prompt_token_ids = pt.view();
         a.output_offsets = oo.view();
         a.output_token_ids = ot.view();
-        a.banned_offsets = bo.view();
-        a.banned_token_ids = bt.view();
+        a.bias_offsets = bo.view();
+        a.bias_token_ids = bt.view();
+        a.bias_values = bv.view();
+        a.only_listed = ol.view();
         a.sampled_logprobs = sl.view();
         a.sampled_ranks = sr.view();
         a.top_token_ids = ti.view();
@@ -280,8 +284,9 @@ void bind_kernels(py::module_& ops) {
       py::arg("repetition_penalty") = py::none(), py::arg("frequency_penalty") = py::none(),
       py::arg("presence_penalty") = py::none(), py::arg("prompt_offsets") = py::none(),
       py::arg("prompt_token_ids") = py::none(), py::arg("output_offsets") = py::none(),
-      py::arg("output_token_ids") = py::none(), py::arg("banned_offsets") = py::none(),
-      py::arg("banned_token_ids") = py::none(), py::arg("sampled_logprobs") = py::none(),
+      py::arg("output_token_ids") = py::none(), py::arg("bias_offsets") = py::none(),
+      py::arg("bias_token_ids") = py::none(), py::arg("bias_values") = py::none(),
+      py::arg("only_listed") = py::none(), py::arg("sampled_logprobs") = py::none(),
       py::arg("sampled_ranks") = py::none(), py::arg("top_token_ids") = py::none(),
       py::arg("top_logprobs") = py::none(),
       "Samples one token per row of logits with per-request parameters; see include/octavo/ops.h.");

@@ -180,7 +180,7 @@ struct ExpertWeights {
 void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeights& w13, const ExpertWeights& w2,
                const TensorView& topk_weights, const TensorView& topk_ids);
 
-// Samples one token per row of logits with per-request parameters (vLLM's order: banned tokens,
+// Samples one token per row of logits with per-request parameters (vLLM's order: biases and bans,
 // penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones
 // may be null. The draw of request b depends only on (seeds[b], counters[b]) and its own row, so
 // a request samples the same token alone or in any batch.
@@ -197,8 +197,14 @@ struct SampleArgs {
   const TensorView* prompt_token_ids = nullptr;    // [N] int32
   const TensorView* output_offsets = nullptr;      // [B + 1] int32, CSR into output_token_ids
   const TensorView* output_token_ids = nullptr;    // [M] int32
-  const TensorView* banned_offsets = nullptr;      // [B + 1] int32, CSR: tokens set to -inf
-  const TensorView* banned_token_ids = nullptr;    //   (min_tokens: EOS and stop tokens)
+  // One bias / mask structure per request (logit_bias, allowed_token_ids, bad_words, min_tokens):
+  // row b's entries [bias_offsets[b], bias_offsets[b + 1]) add bias_values to the logits of
+  // bias_token_ids (-inf bans the token), each token at most once per row; where only_listed[b]
+  // is nonzero, every token the row does not list is banned (allowed_token_ids).
+  const TensorView* bias_offsets = nullptr;        // [B + 1] int32, CSR
+  const TensorView* bias_token_ids = nullptr;      // [N] int32
+  const TensorView* bias_values = nullptr;         // [N] float32
+  const TensorView* only_listed = nullptr;         // [B] int32
   TensorView seeds;                           // [B] int64
   TensorView counters;                        // [B] int64, e.g. tokens generated so far
   // Outputs. Logprobs are of the raw logits (before penalties and temperature), as vLLM's

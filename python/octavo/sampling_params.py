@@ -81,6 +81,9 @@ class SamplingParams:
     - include_stop_str_in_output: keep the matched stop string at the end of the text.
     - output_kind: what streamed outputs carry (see RequestOutputKind).
     - logit_bias: {token_id: bias} added to the logits; each bias is clamped to [-100, 100].
+    - allowed_token_ids: only these tokens may be sampled (a non-empty list).
+    - bad_words: words never generated: a word's last token is banned wherever the output so far
+      ends with its other tokens (each word tokenized with and without a leading space, as vLLM).
     - best_of: vLLM's field; only None or 1 are accepted (vLLM V1 dropped best_of > 1 as well).
 
     Invalid values raise ValueError with a message naming the field.
@@ -108,12 +111,15 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     best_of: int | None = None  # accepted as vLLM's field; V1 engines (vLLM's and Octavo) refuse > 1
 
     # Derived in __post_init__ / by the engine, not arguments (same names as vLLM).
     output_text_buffer_length: int = field(default=0, init=False, repr=False)
     _eos_token_id: int | None = field(default=None, init=False, repr=False)
     _all_stop_token_ids: set[int] = field(default_factory=set, init=False, repr=False)
+    _bad_words_token_ids: list[list[int]] = field(default_factory=list, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if _is_int(self.temperature) or isinstance(self.temperature, float):
@@ -145,6 +151,10 @@ class SamplingParams:
             self.prompt_logprobs = 1
         if self.logit_bias is not None:
             self.logit_bias = _normalize_logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = _normalize_allowed_token_ids(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = _normalize_bad_words(self.bad_words)
 
         # Characters held back while streaming so that a stop string arriving in pieces
         # is never shown (see octavo.engine.detokenizer.check_stop_strings).
@@ -265,6 +275,24 @@ class SamplingParams:
             if not self.ignore_eos:
                 self.stop_token_ids = list(dict.fromkeys([*self.stop_token_ids, *sorted(eos_ids)]))
 
+    @property
+    def bad_words_token_ids(self) -> list[list[int]]:
+        """bad_words as token id sequences; set by the engine (update_from_tokenizer)."""
+        return self._bad_words_token_ids
+
+    def update_from_tokenizer(self, tokenizer) -> None:
+        """Tokenizes bad_words as vLLM does: each word (left-stripped) without and with a leading
+        space, both kept where the spaced form is a different sequence of the same length."""
+        self._bad_words_token_ids = []
+        for word in self.bad_words or []:
+            plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not plain:
+                raise ValueError("bad_words entries must tokenize to at least one token.")
+            self._bad_words_token_ids.append(list(plain))
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                self._bad_words_token_ids.append(list(spaced))
+
     def sample_seed(self, index: int) -> int | None:
         """The seed of the index-th of the n samples: seed + index (as vLLM's child requests),
         wrapped into 64 bits."""
@@ -289,6 +317,27 @@ class SamplingParams:
             f"prompt_logprobs={self.prompt_logprobs}, skip_special_tokens={self.skip_special_tokens}, "
             f"spaces_between_special_tokens={self.spaces_between_special_tokens})"
         )
+
+
+def _normalize_allowed_token_ids(ids: Any) -> list[int]:
+    """vLLM's messages; the vocabulary bound is the engine's check."""
+    if not isinstance(ids, (list, tuple)) or not all(_is_int(t) for t in ids):
+        raise ValueError(f"allowed_token_ids must be a list of integers, got {ids!r}.")
+    if not ids:
+        raise ValueError("allowed_token_ids is not None and empty!")
+    if min(ids) < 0:
+        raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+    return list(dict.fromkeys(int(t) for t in ids))
+
+
+def _normalize_bad_words(words: Any) -> list[str]:
+    if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
+        raise ValueError(f"bad_words must be a list of strings, got {words!r}.")
+    if any(not w.strip() for w in words):
+        raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)!r}")
+    for word in words:
+        check_utf8("a bad word", word)
+    return list(words)
 
 
 def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:

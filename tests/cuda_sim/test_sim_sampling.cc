@@ -50,7 +50,9 @@ struct Request {
   int32_t top_k = 0;
   float top_p = 1.0f, min_p = 0.0f;
   float repetition = 1.0f, frequency = 0.0f, presence = 0.0f;
-  std::vector<int32_t> prompt, output, banned;
+  std::vector<int32_t> prompt, output, banned;    // banned: bias entries of -inf
+  std::vector<std::pair<int32_t, float>> biases;  // further entries (token, value), after the bans
+  int32_t only_listed = 0;                        // ban every token not in banned or biases
   int64_t seed = 0, counter = 0;
 };
 
@@ -111,6 +113,29 @@ Tensor per_row(const Batch& b, T Request::*field) {
 struct Csr {
   Tensor offsets, ids;
 };
+
+// The bias entries of every row (its bans at -inf, then its biases) in CSR form, with their values.
+struct Biases {
+  Tensor offsets, ids, values;
+  bool any = false;  // some row lists a token or bans the unlisted ones
+};
+Biases biases(const Batch& b) {
+  std::vector<int32_t> offsets{0}, ids;
+  std::vector<float> values;
+  bool only = false;
+  for (const Request& q : b.requests) {
+    for (int32_t t : q.banned) ids.push_back(t), values.push_back(-INFINITY);
+    for (const auto& [t, v] : q.biases) ids.push_back(t), values.push_back(v);
+    offsets.push_back(static_cast<int32_t>(ids.size()));
+    only = only || q.only_listed;
+  }
+  const int64_t n = static_cast<int64_t>(ids.size());
+  Biases c{Tensor({b.rows() + 1}, DType::kInt32), Tensor({n}, DType::kInt32), Tensor({n}, DType::kFloat32), n > 0 || only};
+  std::copy(offsets.begin(), offsets.end(), c.offsets.as<int32_t>());
+  std::copy(ids.begin(), ids.end(), c.ids.as<int32_t>());
+  std::copy(values.begin(), values.end(), c.values.as<float>());
+  return c;
+}
 Csr csr(const Batch& b, std::vector<int32_t> Request::*list) {
   std::vector<int32_t> offsets{0}, ids;
   for (const Request& q : b.requests) {
@@ -129,8 +154,8 @@ std::vector<T> values(const Tensor& t) {
   return std::vector<T>(data, data + t.numel());
 }
 
-// octavo::sample on `device` (kCUDA: the simulator; kCPU: the CPU kernel). Bans are passed
-// when some row has any.
+// octavo::sample on `device` (kCUDA: the simulator; kCPU: the CPU kernel). Biases and bans are
+// passed when some row has any.
 Output run(const Batch& b, DeviceType device) {
   const int64_t rows = b.rows();
   Tensor logits({rows, b.stride}, DType::kFloat32);
@@ -139,8 +164,9 @@ Output run(const Batch& b, DeviceType device) {
                top_p = per_row(b, &Request::top_p), min_p = per_row(b, &Request::min_p),
                repetition = per_row(b, &Request::repetition), frequency = per_row(b, &Request::frequency),
                presence = per_row(b, &Request::presence), seeds = per_row(b, &Request::seed),
-               counters = per_row(b, &Request::counter);
-  const Csr prompt = csr(b, &Request::prompt), output = csr(b, &Request::output), banned = csr(b, &Request::banned);
+               counters = per_row(b, &Request::counter), only_listed = per_row(b, &Request::only_listed);
+  const Csr prompt = csr(b, &Request::prompt), output = csr(b, &Request::output);
+  const Biases bias = biases(b);
   Tensor sampled({rows}, DType::kInt32), logprobs({rows}, DType::kFloat32), ranks({rows}, DType::kInt32);
   Tensor top_ids({rows, b.num_top}, DType::kInt32), top_logprobs({rows, b.num_top}, DType::kFloat32);
 
@@ -151,7 +177,8 @@ Output run(const Batch& b, DeviceType device) {
                    repetition_v = view(repetition), frequency_v = view(frequency), presence_v = view(presence),
                    prompt_offsets = view(prompt.offsets), prompt_ids = view(prompt.ids),
                    output_offsets = view(output.offsets), output_ids = view(output.ids),
-                   banned_offsets = view(banned.offsets), banned_ids = view(banned.ids), logprobs_v = view(logprobs),
+                   bias_offsets = view(bias.offsets), bias_ids = view(bias.ids), bias_values = view(bias.values),
+                   only_listed_v = view(only_listed), logprobs_v = view(logprobs),
                    ranks_v = view(ranks), top_ids_v = view(top_ids), top_logprobs_v = view(top_logprobs);
   octavo::SampleArgs a;
   a.logits = logits_view;
@@ -168,9 +195,11 @@ Output run(const Batch& b, DeviceType device) {
     a.output_offsets = &output_offsets;
     a.output_token_ids = &output_ids;
   }
-  if (banned.ids.numel() > 0) {
-    a.banned_offsets = &banned_offsets;
-    a.banned_token_ids = &banned_ids;
+  if (bias.any) {
+    a.bias_offsets = &bias_offsets;
+    a.bias_token_ids = &bias_ids;
+    a.bias_values = &bias_values;
+    a.only_listed = &only_listed_v;
   }
   a.seeds = view(seeds);
   a.counters = view(counters);
@@ -201,11 +230,13 @@ int32_t sim_one(const std::vector<float>& row, const Request& q, bool penalties 
 
 // ---- The float64 reference ---------------------------------------------------------------------
 
-// vLLM's bans and penalties on one row (test_sampling.py's `penalized`), in float as both
+// vLLM's biases, bans and penalties on one row (test_sampling.py's `penalized`), in float as both
 // kernels compute them (the same operations in the same order), so that only the kernels'
 // exp and sums can differ from the reference below.
 std::vector<double> penalized(const float* row, int64_t vocab, const Request& q) {
   std::vector<float> x(row, row + vocab);
+  if (q.only_listed) std::fill(x.begin(), x.end(), -INFINITY);
+  for (const auto& [t, v] : q.biases) x[t] = row[t] + v;
   for (int32_t t : q.banned) x[t] = -INFINITY;
   std::vector<int> seen(static_cast<size_t>(vocab), 0), count(static_cast<size_t>(vocab), 0);
   for (int32_t t : q.prompt) seen[t] = 1;
@@ -554,6 +585,67 @@ TEST(SimSampling, BannedTokensAreNeverSampled) {
   EXPECT_EQ(sim(draws(row, 20, only_40)), std::vector<int32_t>(20, 40));
 }
 
+// Biases (logit_bias) move tokens up and down before sampling; only_listed (allowed_token_ids)
+// keeps only the listed tokens, each with its own bias, bans among them.
+TEST(SimSampling, BiasesAndOnlyListedTokensFollowTheReference) {
+  std::mt19937 gen(11);
+  const std::vector<float> row = randn(96, gen, 1.5);
+  const std::vector<int> order = likeliest_first(std::vector<double>(row.begin(), row.end()));
+  Request up;
+  up.biases = {{order[90], 8.0f}, {order[0], -100.0f}, {order[1], 0.5f}};
+  const std::vector<int32_t> got = expect_matches_reference(draws(row, 300, up)).sampled;
+  EXPECT_GT(std::count(got.begin(), got.end(), order[90]), 150);  // e^8 outweighs the rest
+  EXPECT_EQ(std::count(got.begin(), got.end(), order[0]), 0);
+  Request listed;
+  listed.only_listed = 1;
+  listed.biases = {{5, 0.0f}, {17, 1.0f}};
+  listed.banned = {order[0]};  // listed as a ban: still banned
+  const std::vector<int32_t> only = expect_matches_reference(draws(row, 200, listed)).sampled;
+  for (int32_t t : only) EXPECT_TRUE(t == 5 || t == 17) << t;
+  Request greedy = listed;
+  greedy.temperature = 0;
+  EXPECT_EQ(sim_one(row, greedy), row[17] + 1.0f >= row[5] ? 17 : 5);
+}
+
+// vLLM's order: the bias first, then the penalties on the biased logit; a token the prompt and
+// the output list several times is penalized once (the CUDA kernel's claims).
+TEST(SimSampling, PenaltiesApplyToTheBiasedLogitOnce) {
+  std::vector<float> row(32, 0.0f);
+  row[3] = 2.0f, row[9] = 1.0f;
+  Request q;
+  q.temperature = 0;
+  q.biases = {{9, 3.0f}};                          // 1 + 3 = 4: above token 3
+  q.prompt = {9, 9, 9}, q.output = {9, 9};         // then / 2.5 = 1.6: below it again
+  q.repetition = 2.5f;
+  Batch b = draws(row, 1, q);
+  b.penalties = true;
+  EXPECT_EQ(sim(b), std::vector<int32_t>{3});
+  EXPECT_EQ(cpu(b), std::vector<int32_t>{3});
+  b.requests[0].repetition = 1.5f;  // 4 / 1.5 = 2.67: above
+  EXPECT_EQ(sim(b), std::vector<int32_t>{9});
+  EXPECT_EQ(cpu(b), std::vector<int32_t>{9});
+}
+
+// The CPU refuses a token listed twice in one row, or a bias of +inf / NaN.
+TEST(SimSampling, BiasListsAreCheckedOnTheCpu) {
+  const std::vector<float> row(16, 0.0f);
+  const auto refused = [&](const Request& q, const char* text) {
+    try {
+      cpu(draws(row, 2, q));
+      ADD_FAILURE() << "accepted: " << text;
+    } catch (const octavo::Error& e) {
+      EXPECT_NE(std::string(e.what()).find(text), std::string::npos) << e.what();
+    }
+  };
+  Request twice;
+  twice.banned = {4};
+  twice.biases = {{4, 1.0f}};
+  refused(twice, "twice");
+  Request infinite;
+  infinite.biases = {{4, INFINITY}};
+  refused(infinite, "finite or -inf");
+}
+
 // Token ids are validated on the host only for CPU tensors; the CUDA kernel skips ids outside
 // the vocabulary instead of writing outside the row.
 TEST(SimSampling, OutOfVocabularyIdsAreSkippedOnCuda) {
@@ -775,6 +867,13 @@ Batch request_batch() {
     q.prompt = tokens(static_cast<int>(gen() % 30));
     q.output = tokens(static_cast<int>(gen() % 30));
     q.banned = tokens(3 * (r % 2));
+    std::sort(q.banned.begin(), q.banned.end());  // each token once per row: the bias lists' contract
+    q.banned.erase(std::unique(q.banned.begin(), q.banned.end()), q.banned.end());
+    if (r % 4 == 1) {  // a token the row does not ban, pushed up
+      int32_t t = static_cast<int32_t>(gen() % vocab);
+      while (std::count(q.banned.begin(), q.banned.end(), t)) t = static_cast<int32_t>((t + 1) % vocab);
+      q.biases = {{t, 2.5f}};
+    }
     q.seed = r % 2 ? 99 : -7 - (int64_t{1} << 40);
     q.counter = r * 7 + 3;
   }

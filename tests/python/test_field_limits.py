@@ -48,6 +48,11 @@ FIELDS = {
     "stop_token_ids": field_values(token_lists),
     "stop": field_values(st.lists(st.sampled_from(["", ".", "\n", "a\ud800", "x" * 100]), max_size=3)),
     "ignore_eos": field_values(st.booleans()),
+    "logit_bias": field_values(st.dictionaries(st.sampled_from(INT_EDGES).map(str) | st.sampled_from(["x", "1.5"]),
+                                               floats, max_size=3)),
+    "allowed_token_ids": field_values(token_lists),
+    "bad_words": field_values(st.lists(st.sampled_from(["", " ", "the", "Hello world", "a\ud800", "x" * 100]),
+                                       max_size=3)),
 }
 requests = st.fixed_dictionaries({}, optional=FIELDS)
 completion_extras = st.fixed_dictionaries({}, optional={

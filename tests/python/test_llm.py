@@ -222,8 +222,10 @@ def test_bad_requests_raise_and_leave_the_engine_clean(tiny):
         SamplingParams(n=1, best_of=2)
     with pytest.raises(ValueError, match="temperature"):
         SamplingParams(temperature=-1)
-    with pytest.raises(ValueError, match="logit_bias is not supported"):
-        llm.generate("Hello", SamplingParams(logit_bias={1: 2.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"token_id\(s\) \[100000\] in logit_bias contain out-of-vocab"):
+        llm.generate("Hello", SamplingParams(logit_bias={1: 2.0, 100000: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="allowed_token_ids contains out-of-vocab token id!"):
+        llm.generate("Hello", SamplingParams(allowed_token_ids=[1, 100000]), use_tqdm=False)
     with pytest.raises(TypeError, match="prompt"):
         llm.generate([3.5], use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()

@@ -198,3 +198,22 @@ def test_chat_completion_stream_options(client):
         assert chunk.usage.total_tokens == chunk.usage.prompt_tokens + chunk.usage.completion_tokens
         last = chunk.usage.completion_tokens
     assert last == 10
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(client, tokenizer):
+    """OpenAI's logit_bias (string keys) and vLLM's allowed_token_ids / bad_words, through the
+    client as vLLM's tests send them."""
+    hello = tokenizer.encode(" hello", add_special_tokens=False)[0]
+    r = client.completions.create(model=MODEL, prompt="Say something:", max_tokens=4, logit_bias={str(hello): 100},
+                                  extra_body={"return_token_ids": True, "ignore_eos": True}, **GREEDY)
+    assert r.choices[0].token_ids == [hello] * 4
+    allowed = tokenizer.encode(" yes no maybe", add_special_tokens=False)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Answer me."}],
+                                          max_completion_tokens=6, temperature=1.0, seed=5,
+                                          extra_body={"allowed_token_ids": allowed, "return_token_ids": True})
+    assert set(chat.choices[0].token_ids) <= set(allowed)
+    plain = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, **GREEDY)
+    word = plain.choices[0].text.split()[0]
+    banned = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8,
+                                       extra_body={"bad_words": [word]}, **GREEDY)
+    assert word not in banned.choices[0].text.split()

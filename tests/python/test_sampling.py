@@ -32,16 +32,23 @@ DEVICE = "cpu"
 
 
 def sample(logits, temperature=1.0, *, seed=0, counters=None, num_top=0, logprobs=False,
-           prompt=None, output=None, banned=None, **params):
-    """Runs the kernel on DEVICE; scalars broadcast over rows. Returns sampled, or a dict with
-    logprobs (on the CPU)."""
+           prompt=None, output=None, banned=None, biases=None, only_listed=None, **params):
+    """Runs the kernel on DEVICE; scalars broadcast over rows. ``banned`` (token lists) and
+    ``biases`` ({token: value} per row) become the bias lists, ``only_listed`` a flag per row.
+    Returns sampled, or a dict with logprobs (on the CPU)."""
     b = logits.shape[0]
     kw = {}
     for name, value in params.items():
         kw[name] = per_row(value, b, I32 if name == "top_k" else F32)
-    for name, lists in (("prompt", prompt), ("output", output), ("banned", banned)):
+    for name, lists in (("prompt", prompt), ("output", output)):
         if lists is not None:
             kw[f"{name}_offsets"], kw[f"{name}_token_ids"] = csr(lists)
+    if banned is not None or biases is not None or only_listed is not None:
+        entries = [{**dict.fromkeys((banned or [[]] * b)[r], float("-inf")), **(biases or [{}] * b)[r]}
+                   for r in range(b)]
+        kw["bias_offsets"], kw["bias_token_ids"] = csr([list(e) for e in entries])
+        kw["bias_values"] = torch.tensor([v for e in entries for v in e.values()], dtype=F32)
+        kw["only_listed"] = per_row(only_listed or 0, b, I32)
     if counters is None:
         counters = torch.zeros(b, dtype=I64)
     out = {"sampled": torch.empty(b, dtype=I32)}
@@ -65,9 +72,13 @@ def draws(row, n, **params):
     return sample(row.repeat(n, 1), counters=torch.arange(n), **params).long()
 
 
-def penalized(logits, prompt=(), output=(), repetition=1.0, frequency=0.0, presence=0.0, banned=()):
-    """vLLM v1's penalties on one row, in float64."""
-    x = logits.double().clone()
+def penalized(logits, prompt=(), output=(), repetition=1.0, frequency=0.0, presence=0.0, banned=(), biases=None,
+              only_listed=False):
+    """vLLM v1's biases, bans and penalties on one row, in float64 (the biases added in float32,
+    as the kernels add them)."""
+    x = torch.full_like(logits, float("-inf"), dtype=torch.float64) if only_listed else logits.double().clone()
+    for t, v in (biases or {}).items():
+        x[t] = (logits[t] + torch.tensor(v, dtype=F32)).double()
     x[list(banned)] = float("-inf")
     seen = torch.zeros_like(x, dtype=torch.bool)
     seen[list(prompt) + list(output)] = True
@@ -174,6 +185,40 @@ def test_banned_tokens_are_never_sampled():
     assert sample(row[None], 0.0, banned=[banned]).item() == row.topk(6).indices[5].item()
     only = [t for t in range(64) if t != 40]
     assert set(sample(row.repeat(50, 1), 1.0, counters=torch.arange(50), banned=[only] * 50).tolist()) == {40}
+
+
+def test_biases_move_tokens_and_only_listed_keeps_the_list():
+    torch.manual_seed(3)
+    row = torch.randn(80) * 2
+    low, top = row.argmin().item(), row.argmax().item()
+    up = [{low: 100.0, top: -100.0}]
+    assert sample(row[None], 0.0, biases=up).item() == low
+    n = 20000
+    tokens = sample(row.repeat(n, 1), 1.0, counters=torch.arange(n), biases=[{low: 3.0, 7: -2.5}] * n).long()
+    assert total_variation(tokens, torch.softmax(penalized(row, biases={low: 3.0, 7: -2.5}), 0)) < 0.02
+    listed = {5: 0.0, 17: 1.0, 60: float("-inf")}
+    tokens = sample(row.repeat(500, 1), 1.0, counters=torch.arange(500), biases=[listed] * 500, only_listed=1)
+    assert set(tokens.tolist()) <= {5, 17}
+    ref = penalized(row, biases=listed, only_listed=True)
+    assert sample(row[None], 0.0, biases=[listed], only_listed=1).item() == ref.argmax().item()
+    # A row with only_listed and no entries bans everything: the kernels' fallback, token 0.
+    assert sample(row[None], 0.0, only_listed=1).item() == 0
+
+
+def test_penalties_apply_to_the_biased_logits():
+    """vLLM's order (biases, then penalties); greedy rows against the float64 reference."""
+    torch.manual_seed(4)
+    b, vocab = 64, 50
+    logits = torch.randn(b, vocab)
+    prompt = [torch.randint(0, vocab, (8,)).tolist() for _ in range(b)]
+    output = [torch.randint(0, vocab, (6,)).tolist() for _ in range(b)]
+    biases = [{t: float(torch.randn(()) * 3) for t in torch.randperm(vocab)[:4].tolist()} for _ in range(b)]
+    rep = torch.rand(b) + 0.8
+    got = sample(logits, 0.0, prompt=prompt, output=output, biases=biases, repetition_penalty=rep,
+                 frequency_penalty=0.2, presence_penalty=0.1)
+    for r in range(b):
+        ref = penalized(logits[r], prompt[r], output[r], rep[r].item(), 0.2, 0.1, biases=biases[r])
+        assert ref[got[r]] == ref.max(), r
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +348,7 @@ def request_batch():
     lists = dict(
         prompt=[torch.randint(0, vocab, (int(torch.randint(0, 30, ())),)).tolist() for _ in range(8)],
         output=[torch.randint(0, vocab, (int(torch.randint(0, 30, ())),)).tolist() for _ in range(8)],
-        banned=[torch.randint(0, vocab, (3 * (r % 2),)).tolist() for r in range(8)],
+        banned=[torch.randperm(vocab)[:3 * (r % 2)].tolist() for r in range(8)],  # each token once per row
     )
     return logits, params, lists
 
@@ -382,8 +427,15 @@ def call(**overrides):
     (dict(temperature=torch.tensor([1.0, -0.5])), ValueError, r"temperature\[1\] must be >= 0"),
     (dict(top_p=torch.tensor([0.0, 1.0])), ValueError, r"top_p\[0\] must be in \(0, 1\]"),
     (dict(min_p=torch.tensor([0.0, 1.5])), ValueError, r"min_p\[1\] must be in \[0, 1\]"),
-    (dict(banned_offsets=torch.tensor([0, 1, 2], dtype=I32), banned_token_ids=torch.tensor([3, 10], dtype=I32)),
-     ValueError, "is not a token id"),
+    (dict(bias_offsets=torch.tensor([0, 1, 2], dtype=I32), bias_token_ids=torch.tensor([3, 10], dtype=I32),
+          bias_values=torch.zeros(2)), ValueError, "is not a token id"),
+    (dict(bias_offsets=torch.tensor([0, 2, 2], dtype=I32), bias_token_ids=torch.tensor([3, 3], dtype=I32),
+          bias_values=torch.zeros(2)), ValueError, "lists token 3 twice for request 0"),
+    (dict(bias_offsets=torch.tensor([0, 1, 1], dtype=I32), bias_token_ids=torch.tensor([3], dtype=I32),
+          bias_values=torch.tensor([float("nan")])), ValueError, "must be finite or -inf"),
+    (dict(bias_offsets=torch.tensor([0, 1, 1], dtype=I32), bias_token_ids=torch.tensor([3], dtype=I32)),
+     ValueError, "'bias_values' must be given"),
+    (dict(only_listed=torch.ones(3, dtype=I32)), ValueError, "'only_listed' must have size 2"),
     (dict(prompt_offsets=torch.tensor([0, 1, 1], dtype=I32), prompt_token_ids=torch.tensor([-1], dtype=I32),
           repetition_penalty=torch.ones(2)), ValueError, "is not a token id"),
     (dict(output_offsets=torch.tensor([0, 1, 2], dtype=I32)), ValueError, "must be given together"),

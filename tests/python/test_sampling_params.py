@@ -67,6 +67,13 @@ def test_positional_order_matches_vllm():
     (dict(logit_bias={"a": 1.0}), "logit_bias contains key"),
     (dict(logit_bias={1: "x"}), "logit_bias values must be numbers"),
     (dict(logit_bias=[1.0]), "logit_bias must be a dict"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids is not None and empty!"),
+    (dict(allowed_token_ids=[3, -1]), "allowed_token_ids contains out-of-vocab token id!"),
+    (dict(allowed_token_ids=[3, 1.5]), "allowed_token_ids must be a list of integers"),
+    (dict(allowed_token_ids=5), "allowed_token_ids must be a list of integers"),
+    (dict(bad_words="word"), "bad_words must be a list of strings"),
+    (dict(bad_words=["ok", 3]), "bad_words must be a list of strings"),
+    (dict(bad_words=["ok", " "]), "bad_words cannot contain an empty string"),
     (dict(output_kind=1), "output_kind must be a RequestOutputKind"),
 ])
 def test_invalid_values_name_the_field(kwargs, message):
@@ -127,6 +134,19 @@ def test_stop_buffer_length():
 def test_logit_bias_keys_and_clamping():
     params = SamplingParams(logit_bias={"5": 3.0, 7: -500, 9: 250.5})
     assert params.logit_bias == {5: 3.0, 7: -100.0, 9: 100.0}
+
+
+def test_bad_words_tokenize_with_and_without_a_leading_space():
+    """vLLM's rule: the spaced form is kept where it is another sequence of the same length."""
+    class Words:  # a tokenizer of whole words, where " cat" is its own token
+        ids = {"cat": [10], " cat": [11], "big dog": [12, 13], " big dog": [14, 13], "x y": [15, 16], " x y": [17]}
+
+        def encode(self, text, add_special_tokens=False):
+            return self.ids[text]
+
+    params = SamplingParams(bad_words=["cat", "  big dog", "x y"])
+    params.update_from_tokenizer(Words())
+    assert params.bad_words_token_ids == [[10], [11], [12, 13], [14, 13], [15, 16]]
 
 
 def test_clone_is_deep():

@@ -1,19 +1,18 @@
 """The step loop (scheduler -> model runner -> sampler -> update) on a tiny random Llama:
 greedy outputs equal transformers' for every prompt, whatever the batch, the token budget
 (chunked prefill), prefix-cache hits or preemption on a small KV pool."""
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 import octavo
 from octavo.loader import load_model
+from octavo.sampling_params import SamplingParams
 from octavo.worker.model_runner import ModelRunner
 from octavo.worker.sampler import SamplingState, sample
 from test_models import tiny_checkpoint
 
-GREEDY = SimpleNamespace(temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, repetition_penalty=1.0,
-                         frequency_penalty=0.0, presence_penalty=0.0, min_tokens=0, logprobs=None)
+GREEDY = SamplingParams(temperature=0.0)
 MAX_TOKENS = 12
 
 

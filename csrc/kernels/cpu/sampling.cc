@@ -381,8 +381,17 @@ int32_t* token_tally(int64_t vocab) {
   return tally.get(vocab);
 }
 
-void ban(float* x, TokenList banned) {
-  for (int64_t i = 0; i < banned.size; ++i) x[banned.ids[i]] = -kInf;
+// Row r's biases on the raw logits into x: listed tokens get raw + value (-inf bans, even a
+// +inf logit), the others stay as they are or, where only_listed, are banned.
+void apply_biases(const SampleParams& p, int64_t r, const float* raw, float* x) {
+  const TokenList listed = tokens_of(p.bias_offsets, p.bias_token_ids, r);
+  const float* values = listed.size ? p.bias_values + p.bias_offsets[r] : nullptr;
+  if (p.only_listed && p.only_listed[r]) std::fill(x, x + p.vocab_size, -kInf);
+  else std::memcpy(x, raw, static_cast<size_t>(p.vocab_size) * sizeof(float));
+  for (int64_t i = 0; i < listed.size; ++i) {
+    const int32_t t = listed.ids[i];
+    x[t] = values[i] == -kInf ? -kInf : raw[t] + values[i];
+  }
 }
 
 // Every distinct token of prompt and output once: positive logits shrink (/ r), others grow
@@ -438,10 +447,11 @@ T param_or(const T* values, int64_t r, T fallback) {
   return values ? values[r] : fallback;
 }
 
-// The request's logits after bans and penalties, in `work`; the raw row itself when none apply
-// (a greedy request without penalties is then a single pass).
+// The request's logits after biases, bans and penalties, in `work`; the raw row itself when none
+// apply (a greedy request without any is then a single pass).
 const float* penalized_row(const SampleParams& p, int64_t r, const float* raw, const Scratch& s) {
-  const TokenList banned = tokens_of(p.banned_offsets, p.banned_token_ids, r);
+  const bool biased = (p.bias_offsets && p.bias_offsets[r + 1] > p.bias_offsets[r]) ||
+                      (p.only_listed && p.only_listed[r]);
   const TokenList prompt = tokens_of(p.prompt_offsets, p.prompt_token_ids, r);
   const TokenList output = tokens_of(p.output_offsets, p.output_token_ids, r);
   const float repetition = param_or(p.repetition_penalty, r, 1.0f);
@@ -449,9 +459,8 @@ const float* penalized_row(const SampleParams& p, int64_t r, const float* raw, c
   const float presence = param_or(p.presence_penalty, r, 0.0f);
   const bool repeat = repetition != 1.0f && prompt.size + output.size > 0;
   const bool counts = (frequency != 0.0f || presence != 0.0f) && output.size > 0;
-  if (banned.size == 0 && !repeat && !counts) return raw;
-  std::memcpy(s.work, raw, static_cast<size_t>(p.vocab_size) * sizeof(float));
-  ban(s.work, banned);
+  if (!biased && !repeat && !counts) return raw;
+  apply_biases(p, r, raw, s.work);
   if (repeat) repetition_penalty(s.work, prompt, output, repetition, s.tally);
   if (counts) frequency_presence_penalty(s.work, output, frequency, presence, s.tally);
   return s.work;

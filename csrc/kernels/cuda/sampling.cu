@@ -88,31 +88,44 @@ __device__ void for_each_token(TokenList list, int64_t n, Fn fn) {
   }
 }
 
-// The row after bans and penalties, in `work`; false (work untouched) when none apply. The
-// repetition penalty is computed from the raw value, so a token listed twice is penalized once;
-// frequency counts gather in `counts` (all zero between calls: each count is taken back with
-// an exchange, which also makes one thread per distinct token apply it).
+// The row after biases, bans and penalties (in vLLM's order), in `work`; false (work untouched)
+// when none apply. `counts` (all zero between calls, present whenever a penalty is) marks the
+// tokens the repetition penalty has done, so that a token listed twice is penalized once, and
+// gathers the frequency counts (each taken back with an exchange, which also makes one thread per
+// distinct token apply it).
 __device__ bool penalize(const SampleParams& p, int64_t r, const float* raw, float* work, int* counts) {
   const int64_t n = p.vocab_size;
-  const TokenList banned = tokens_of(p.banned_offsets, p.banned_token_ids, r);
+  const TokenList listed = tokens_of(p.bias_offsets, p.bias_token_ids, r);
+  const bool only_listed = p.only_listed && p.only_listed[r];
   const TokenList prompt = tokens_of(p.prompt_offsets, p.prompt_token_ids, r);
   const TokenList output = tokens_of(p.output_offsets, p.output_token_ids, r);
   const float repetition = p.repetition_penalty ? p.repetition_penalty[r] : 1.0f;
   const float frequency = p.frequency_penalty ? p.frequency_penalty[r] : 0.0f;
   const float presence = p.presence_penalty ? p.presence_penalty[r] : 0.0f;
-  const bool repeat = repetition != 1.0f && prompt.size + output.size > 0;
+  const bool repeat = repetition != 1.0f && prompt.size + output.size > 0 && counts != nullptr;
   const bool tally = (frequency != 0.0f || presence != 0.0f) && output.size > 0 && counts != nullptr;
-  if (banned.size == 0 && !repeat && !tally) return false;
-  for (int64_t i = threadIdx.x; i < n; i += kThreads) work[i] = raw[i];
+  if (listed.size == 0 && !only_listed && !repeat && !tally) return false;
+  for (int64_t i = threadIdx.x; i < n; i += kThreads) work[i] = only_listed ? -INFINITY : raw[i];
   __syncthreads();
+  if (listed.size > 0) {  // each token once per row (the host's contract), so no two threads meet
+    const float* values = p.bias_values + p.bias_offsets[r];
+    for (int64_t i = threadIdx.x; i < listed.size; i += kThreads) {
+      const int32_t t = listed.ids[i];
+      if (t >= 0 && t < n) work[t] = values[i] == -INFINITY ? -INFINITY : raw[t] + values[i];
+    }
+    __syncthreads();
+  }
   if (repeat) {
-    // A token listed twice is written twice, with the same value: atomically, so that the two
-    // writes are not a data race.
+    // The first thread to claim a token penalizes it; the claims are then taken back.
     const auto penalize_token = [&](int32_t t) {
-      atomicExch(&work[t], raw[t] > 0 ? raw[t] / repetition : raw[t] * repetition);
+      if (atomicCAS(&counts[t], 0, 1) == 0) work[t] = work[t] > 0 ? work[t] / repetition : work[t] * repetition;
     };
     for_each_token(prompt, n, penalize_token);
     for_each_token(output, n, penalize_token);
+    __syncthreads();
+    const auto release = [&](int32_t t) { atomicExch(&counts[t], 0); };
+    for_each_token(prompt, n, release);
+    for_each_token(output, n, release);
     __syncthreads();
   }
   if (tally) {
@@ -124,8 +137,6 @@ __device__ bool penalize(const SampleParams& p, int64_t r, const float* raw, flo
     });
     __syncthreads();
   }
-  for_each_token(banned, n, [&](int32_t t) { work[t] = -INFINITY; });
-  __syncthreads();
   return true;
 }
 
@@ -354,8 +365,9 @@ void sample(const SampleParams& p) {
   const size_t row_elems = static_cast<size_t>(p.num_reqs) * p.vocab_size;
   auto* weights = static_cast<float*>(device_workspace(WorkspaceSlot::kSampleWeights, row_elems * sizeof(float),
                                                        "sample"));
-  int* counts = nullptr;  // only when frequency / presence penalties are passed
-  if (p.output_offsets && (p.frequency_penalty || p.presence_penalty))
+  int* counts = nullptr;  // only when penalties are passed with token lists
+  const bool lists = p.prompt_offsets || p.output_offsets;
+  if ((p.output_offsets && (p.frequency_penalty || p.presence_penalty)) || (lists && p.repetition_penalty))
     counts = static_cast<int*>(device_workspace(WorkspaceSlot::kSampleCounts, row_elems * sizeof(int), "sample"));
   launch_kernel(sample_kernel, p.num_reqs, kThreads, 0, p, weights, counts);
   check_launch("sample");

@@ -1,6 +1,9 @@
 // sample: argument checks, then the CPU or CUDA launcher. For CPU tensors token ids, CSR offsets
 // and parameter values are validated here; the CUDA kernel cannot read them on the host, skips
 // token ids outside the vocabulary, and relies on the engine's validation of SamplingParams.
+#include <cmath>
+#include <vector>
+
 #include "cpu/isa_kernels.h"
 #include "cuda/cuda_kernels.h"
 #include "octavo/status.h"
@@ -55,6 +58,32 @@ void token_lists(const TensorView* offsets, const char* offsets_arg, const Tenso
   }
 }
 
+// The bias lists: token_lists' checks, values [N] float32 beside the ids and, on the CPU, each
+// token at most once per row (a second entry would be added twice on the CPU and once on CUDA);
+// only_listed [B] int32.
+void bias_lists(const SampleArgs& a, int64_t num_reqs, int64_t vocab, SampleParams* p) {
+  token_lists(a.bias_offsets, "bias_offsets", a.bias_token_ids, "bias_token_ids", num_reqs, vocab, a.logits,
+              &p->bias_offsets, &p->bias_token_ids);
+  OCTAVO_CHECK((a.bias_values == nullptr) == (a.bias_offsets == nullptr),
+               "'bias_values' must be given with 'bias_offsets' and 'bias_token_ids'");
+  if (a.bias_values) {
+    p->bias_values = optional_vector<float>(a.bias_values, "bias_values", DType::kFloat32, a.bias_token_ids->shape[0],
+                                            a.logits);
+  }
+  p->only_listed = optional_vector<int32_t>(a.only_listed, "only_listed", DType::kInt32, num_reqs, a.logits);
+  if (!p->bias_offsets || ops::is_cuda(a.logits)) return;
+  std::vector<int32_t> row_of(static_cast<size_t>(vocab), -1);
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    for (int32_t i = p->bias_offsets[r]; i < p->bias_offsets[r + 1]; ++i) {
+      const int32_t t = p->bias_token_ids[i];
+      OCTAVO_CHECK(row_of[t] != r, "bias_token_ids lists token " << t << " twice for request " << r);
+      row_of[t] = static_cast<int32_t>(r);
+      OCTAVO_CHECK(!std::isnan(p->bias_values[i]) && p->bias_values[i] != INFINITY,
+                   "bias_values[" << i << "] must be finite or -inf, got " << p->bias_values[i]);
+    }
+  }
+}
+
 // True if some of the n values differ from `neutral` (false for an absent tensor).
 bool any_not(const float* values, int64_t n, float neutral) {
   for (int64_t i = 0; values && i < n; ++i) {
@@ -105,8 +134,7 @@ void sample(const SampleArgs& a) {
               &p.prompt_offsets, &p.prompt_token_ids);
   token_lists(a.output_offsets, "output_offsets", a.output_token_ids, "output_token_ids", n, p.vocab_size, a.logits,
               &p.output_offsets, &p.output_token_ids);
-  token_lists(a.banned_offsets, "banned_offsets", a.banned_token_ids, "banned_token_ids", n, p.vocab_size, a.logits,
-              &p.banned_offsets, &p.banned_token_ids);
+  bias_lists(a, n, p.vocab_size, &p);
   if (ops::runs_on_cuda(a.logits, "logits")) {
     // The host reads no CUDA tensor's values, so neutral penalties cannot be told from active
     // ones there: penalties come with the token lists they apply to, or not at all.

@@ -147,8 +147,7 @@ class LLMEngine:
         if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
             bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
             raise ValueError(f"Token id {bad} is out of vocabulary (the vocabulary has {vocab} tokens)")
-        if params.logit_bias is not None:
-            raise ValueError("logit_bias is not supported yet")
+        params = self._check_biases(params, vocab)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
                              f"model length of {self.max_model_len}: it leaves no room to generate")
@@ -170,6 +169,27 @@ class LLMEngine:
                                  f"(the vocabulary has {vocab} tokens)")
         self._check_logprobs(params.logprobs, "sample")
         self._check_logprobs(params.prompt_logprobs, "prompt")
+        return params
+
+    def _check_biases(self, params: SamplingParams, vocab: int) -> SamplingParams:
+        """logit_bias and allowed_token_ids within the model's vocabulary (vLLM's messages); bad_words
+        tokenized into a copy of params."""
+        outside = sorted(t for t in params.logit_bias or {} if t >= vocab)
+        if outside:
+            raise ValueError(f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. "
+                             f"Vocabulary size: {vocab}")
+        if params.allowed_token_ids is not None and max(params.allowed_token_ids) >= vocab:
+            raise ValueError("allowed_token_ids contains out-of-vocab token id!")
+        if not params.bad_words:
+            return params
+        if self.tokenizer is None:
+            raise ValueError("bad_words need a tokenizer, and this engine was created without one")
+        params = params.clone()
+        params.update_from_tokenizer(self.tokenizer)
+        bad = sorted({t for word in params.bad_words_token_ids for t in word if t >= vocab})
+        if bad:
+            raise ValueError(f"The model vocabulary size is {vocab}, but the following tokens were specified as "
+                             f"bad: {bad}. All token id values should be integers satisfying: 0 <= token_id < {vocab}.")
         return params
 
     def _check_fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:

@@ -21,6 +21,27 @@ class SamplingState:
     seed: int
     stop_token_ids: list[int] = field(default_factory=list)  # EOS (unless ignored) + the request's own
     output_token_ids: list[int] = field(default_factory=list)
+    # The request's fixed entries of the bias lists: allowed_token_ids at 0, logit_bias added.
+    fixed_biases: dict[int, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        allowed, bias = self.params.allowed_token_ids, self.params.logit_bias or {}
+        self.fixed_biases = dict.fromkeys(allowed, 0.0) if allowed is not None else {}
+        for token, value in bias.items():
+            if allowed is None or token in self.fixed_biases:  # a token allowed_token_ids leaves out stays out
+                self.fixed_biases[token] = value
+
+    def biases(self) -> dict[int, float]:
+        """This step's bias entries: the fixed ones, then -inf for the stop tokens before min_tokens
+        and for each bad word's last token where the output ends with the word's other tokens."""
+        entries, out = self.fixed_biases, self.output_token_ids
+        banned = list(self.stop_token_ids) if len(out) < self.params.min_tokens else []
+        for word in self.params.bad_words_token_ids:
+            if len(word) == 1 or (len(word) - 1 <= len(out) and out[len(out) - len(word) + 1:] == word[:-1]):
+                banned.append(word[-1])
+        if banned:
+            entries = {**entries, **dict.fromkeys(banned, float("-inf"))}
+        return entries
 
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -62,10 +83,14 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
         inputs.update(repetition_penalty=rep, frequency_penalty=freq, presence_penalty=pres)
         inputs["prompt_offsets"], inputs["prompt_token_ids"] = _csr([s.prompt_token_ids for s in states])
         inputs["output_offsets"], inputs["output_token_ids"] = _csr([s.output_token_ids for s in states])
-    # min_tokens: stop tokens cannot be sampled until the request has that many outputs.
-    banned = [s.stop_token_ids if len(s.output_token_ids) < s.params.min_tokens else [] for s in states]
-    if any(banned):
-        inputs["banned_offsets"], inputs["banned_token_ids"] = _csr(banned)
+    # logit_bias, allowed_token_ids, bad_words and min_tokens: one bias list per request.
+    biases = [s.biases() for s in states]
+    only_listed = np.array([s.params.allowed_token_ids is not None for s in states], dtype=np.int32)
+    if any(biases) or only_listed.any():
+        inputs["bias_offsets"], inputs["bias_token_ids"] = _csr([list(b) for b in biases])
+        inputs["bias_values"] = np.fromiter((v for b in biases for v in b.values()), dtype=np.float32,
+                                            count=int(inputs["bias_offsets"][-1]))
+        inputs["only_listed"] = only_listed
     kwargs = dict(zip(inputs, (staging or Staging(device)).to_device(*inputs.values())))
     temperature, seeds, counters = kwargs.pop("temperature"), kwargs.pop("seeds"), kwargs.pop("counters")
     num_top = max(vocab if s.params.logprobs == -1 else (s.params.logprobs or 0) for s in states)

@@ -299,6 +299,12 @@ T atomicExch(T* address, T value) {
     return __atomic_exchange_n(address, value, __ATOMIC_RELAXED);
   }
 }
+template <typename T>
+T atomicCAS(T* address, T compare, T value) {
+  static_assert(std::is_integral_v<T>, "the kernels compare and swap integers atomically");
+  __atomic_compare_exchange_n(address, &compare, value, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+  return compare;  // the old value: on failure the builtin wrote it here
+}
 
 inline unsigned __ballot_sync(unsigned mask, int predicate) {
   unsigned result;

@@ -2,7 +2,7 @@
 the OpenAI-style error body, and the mapping from a request to ``SamplingParams``.
 
 Unknown fields are accepted and ignored, as in vLLM, so clients that send extra OpenAI fields
-keep working; a field Octavo cannot honour (logit_bias, tools, ...) is refused with a 400.
+keep working; a field Octavo cannot honour (tools, ...) is refused with a 400.
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     min_tokens: int = 0
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     priority: int = 0  # lower runs first, with --scheduling-policy priority
@@ -111,8 +113,6 @@ class _SamplingFields(BaseModel):
         request leaves out (vLLM's --generation-config auto)."""
         self.check_stream_options()
         self.check_prompt_logprobs()
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported by this server yet", param="logit_bias")
 
         def pick(name: str, fallback):
             value = getattr(self, name)
@@ -132,7 +132,8 @@ class _SamplingFields(BaseModel):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, logprobs=logprobs,
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
-                include_stop_str_in_output=self.include_stop_str_in_output)
+                include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
         except ValueError as e:
             raise APIError(str(e)) from None
 
