@@ -330,9 +330,16 @@ def _normalize_allowed_token_ids(ids: Any) -> list[int]:
     return list(dict.fromkeys(int(t) for t in ids))
 
 
+# Every step checks each bad word against the output's end: bounded, so that one request cannot
+# slow the steps of all the others.
+MAX_BAD_WORDS = 1024
+
+
 def _normalize_bad_words(words: Any) -> list[str]:
     if isinstance(words, str) or not isinstance(words, (list, tuple)) or not all(isinstance(w, str) for w in words):
         raise ValueError(f"bad_words must be a list of strings, got {words!r}.")
+    if len(words) > MAX_BAD_WORDS:
+        raise ValueError(f"bad_words holds {len(words)} words, more than the {MAX_BAD_WORDS} allowed.")
     if any(not w.strip() for w in words):
         raise ValueError(f"bad_words cannot contain an empty string. Got bad_words={list(words)!r}")
     for word in words:

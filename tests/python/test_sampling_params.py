@@ -74,6 +74,7 @@ def test_positional_order_matches_vllm():
     (dict(bad_words="word"), "bad_words must be a list of strings"),
     (dict(bad_words=["ok", 3]), "bad_words must be a list of strings"),
     (dict(bad_words=["ok", " "]), "bad_words cannot contain an empty string"),
+    (dict(bad_words=["w"] * 1025), "bad_words holds 1025 words, more than the 1024 allowed"),
     (dict(output_kind=1), "output_kind must be a RequestOutputKind"),
 ])
 def test_invalid_values_name_the_field(kwargs, message):
