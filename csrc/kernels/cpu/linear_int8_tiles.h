@@ -172,13 +172,22 @@ inline void pack_panel_steps(const LinearParams& p, int64_t n, int nr, int64_t k
   }
 }
 
-// The panel of weight rows [n, n + nr) over all K / 64 steps, then their scales by group
-// [groups, 32] (0 for missing rows).
-inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel, float* scales) {
+// The scales of weight rows [n, n + nr) by group, [groups, 32] (0 for missing rows).
+inline void panel_scales(const LinearParams& p, int64_t n, int nr, float* scales) {
   const int64_t groups = p.in_features / p.group_size;
-  pack_panel_steps(p, n, nr, 0, p.in_features / kTileK, panel);
   for (int64_t gi = 0; gi < groups; ++gi)
     for (int r = 0; r < kPanel; ++r) scales[gi * kPanel + r] = r < nr ? p.scales[(n + r) * groups + gi] : 0.0f;
+}
+
+// The panel of weight rows [n, n + nr) over all K / 64 steps, then their scales.
+inline void pack_panel(const LinearParams& p, int64_t n, int nr, uint8_t* panel, float* scales) {
+  pack_panel_steps(p, n, nr, 0, p.in_features / kTileK, panel);
+  panel_scales(p, n, nr, scales);
+}
+
+// Weight rows in panel pi: kPanel, fewer in the last.
+inline int panel_rows(const LinearParams& p, int64_t pi) {
+  return static_cast<int>(p.out_features - pi * kPanel < kPanel ? p.out_features - pi * kPanel : kPanel);
 }
 
 // acc[r][0, 32) += s * d[r] * sums[r] for one group, over rows [0, mr) of a 32 x 32 block; the
@@ -242,16 +251,13 @@ void run_part(const LinearParams& p, const TiledInputs& r, int64_t m_begin, int6
   const int64_t groups = p.in_features / p.group_size, block_bytes = r.steps * 2 * kTileBytes;
   auto* packed = static_cast<uint8_t*>(thread_scratch(0, static_cast<size_t>(together * block_bytes)));
   auto* scales = static_cast<float*>(thread_scratch(1, static_cast<size_t>(together * groups * kPanel * 4)));
-  const auto features = [&](int64_t pi) {
-    return static_cast<int>(p.out_features - pi * kPanel < kPanel ? p.out_features - pi * kPanel : kPanel);
-  };
   static const tiles::TileConfig config;
   _tile_loadconfig(&config);
   alignas(64) float acc[kBlockRows * kPanel];
   for (int64_t begin = first; begin < last; begin += together) {
     const int64_t end = std::min(last, begin + together);
     for (int64_t pi = begin; pi < end; ++pi)
-      pack_panel(p, pi * kPanel, features(pi), packed + (pi - begin) * block_bytes,
+      pack_panel(p, pi * kPanel, panel_rows(p, pi), packed + (pi - begin) * block_bytes,
                  scales + (pi - begin) * groups * kPanel);
     for (int64_t m = m_begin; m < m_end; m += kBlockRows) {
       const int mr = static_cast<int>(m_end - m < kBlockRows ? m_end - m : kBlockRows);
@@ -261,7 +267,7 @@ void run_part(const LinearParams& p, const TiledInputs& r, int64_t m_begin, int6
         const float* s = scales + (pi - begin) * groups * kPanel;
         if (mr <= 16) block_product<1>(p, a, panel, s, r.d + m * groups, mr, acc);
         else block_product<2>(p, a, panel, s, r.d + m * groups, mr, acc);
-        store_block<T>(p, acc, kPanel, m, mr, pi * kPanel, features(pi));
+        store_block<T>(p, acc, kPanel, m, mr, pi * kPanel, panel_rows(p, pi));
       }
     }
   }
@@ -345,19 +351,15 @@ void run_sliced_part(const LinearParams& p, const TiledInputs& r, int64_t first,
   auto* packed = static_cast<uint8_t*>(thread_scratch(0, static_cast<size_t>(together * slice_bytes)));
   auto* scales = static_cast<float*>(thread_scratch(1, static_cast<size_t>(together * kPanel * 4)));
   auto* carried = static_cast<int32_t*>(thread_scratch(2, static_cast<size_t>(blocks * together * block_sums * 4)));
-  const auto features = [&](int64_t pi) {
-    return static_cast<int>(p.out_features - pi * kPanel < kPanel ? p.out_features - pi * kPanel : kPanel);
-  };
   for (int64_t pi = first; pi < last; ++pi)
-    for (int c = 0; c < kPanel; ++c)
-      scales[(pi - first) * kPanel + c] = c < features(pi) ? p.scales[pi * kPanel + c] : 0.0f;
+    panel_scales(p, pi * kPanel, panel_rows(p, pi), scales + (pi - first) * kPanel);  // W8A8: one group
   static const tiles::TileConfig config;
   _tile_loadconfig(&config);
   alignas(64) float acc[kBlockRows * kPanel];
   for (int64_t s0 = 0; s0 < r.steps; s0 += slice_steps) {
     const int64_t s1 = std::min(r.steps, s0 + slice_steps);
     for (int64_t pi = first; pi < last; ++pi)
-      pack_panel_steps(p, pi * kPanel, features(pi), s0, s1, packed + (pi - first) * slice_bytes);
+      pack_panel_steps(p, pi * kPanel, panel_rows(p, pi), s0, s1, packed + (pi - first) * slice_bytes);
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t m = b * kBlockRows;
       const int mr = static_cast<int>(p.rows - m < kBlockRows ? p.rows - m : kBlockRows);
@@ -369,7 +371,7 @@ void run_sliced_part(const LinearParams& p, const TiledInputs& r, int64_t first,
         else slice_product<2>(a, panel, s1 - s0, s0 == 0, sums);
         if (s1 < r.steps) continue;
         scale_group(sums, scales + (pi - first) * kPanel, r.d + m, 1, mr, true, acc);
-        store_block<T>(p, acc, kPanel, m, mr, pi * kPanel, features(pi));
+        store_block<T>(p, acc, kPanel, m, mr, pi * kPanel, panel_rows(p, pi));
       }
     }
   }
