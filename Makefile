@@ -59,6 +59,8 @@ python-env: $(PY_ENV)
 	.venv/bin/python -m pip install fastapi uvicorn prometheus-client openai httpx
 	# The engine core's process and wire format.
 	.venv/bin/python -m pip install pyzmq msgspec cloudpickle
+	# Structured output's grammar backends, and jsonschema for its tests.
+	.venv/bin/python -m pip install xgrammar llguidance jsonschema
 	# Ray: the executor that places workers on a Ray cluster (--distributed-executor-backend ray);
 	# psutil: its tests watch the cluster's processes end.
 	.venv/bin/python -m pip install "ray==2.60.0" psutil

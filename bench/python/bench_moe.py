@@ -15,9 +15,7 @@ loop on the dense weights. On CUDA the bandwidth is a device-to-device copy's (r
 each call is timed to its end on the device.
 """
 import argparse
-import platform
 import time
-from pathlib import Path
 
 import octavo  # noqa: F401  (before torch: OMP_WAIT_POLICY)
 import torch
@@ -25,6 +23,8 @@ from octavo import _C
 from octavo.benchmarks.memory import read_bandwidth
 from octavo.layers.moe import fused_moe_torch
 from octavo.layers.quantize import quantize
+
+from machine import cpu_line
 
 SHAPES = {"mixtral": (8, 2, 4096, 14336), "qwen3": (128, 8, 2048, 768),  # experts, top-k, hidden, width
           "olmoe": (64, 8, 2048, 1024)}
@@ -50,15 +50,6 @@ class Cycle:
     def __call__(self):
         self.calls += 1
         return self.fn(*self.routes[self.calls % len(self.routes)])
-
-
-def cpu_line() -> str:
-    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    model = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")),
-                 platform.processor())
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    wanted = [f for f in flags if f.startswith(("avx512f", "avx512_bf16", "amx", "avx2"))]
-    return f"{model}; flags {' '.join(sorted(set(wanted)))}"
 
 
 def device_line(device: str) -> tuple[str, float]:

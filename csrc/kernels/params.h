@@ -114,6 +114,14 @@ struct FusedMoeParams {
   DType dtype;
 };
 
+struct TokenBitmaskParams {
+  float* logits;           // [batch_rows, vocab_size], row stride logits_stride
+  int64_t batch_rows, vocab_size, logits_stride;
+  const int32_t* bitmask;  // [num_rows, words], bit t % 32 of word t / 32 set = token t allowed
+  int64_t num_rows, words;
+  const int32_t* indices;  // [num_rows]: the logits row of each bitmask row, or null (row i)
+};
+
 struct SampleParams {
   const float* logits;  // [num_reqs, vocab_size], row stride logits_stride
   int64_t num_reqs, vocab_size, logits_stride;

@@ -233,6 +233,17 @@ void bind_kernels(py::module_& ops) {
       "Fills plan [B + 1] int32 (CPU) from query_start_loc [B + 1] int32 (CPU): paged_attention's batch layout "
       "for the CUDA kernels, computed on the host once per step.");
   ops.def(
+      "apply_token_bitmask",
+      [](py::handle logits, py::handle bitmask, py::handle indices) {
+        PyTensor l = tensor(logits, "logits"), b = tensor(bitmask, "bitmask");
+        OptTensor i(indices, "indices");
+        py::gil_scoped_release nogil;
+        apply_token_bitmask(l.view, b.view, i.view());
+      },
+      py::arg("logits"), py::arg("bitmask"), py::arg("indices") = py::none(),
+      "Sets logits [B, V] float32 to -inf where the int32 bitmask [N, ceil(V / 32)] has a clear bit (row "
+      "indices[i], or i); see include/octavo/ops.h.");
+  ops.def(
       "sample",
       [](py::handle logits, py::handle temperature, py::handle seeds, py::handle counters, py::handle sampled,
          py::handle top_k, py::handle top_p, py::handle min_p, py::handle repetition_penalty,

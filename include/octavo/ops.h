@@ -180,6 +180,12 @@ struct ExpertWeights {
 void fused_moe(const TensorView& out, const TensorView& hidden, const ExpertWeights& w13, const ExpertWeights& w2,
                const TensorView& topk_weights, const TensorView& topk_ids);
 
+// Structured output's token mask: sets logits[indices[i], t] to -inf wherever bit t % 32 of
+// bitmask[i, t / 32] is clear (xgrammar's layout: 1 = allowed). logits: [B, V] float32, each row
+// contiguous; bitmask: [N, ceil(V / 32)] int32, contiguous; indices: [N] int32 rows of logits,
+// each in [0, B) and listed once, or null for N = B and row i. Runs in place, before sample().
+void apply_token_bitmask(const TensorView& logits, const TensorView& bitmask, const TensorView* indices);
+
 // Samples one token per row of logits with per-request parameters (vLLM's order: biases and bans,
 // penalties, temperature, min-p, top-k, top-p). Every per-request tensor is [B]; optional ones
 // may be null. The draw of request b depends only on (seeds[b], counters[b]) and its own row, so

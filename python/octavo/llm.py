@@ -27,7 +27,8 @@ class LLM:
 
             model = default_model_path()
         self._tokenizer = None if skip_tokenizer_init else load_tokenizer(tokenizer or model)
-        self.llm_engine = LLMEngine(model, tokenizer=self._tokenizer, dtype=dtype, seed=seed, **engine_args)
+        self.llm_engine = LLMEngine(model, tokenizer=self._tokenizer, dtype=dtype, seed=seed,
+                                    tokenizer_path=tokenizer or model, **engine_args)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

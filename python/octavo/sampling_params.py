@@ -52,6 +52,67 @@ def check_utf8(what: str, text: Any) -> None:
         raise ValueError(f"{what} must be a string of valid Unicode, got {text!r}.") from None
 
 
+# The constraint fields of StructuredOutputsParams: a request sets exactly one.
+STRUCTURED_OUTPUT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output, as ``vllm.sampling_params.StructuredOutputsParams``:
+
+    - json: a JSON schema (a dict, or its JSON text): the output is one JSON value it validates.
+    - regex: the output matches this regular expression.
+    - choice: the output is one of these strings.
+    - grammar: an EBNF (GBNF) grammar; the output is a sentence of its ``root`` rule.
+    - json_object: True: the output is one JSON object.
+    - structural_tag: xgrammar's structural tag (JSON text): free text with tagged, constrained parts.
+
+    disable_any_whitespace: JSON without whitespace between tokens; disable_additional_properties:
+    objects hold only the properties the schema names (unless it says otherwise);
+    whitespace_pattern: accepted as vLLM's field, which its xgrammar backend also ignores.
+    The grammar is checked when the request is added (ValueError with the backend's message).
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | None = None
+    disable_fallback: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    # The backend that compiles it ("xgrammar" or "guidance"): the engine's choice, made when it
+    # checks the request (structured_output.validate).
+    _backend: str | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]
+        if len(given) > 1:
+            raise ValueError("You can only use one kind of structured outputs constraint but multiple are "
+                             f"specified: {given}")
+        if not given:
+            raise ValueError("You must use one kind of structured outputs constraint but none are specified: "
+                             f"one of {list(STRUCTURED_OUTPUT_KINDS)}")
+        if self.choice is not None and (isinstance(self.choice, str) or not isinstance(self.choice, (list, tuple))
+                                        or not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError(f"choice must be a non-empty list of strings, got {self.choice!r}")
+        for name in ("regex", "grammar", "structural_tag"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ValueError(f"{name} must be a string, got {type(getattr(self, name)).__name__}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            if hasattr(self.json, "model_json_schema"):  # a pydantic model class, as vLLM takes
+                self.json = self.json.model_json_schema()
+            else:
+                raise ValueError(f"json must be a JSON schema (a dict or a string), got {type(self.json).__name__}")
+
+    @property
+    def kind(self) -> str:
+        """The constraint this request sets: one of STRUCTURED_OUTPUT_KINDS."""
+        return next(k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False))
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for text generation.
@@ -84,6 +145,8 @@ class SamplingParams:
     - allowed_token_ids: only these tokens may be sampled (a non-empty list).
     - bad_words: words never generated: a word's last token is banned wherever the output so far
       ends with its other tokens (each word tokenized with and without a leading space, as vLLM).
+    - structured_outputs: a StructuredOutputsParams (a JSON schema, regex, choice or grammar the
+      output must follow; the tokens it rules out are masked at every step).
     - best_of: vLLM's field; only None or 1 are accepted (vLLM V1 dropped best_of > 1 as well).
 
     Invalid values raise ValueError with a message naming the field.
@@ -113,6 +176,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
     best_of: int | None = None  # accepted as vLLM's field; V1 engines (vLLM's and Octavo) refuse > 1
 
     # Derived in __post_init__ / by the engine, not arguments (same names as vLLM).
@@ -237,6 +301,9 @@ class SamplingParams:
         if self.stop and not self.detokenize:
             raise ValueError(
                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop.")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
+                             f"{type(self.structured_outputs).__name__}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
 

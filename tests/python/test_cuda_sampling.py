@@ -36,3 +36,18 @@ def test_penalties_without_token_lists_are_refused():
                                                                                             device="cuda")
     _C.ops.sample(*args, repetition_penalty=torch.ones(2, device="cuda"), frequency_penalty=torch.zeros(2, device="cuda"),
                   output_offsets=offsets, output_token_ids=ids)
+
+
+@pytest.mark.parametrize("vocab", [33, 49152, 151936])
+def test_apply_token_bitmask_matches_the_cpu(vocab):
+    import torch
+    from test_token_bitmask import random_mask
+
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    mask = random_mask(3, vocab, gen, 0.2)
+    indices = torch.tensor([5, 0, 3], dtype=torch.int32)
+    on_gpu = logits.cuda()
+    _C.ops.apply_token_bitmask(logits, mask, indices)
+    _C.ops.apply_token_bitmask(on_gpu, mask.cuda(), indices.cuda())
+    assert torch.equal(on_gpu.cpu(), logits)

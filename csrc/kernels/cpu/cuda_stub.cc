@@ -39,6 +39,7 @@ void silu_and_mul(const GatedActivationParams&) { no_cuda("silu_and_mul"); }
 void gelu_and_mul(const GatedActivationParams&, GeluApproximation) { no_cuda("gelu_and_mul"); }
 void reshape_and_cache(const CacheWriteParams&) { no_cuda("reshape_and_cache"); }
 void paged_attention(const PagedAttentionParams&) { no_cuda("paged_attention"); }
+void apply_token_bitmask(const TokenBitmaskParams&) { no_cuda("apply_token_bitmask"); }
 void sample(const SampleParams&) { no_cuda("sample"); }
 void linear(const LinearParams&) { no_cuda("linear"); }
 void dequantize(const LinearParams&) { no_cuda("dequantize"); }

@@ -15,6 +15,7 @@
   void reshape_and_cache(const CacheWriteParams& p);                     \
   void paged_attention(const PagedAttentionParams& p);                   \
   void sample(const SampleParams& p);                                    \
+  void apply_token_bitmask(const TokenBitmaskParams& p);                 \
   void linear(const LinearParams& p);                                    \
   void dequantize(const LinearParams& p);                                \
   bool linear_keeps_bf16(const LinearParams& p);                         \

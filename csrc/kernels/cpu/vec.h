@@ -139,6 +139,10 @@ struct VecF {
     const __mmask16 m = _mm512_cmp_ps_mask(x.v, _mm512_set1_ps(limit), _CMP_GE_OQ);
     return {_mm512_mask_blend_ps(m, _mm512_set1_ps(value), a.v)};
   }
+  // Lane i keeps a where bit i of `bits` is set, else takes value.
+  friend VecF select_by_bits(uint32_t bits, VecF a, float value) {
+    return {_mm512_mask_blend_ps(static_cast<__mmask16>(bits), _mm512_set1_ps(value), a.v)};
+  }
   // x * 2^n for integral-valued n in [-126, 127]: one scalef, where AVX2 needs four instructions.
   static VecF ldexp(VecF x, VecF n) { return {_mm512_scalef_ps(x.v, n.v)}; }
   static VecF round(VecF x) { return {_mm512_roundscale_ps(x.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
@@ -244,6 +248,12 @@ struct VecF {
     const __m256 m = _mm256_cmp_ps(x.v, _mm256_set1_ps(limit), _CMP_GE_OQ);
     return {_mm256_blendv_ps(_mm256_set1_ps(value), a.v, m)};
   }
+  friend VecF select_by_bits(uint32_t bits, VecF a, float value) {
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256i set = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(bits)), lane_bit);
+    const __m256 drop = _mm256_castsi256_ps(_mm256_cmpeq_epi32(set, _mm256_setzero_si256()));
+    return {_mm256_blendv_ps(a.v, _mm256_set1_ps(value), drop)};
+  }
   static VecF ldexp(VecF x, VecF n) {  // x * 2^n for integral-valued n in [-126, 127]
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n.v), _mm256_set1_epi32(127)), 23);
     return {_mm256_mul_ps(x.v, _mm256_castsi256_ps(e))};
@@ -299,6 +309,7 @@ struct VecF {
   friend float reduce_max(VecF a) { return a.v; }
   friend VecF select_below(VecF x, float limit, VecF a, float value) { return {x.v < limit ? value : a.v}; }
   friend VecF select_at_least(VecF x, float limit, VecF a, float value) { return {x.v >= limit ? a.v : value}; }
+  friend VecF select_by_bits(uint32_t bits, VecF a, float value) { return {bits & 1u ? a.v : value}; }
 };
 
 inline void transpose_square(const float* src, int64_t, float* dst, int64_t) { dst[0] = src[0]; }

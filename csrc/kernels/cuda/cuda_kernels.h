@@ -39,6 +39,7 @@ OCTAVO_HOST_DEVICE inline int32_t prefill_tiles(int32_t n, int32_t group) {
   const int32_t tokens_per_tile = kPrefillRows / group;
   return n > 0 ? (n + tokens_per_tile - 1) / tokens_per_tile : 0;
 }
+void apply_token_bitmask(const TokenBitmaskParams& p);
 void sample(const SampleParams& p);
 // Each op's share of reserve_cuda_workspaces: its workspaces at their largest size within limits.
 void reserve_paged_attention_workspaces(const CudaStepLimits& limits);

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,7 @@ from .. import Scheduler, SchedulerConfig
 from ..executor import Executor
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import NewRequest, StepInput
+from ..structured_output import StructuredOutputManager
 from .core_messages import ERROR, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, SchedulerStats
 
 logger = logging.getLogger("octavo.engine")
@@ -47,6 +49,7 @@ class EngineCoreConfig:
     enforce_eager: bool = False
     scheduling_policy: str = "fcfs"
     distributed_executor_backend: str | None = None
+    tokenizer: str | None = None  # where structured output loads the vocabulary from (None: no tokenizer)
 
 
 @dataclass
@@ -74,6 +77,10 @@ class EngineCore:
         self.executor = Executor.create(config.worker, config.distributed_executor_backend)
         model_config = self.executor.model_config
         max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if max_model_len > model_config.max_position_embeddings:  # positions past it have no rotary angles
+            raise ValueError(f"User-specified max_model_len ({max_model_len}) is greater than the derived "
+                             f"max_model_len (max_position_embeddings={model_config.max_position_embeddings} in "
+                             "the model's config.json)")
         budget = config.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
                                                    else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len))
         cache = CacheConfig(config.block_size, budget, config.max_num_seqs, max_model_len,
@@ -94,11 +101,22 @@ class EngineCore:
         self._num_wanting_prompt_logprobs = 0
         self._queue: deque[_InFlight] = deque()
         self._depth = config.worker.pipeline_parallel_size  # steps in flight at most
+        self._tokenizer = config.tokenizer
+        self._grammars: StructuredOutputManager | None = None  # made at the first constrained request
+        self._compiling: dict[str, tuple[EngineCoreRequest, Future]] = {}  # waiting for their grammar
+        self._refused: list[str] = []  # their grammar failed to compile: reported by the next step
 
     # ---- requests -------------------------------------------------------------------------
 
     def add_request(self, r: EngineCoreRequest) -> None:
-        """Raises ValueError when the scheduler refuses the request."""
+        """Raises ValueError when the scheduler refuses the request. A request with structured
+        output joins the scheduler once its grammar is compiled (a later step)."""
+        if r.params.structured_outputs is not None:
+            self._compiling[r.request_id] = (r, self.grammars.compile(r.params.structured_outputs))
+            return
+        self._schedule_request(r)
+
+    def _schedule_request(self, r: EngineCoreRequest) -> int:
         p = r.params
         handle = self.scheduler.add_request(
             r.request_id, r.prompt_token_ids, max_tokens=p.max_tokens, min_tokens=p.min_tokens,
@@ -109,6 +127,32 @@ class EngineCore:
         self._live[handle] = _Live(r.request_id, p.prompt_logprobs if r.wants_prompt_logprobs else None,
                                    len(r.prompt_token_ids))
         self._num_wanting_prompt_logprobs += r.wants_prompt_logprobs
+        return handle
+
+    @property
+    def grammars(self) -> StructuredOutputManager:
+        if self._grammars is None:
+            if self._tokenizer is None:
+                raise ValueError("structured outputs need a tokenizer, and this engine has none")
+            self._grammars = StructuredOutputManager(self._tokenizer, self.executor.model_config.vocab_size)
+        return self._grammars
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar is ready join the scheduler; those whose compile failed, or
+        that the scheduler refuses, are reported with "error" by the next step."""
+        for rid in [rid for rid, (_, future) in self._compiling.items() if future.done()]:
+            r, future = self._compiling.pop(rid)
+            try:
+                state = future.result()
+                self._grammars.add(self._schedule_request(r), state)
+            except Exception as e:  # noqa: BLE001 - this request's problem alone
+                _log_failure("compiling the grammar", [rid], e)
+                self._refused.append(rid)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing to run until a grammar is ready: wait for one briefly rather than spin."""
+        if self._compiling and not self._queue:
+            wait([future for _, future in self._compiling.values()], timeout=0.01, return_when=FIRST_COMPLETED)
 
     def add_samples(self, samples: list[EngineCoreRequest]) -> None:
         """One front-end request's samples, all or none: when the scheduler refuses one
@@ -125,16 +169,21 @@ class EngineCore:
     def abort_requests(self, request_ids: list[str]) -> None:
         """Takes effect after the current step; aborted requests report no output."""
         for rid in request_ids:
+            if rid in self._compiling:
+                self._compiling.pop(rid)[1].cancel()
             handle = self.scheduler.handle_of(rid)
             if handle is not None and handle in self._live:
                 self._forget(handle)
         self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or bool(self._queue)
+        return self.scheduler.has_unfinished_requests() or bool(self._queue) or bool(self._compiling) \
+            or bool(self._refused)
 
     def _forget(self, handle: int) -> None:
         live = self._live.pop(handle)
+        if self._grammars is not None:
+            self._grammars.remove(handle)
         self._unsent.pop(handle, None)
         self._num_wanting_prompt_logprobs -= live.prompt_logprobs is not None
 
@@ -146,6 +195,11 @@ class EngineCore:
         forward failure finishes the requests of every step in flight with "error"; a sampling
         failure, the request alone. Raises only for a failure outside both (end_failed_step()
         then fails the open steps' requests)."""
+        if self._compiling:
+            self._admit_compiled()
+        if self._refused:
+            refused, self._refused = self._refused, []
+            return self.error_outputs(refused)
         if len(self._queue) < self._depth:
             out = self.scheduler.schedule(self._batch_cap())
             if out.num_reqs:
@@ -156,6 +210,7 @@ class EngineCore:
                 self._finished_handles.extend(out.finished_handles.tolist())
                 if not self._queue:  # schedule() opened an empty step: close it
                     self.scheduler.update_from_output(np.zeros(0, dtype=np.int32))
+                    self._wait_for_grammars()
                     return EngineCoreOutputs.empty(self.stats())
         return self._complete(self._queue.popleft())
 
@@ -171,9 +226,11 @@ class EngineCore:
         handles = out.req_handles.tolist()
         chunks = self._prompt_chunks(out, handles) if self._num_wanting_prompt_logprobs else []
         # Steps that overlap must not share the scheduler's buffers, which its next step rewrites.
+        mask, rows = (self._grammars.bitmask(handles) if self._grammars is not None else None) or (None, None)
         step = StepInput.from_scheduler(out, copy=self._depth > 1, new_requests=self._new_requests(out),
                                         finished_handles=self._finished(out),
-                                        prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None)
+                                        prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None,
+                                        grammar_bitmask=mask, grammar_rows=rows)
         pending = _InFlight(handles, [self._live[h].request_id for h in handles], chunks, self._cache_hits(out, handles))
         self.executor.submit(step)
         return pending
@@ -194,6 +251,8 @@ class EngineCore:
         if result.failures:
             _log_failure("sampling", [request_ids[f.row] for f in result.failures], result.failures[0].error)
             self.scheduler.abort_requests([request_ids[f.row] for f in result.failures])
+        if self._grammars is not None:
+            self._advance_grammars(step, update, finish_reasons)
         for i in np.flatnonzero(finish_reasons).tolist():
             if step.handles[i] in self._live:
                 self._forget(step.handles[i])
@@ -203,6 +262,20 @@ class EngineCore:
             np.array(update.stop_reasons), step.cached, sampled,
             [(i, first, logprobs) for (i, first, _, _), logprobs in zip(step.chunks, result.prompt_logprobs)],
             self.stats())
+
+    def _advance_grammars(self, step: _InFlight, update, finish_reasons: np.ndarray) -> None:
+        """Each constrained request's grammar takes the tokens the step gave it; a request whose
+        grammar refuses one fails (its row finishes with "error")."""
+        offsets, tokens = np.asarray(update.new_token_offsets), np.asarray(update.new_token_ids)
+        refused = []
+        for i, handle in enumerate(step.handles):
+            if handle in self._grammars and finish_reasons[i] != ERROR:
+                if not self._grammars.accept(handle, tokens[offsets[i]:offsets[i + 1]].tolist()):
+                    finish_reasons[i] = ERROR
+                    refused.append(step.request_ids[i])
+        if refused:
+            _log_failure("structured output", refused, "the grammar refused a sampled token")
+            self.scheduler.abort_requests(refused)
 
     def _fail_in_flight(self, error: Exception) -> EngineCoreOutputs:
         """The oldest step's forward pass failed: its KV may be half written, and the steps in
@@ -303,6 +376,8 @@ class EngineCore:
         return self.scheduler.reset_prefix_cache()
 
     def shutdown(self) -> None:
+        if self._grammars is not None:
+            self._grammars.shutdown()
         self.executor.shutdown()
 
 

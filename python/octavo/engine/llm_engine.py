@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .. import structured_output
 from ..device import cpu_only_reason, resolve_device
 from ..executor.configs import WorkerConfig
 from ..generation_config import load_generation_config
@@ -41,7 +42,8 @@ class LLMEngine:
                  enforce_eager: bool = False, max_logprobs: int = 20, scheduling_policy: str = "fcfs",
                  generation_config: str = "auto", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, multiprocess: bool = False,
-                 pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False):
+                 pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 tokenizer_path: str | Path | None = None, structured_outputs_config: dict | None = None):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
         scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
         where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's.
@@ -52,7 +54,9 @@ class LLMEngine:
         pipeline_parallel_size: stages the layers are split over, a worker process each, with a
         batch per stage in flight; enable_expert_parallel: mixture-of-experts layers place whole
         experts on the tensor-parallel ranks (each engine's own: data-parallel engines each hold
-        every expert) instead of cutting each expert over them."""
+        every expert) instead of cutting each expert over them. tokenizer_path: where ``tokenizer``
+        was loaded from (default: the model), for the engine core's structured output;
+        structured_outputs_config: {"backend": "auto" | "xgrammar" | "guidance"}, as vLLM's."""
         self.model_path = Path(model)
         self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
@@ -63,12 +67,14 @@ class LLMEngine:
         self.device = _device(model, device, quantization)
         _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                               distributed_executor_backend)
+        self.structured_outputs_backend = _structured_outputs_backend(structured_outputs_config)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
                               pipeline_parallel_size, enable_expert_parallel)
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,
-            scheduling_policy, distributed_executor_backend), multiprocess, data_parallel_size)
+            scheduling_policy, distributed_executor_backend,
+            None if tokenizer is None else str(tokenizer_path or model)), multiprocess, data_parallel_size)
         info = self.info = self.core.info
         self.model_config, self.max_model_len = info.model_config, info.max_model_len
         tokens = (info.num_blocks - 1) * info.block_size
@@ -148,6 +154,8 @@ class LLMEngine:
             bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
             raise ValueError(f"Token id {bad} is out of vocabulary (the vocabulary has {vocab} tokens)")
         params = self._check_biases(params, vocab)
+        if params.structured_outputs is not None:
+            params = self._check_structured_outputs(params)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
                              f"model length of {self.max_model_len}: it leaves no room to generate")
@@ -190,6 +198,15 @@ class LLMEngine:
         if bad:
             raise ValueError(f"The model vocabulary size is {vocab}, but the following tokens were specified as "
                              f"bad: {bad}. All token id values should be integers satisfying: 0 <= token_id < {vocab}.")
+        return params
+
+    def _check_structured_outputs(self, params: SamplingParams) -> SamplingParams:
+        """The constraint compiles (ValueError with the backend's message otherwise); a copy of
+        params records the backend that will compile it."""
+        if self.tokenizer is None:
+            raise ValueError("structured outputs need a tokenizer, and this engine was created without one")
+        params = params.clone()
+        structured_output.validate(params.structured_outputs, self.structured_outputs_backend)
         return params
 
     def _check_fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:
@@ -355,3 +372,15 @@ def _device(model, device: str, quantization: str | None = None) -> torch.device
     if reason:
         raise ValueError(f"device={str(device)!r}: {reason}; use device='cpu'")
     return resolved
+
+
+def _structured_outputs_backend(config: dict | None) -> str:
+    """vLLM's structured_outputs_config, of which Octavo reads the backend."""
+    config = dict(config or {})
+    backend = config.pop("backend", "auto")
+    if config:
+        raise ValueError(f"structured_outputs_config takes only 'backend', got {sorted(config)}")
+    if backend not in structured_output.BACKENDS:
+        raise ValueError(f"structured_outputs_config backend must be one of {structured_output.BACKENDS}, "
+                         f"got {backend!r}")
+    return backend

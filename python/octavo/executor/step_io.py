@@ -51,6 +51,10 @@ class StepInput:
     # last, k): the chunk's flat rows query_start_loc[i] .. + (last - first) predict prompt tokens
     # first + 1 .. last; k top tokens each (-1: the whole vocabulary).
     prompt_logprobs: np.ndarray | None = None
+    # Structured output: [G, ceil(vocab / 32)] int32 token masks (bit set = allowed) for the batch
+    # rows grammar_rows [G] int32, applied to their logits before sampling.
+    grammar_bitmask: np.ndarray | None = None
+    grammar_rows: np.ndarray | None = None
 
     @classmethod
     def from_scheduler(cls, out, copy: bool = False, **extra) -> StepInput:

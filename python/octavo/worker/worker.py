@@ -8,6 +8,7 @@ import traceback
 import numpy as np
 import torch
 
+from .. import _C
 from ..distributed.parallel_state import init_model_parallel
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput
@@ -99,6 +100,8 @@ class Worker:
             return None
         states = self._update_states(step)
         logits, prompt_logits = self.runner.execute(step, rows)
+        if step.grammar_bitmask is not None:  # structured output: the tokens each grammar rules out
+            _C.ops.apply_token_bitmask(logits, *self._staging.to_device(step.grammar_bitmask, step.grammar_rows))
         prompt = [] if chunks is None else prompt_logprobs(chunks, prompt_logits, step, self.states)
         sampled, failures = self._sample(logits, states)
         self._keep_sampled(step, states, sampled.token_ids)

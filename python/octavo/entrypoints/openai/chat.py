@@ -19,8 +19,6 @@ class ChatRun:
         served.check_model(request.model)
         if request.tools:
             raise APIError("tools are not supported.", param="tools")
-        if request.response_format and request.response_format.get("type", "text") != "text":
-            raise APIError("Only response_format {'type': 'text'} is supported.", param="response_format")
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         self.top_logprobs = (request.top_logprobs or 0) if request.logprobs else None

@@ -2,17 +2,20 @@
 the OpenAI-style error body, and the mapping from a request to ``SamplingParams``.
 
 Unknown fields are accepted and ignored, as in vLLM, so clients that send extra OpenAI fields
-keep working; a field Octavo cannot honour (tools, ...) is refused with a 400.
+keep working; a field Octavo cannot honour (tools, ...) is refused with a 400. response_format
+and vLLM's ``structured_outputs`` become the request's StructuredOutputsParams.
 """
 
 from __future__ import annotations
 
+import json
 from http import HTTPStatus
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ...sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from ... import structured_output
+from ...sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
 
 # Past this, JSON cannot carry the value (-inf); vLLM reports -9999.0 the same way.
 MIN_LOGPROB = -9999.0
@@ -80,6 +83,8 @@ class _SamplingFields(BaseModel):
     return_token_ids: bool = False  # prompt_token_ids and token_ids in the response
     truncate_prompt_tokens: int | None = Field(default=None, ge=-1)  # keep this many (-1: max_model_len)
     truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -133,9 +138,48 @@ class _SamplingFields(BaseModel):
                 prompt_logprobs=prompt_logprobs, skip_special_tokens=self.skip_special_tokens,
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
-                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words)
+                allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
+                structured_outputs=self.structured_outputs_params())
         except ValueError as e:
             raise APIError(str(e)) from None
+
+    def structured_outputs_params(self) -> StructuredOutputsParams | None:
+        """response_format (which wins, as in vLLM) or structured_outputs, checked by the backend
+        that will compile it: a 400 with its message otherwise."""
+        rf = self.response_format
+        param = "response_format" if rf is not None and rf.get("type", "text") != "text" else "structured_outputs"
+        try:
+            params = self.response_format_params()
+            if params is None and self.structured_outputs is not None:
+                params = StructuredOutputsParams(**self.structured_outputs)
+            if params is not None:
+                structured_output.validate(params)
+        except (TypeError, ValueError) as e:
+            raise APIError(str(e), param=param) from None
+        return params
+
+    def response_format_params(self) -> StructuredOutputsParams | None:
+        """OpenAI's response_format as vLLM maps it: json_object, json_schema (its "schema"; strict
+        or not, the schema is enforced) or a structural tag; None for text."""
+        rf = self.response_format
+        kind = None if rf is None else rf.get("type", "text")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return StructuredOutputsParams(json_object=True)
+        if kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict):
+                raise ValueError("When response_format type is 'json_schema', the 'json_schema' field must be "
+                                 "provided.")
+            schema = spec.get("schema", spec.get("json_schema"))
+            if not isinstance(schema, (dict, str)):
+                raise ValueError("response_format.json_schema must hold the JSON schema in 'schema'.")
+            return StructuredOutputsParams(json=schema)
+        if kind == "structural_tag":
+            return StructuredOutputsParams(structural_tag=json.dumps(rf))
+        raise ValueError(f"response_format type must be one of 'text', 'json_object', 'json_schema', "
+                         f"'structural_tag', got {kind!r}")
 
 
 class CompletionRequest(_SamplingFields):
@@ -155,7 +199,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (--max-logprobs permitting)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
     # vLLM's extra chat fields.
     add_generation_prompt: bool = True
     continue_final_message: bool = False

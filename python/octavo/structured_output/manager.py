@@ -1,0 +1,105 @@
+"""The engine core's side of structured output: grammars compiled off the step loop, one grammar
+state per running constrained request, each step's bitmask, and the states' advance."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..sampling_params import StructuredOutputsParams
+
+# Compiled grammars the backends keep for requests that repeat a constraint (xgrammar's cache,
+# keyed by the grammar text): bounded so that a stream of distinct schemas cannot grow it forever.
+CACHE_BYTES = 512 << 20
+# Compiles run beside the step loop; with two cores, more threads would only take the loop's.
+COMPILE_THREADS = 2
+
+
+class StructuredOutputManager:
+    """Created by the engine core at its first constrained request. The tokenizer is loaded, and
+    each backend built, on the compile threads too: nothing here blocks a step."""
+
+    def __init__(self, tokenizer_path: str, vocab_size: int):
+        self.tokenizer_path, self.vocab_size = tokenizer_path, vocab_size
+        self.words = -(-vocab_size // 32)
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="octavo-grammar")
+        self._lock = threading.Lock()
+        self._tokenizer = None
+        self._backends: dict[str, object] = {}
+        self._states: dict[int, object] = {}  # by scheduler handle
+
+    # ---- compiling (on the pool) ------------------------------------------------------------
+
+    def compile(self, p: StructuredOutputsParams) -> Future:
+        """A future of the request's grammar state; it raises ValueError when the backend
+        cannot compile the constraint."""
+        return self._pool.submit(self._compile, p)
+
+    def _compile(self, p: StructuredOutputsParams):
+        if p._backend is None:  # a caller that skipped the front end's check
+            from . import validate
+
+            validate(p)
+        return self._backend(p._backend).compile(p)
+
+    def _backend(self, name: str):
+        with self._lock:  # one tokenizer and one backend of each kind, however many threads ask
+            if name not in self._backends:
+                if self._tokenizer is None:
+                    from ..loader import load_tokenizer
+
+                    self._tokenizer = load_tokenizer(self.tokenizer_path)
+                self._backends[name] = self._make_backend(name)
+            return self._backends[name]
+
+    def _make_backend(self, name: str):
+        if name == "guidance":
+            from .backend_guidance import GuidanceBackend
+
+            return GuidanceBackend(self._tokenizer, self.vocab_size)
+        from .backend_xgrammar import XgrammarBackend
+
+        return XgrammarBackend(self._tokenizer, self.vocab_size, CACHE_BYTES, COMPILE_THREADS)
+
+    # ---- running requests (on the step loop) -------------------------------------------------
+
+    def add(self, handle: int, state) -> None:
+        self._states[handle] = state
+
+    def remove(self, handle: int) -> None:
+        self._states.pop(handle, None)
+
+    def __contains__(self, handle: int) -> bool:
+        return handle in self._states
+
+    def bitmask(self, handles: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's mask for the batch rows whose request follows a grammar: ([G, words] int32,
+        [G] int32 batch rows), or None when no row is constrained. A grammar that has ended
+        (its stop token accepted, the request kept going with ignore_eos) constrains nothing."""
+        rows = [(i, s) for i, h in enumerate(handles) if (s := self._states.get(h)) is not None
+                and not s.is_terminated()]
+        if not rows:
+            return None
+        mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
+        for g, (_, state) in enumerate(rows):
+            state.fill_bitmask(mask, g)
+        return mask.numpy(), np.array([i for i, _ in rows], dtype=np.int32)
+
+    def accept(self, handle: int, tokens: list[int]) -> bool:
+        """Advances the request's grammar by its new tokens; False when the grammar refuses one
+        (the request then fails: its output would no longer follow the constraint)."""
+        state = self._states.get(handle)
+        if state is None:
+            return True
+        for token in tokens:
+            if state.is_terminated():  # ended: ignore_eos generates on, unconstrained
+                return True
+            if not state.accept_token(token):
+                return False
+        return True
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
