@@ -42,6 +42,23 @@ def hf_greedy(reference, ids: list[int], n: int) -> list[int]:
     return tokens[len(ids):]
 
 
+def test_a_stop_tokens_text_is_left_out_unless_asked_for(tiny):
+    """vLLM's rule: the token that stopped the request (here a stop_token_ids entry) stays in
+    token_ids, and its text is in the output only with include_stop_str_in_output."""
+    llm, _, tokenizer = tiny
+    plain = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                         use_tqdm=False)[0].outputs[0]
+    stop = plain.token_ids[3]
+    first = plain.token_ids.index(stop)
+    for include in (False, True):
+        out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                                         stop_token_ids=[stop], include_stop_str_in_output=include),
+                           use_tqdm=False)[0].outputs[0]
+        assert list(out.token_ids) == list(plain.token_ids[:first + 1]) and out.stop_reason == stop
+        kept = plain.token_ids[:first + 1] if include else plain.token_ids[:first]
+        assert out.text == tokenizer.decode(kept)
+
+
 def test_greedy_generate_matches_transformers(tiny):
     llm, reference, tokenizer = tiny
     prompts = ["Hello world", "Emoji time 😀", "Straße", "x"]

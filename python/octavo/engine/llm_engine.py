@@ -291,12 +291,13 @@ class LLMEngine:
         if sample.finish_reason is not None:  # a stop string ended it here; a remote core ran on meanwhile
             return False
         touched = False
+        reason = int(core.finish_reasons[row])
         if offsets[row + 1] > offsets[row]:
             new = core.new_token_ids[offsets[row]:offsets[row + 1]].tolist()
-            if self.output_processor.append(request, sample, new, core.sampled, row):  # a stop string
+            stop_token = FINISH_REASON_NAMES[reason] == "stop"  # the core stops on tokens only
+            if self.output_processor.append(request, sample, new, core.sampled, row, stop_token):  # a stop string
                 self.core.abort_requests([sample.core_id])
             touched = True
-        reason = int(core.finish_reasons[row])
         if reason and sample.finish_reason is None:
             stop = int(core.stop_reasons[row])
             sample.finish_reason, sample.stop_reason = FINISH_REASON_NAMES[reason], stop if stop >= 0 else None

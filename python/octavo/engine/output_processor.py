@@ -63,9 +63,11 @@ class OutputProcessor:
                                       p.spaces_between_special_tokens)
 
     def append(self, request: RequestState, sample: SampleState, new: list[int], sampled: SamplerOutput | None,
-               i: int) -> bool:
+               i: int, stop_terminated: bool = False) -> bool:
         """Adds row ``i``'s new tokens to ``sample``; True when a stop string ended it (the
-        scheduler must then abort it)."""
+        scheduler must then abort it). ``stop_terminated``: the last token is a stop token (EOS or
+        stop_token_ids) that ended the request; as in vLLM its text is left out unless
+        include_stop_str_in_output (its id stays in token_ids)."""
         now = time.time()
         metrics = request.metrics
         if metrics.first_token_time is None:
@@ -78,6 +80,8 @@ class OutputProcessor:
             sample.logprobs.append(self._logprob_entry(request.params, sampled, i))
         if sample.detokenizer is None:
             return False
+        if stop_terminated and not request.params.include_stop_str_in_output:
+            new = new[:-1]
         delta = sample.detokenizer.add_tokens(new)
         stop = request.params.stop
         if not stop or sample.finish_reason is not None:

@@ -329,7 +329,10 @@ def served_model(args) -> ServedModel:
     from ...engine.async_llm import AsyncLLM
     from ...llm import LLM
     from ...loader import load_tokenizer
+    from .tool_calls import ToolSettings
 
+    if args.enable_auto_tool_choice and args.tool_call_parser is None:
+        raise SystemExit("octavo serve: --enable-auto-tool-choice requires --tool-call-parser")
     llm = LLM(model=args.model, tokenizer=args.tokenizer, dtype=args.dtype, seed=args.seed,
               max_model_len=args.max_model_len, block_size=args.block_size,
               enable_chunked_prefill=args.enable_chunked_prefill, scheduling_policy=args.scheduling_policy,
@@ -341,7 +344,7 @@ def served_model(args) -> ServedModel:
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,
               data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
               distributed_executor_backend=args.distributed_executor_backend,
-              multiprocess=core_in_own_process())
+              structured_outputs_config=args.structured_outputs_config, multiprocess=core_in_own_process())
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),
@@ -351,7 +354,9 @@ def served_model(args) -> ServedModel:
                        max_n=args.max_n, request_timeout=args.request_timeout,
                        chat_template=load_chat_template(args.chat_template),
                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-                       return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                       return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                       tool_settings=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser,
+                                                  args.exclude_tools_when_tool_choice_none))
 
 
 def load_chat_template(value: str | None) -> str | None:

@@ -6,9 +6,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from ... import structured_output
 from ...outputs import CompletionOutput, Logprob, RequestOutput
 from .protocol import MIN_LOGPROB, APIError, ChatCompletionRequest
 from .serving import ServedModel, random_id, sse, usage
+from .tool_calls import ToolChoice, template_messages
 
 
 class ChatRun:
@@ -17,8 +19,12 @@ class ChatRun:
 
     def __init__(self, served: ServedModel, request: ChatCompletionRequest):
         served.check_model(request.model)
-        if request.tools:
-            raise APIError("tools are not supported.", param="tools")
+        self.tools = ToolChoice(request, served.tool_settings)
+        response_format = request.response_format or {}
+        constrained = request.structured_outputs is not None or response_format.get("type", "text") != "text"
+        if self.tools.constraint() is not None and constrained:
+            raise APIError("You can only either use constraints for structured outputs or tools, not both.",
+                           param="tool_choice")
         if request.top_logprobs and not request.logprobs:
             raise APIError("top_logprobs needs logprobs set to true.", param="top_logprobs")
         self.top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -35,9 +41,9 @@ class ChatRun:
         """Renders the chat and tokenizes it (off the event loop), then checks it against the
         engine's limits."""
         served, request = self.served, self.request
-        text = await served.render_chat(request.messages, request.add_generation_prompt,
+        text = await served.render_chat(template_messages(request.messages), request.add_generation_prompt,
                                         request.continue_final_message, request.chat_template,
-                                        request.chat_template_kwargs)
+                                        request.chat_template_kwargs, self.tools.template_tools)
         token_ids = await served.encode(text, request.add_special_tokens, param="messages")
         self.prompts = [(text, request.truncate(token_ids, served.max_model_len))]
         last = request.messages[-1] if request.messages else {}
@@ -47,8 +53,32 @@ class ChatRun:
             self.echo = "".join(part.get("text", "") for part in self.echo if isinstance(part, dict))
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         self.params = request.sampling_params(served.sampling_defaults, max_tokens, self.top_logprobs)
+        if self.tools.mode == "auto":  # the parsers read markers that may be special tokens, as vLLM's
+            self.params.skip_special_tokens = False
+        forced = self.tools.constraint()  # a named or required tool choice: the calls' JSON schema
+        if forced is not None:
+            try:
+                structured_output.validate(forced)
+            except ValueError as e:
+                raise APIError(f"The tools' parameters are not a JSON schema the server can follow: {e}",
+                               param="tools") from None
+            self.params.structured_outputs = forced
         served.check_prompt(self.prompts[0][1], self.params)
         served.check_capacity()
+
+    def _delta(self, o: CompletionOutput, calls, texts: list[str]) -> tuple[dict[str, Any], str | None]:
+        """A streamed choice's delta (content, or tool calls through their parser) and its
+        finish reason."""
+        if calls is None:
+            return ({"content": o.text} if o.text else {}), o.finish_reason
+        texts[o.index] += o.text
+        content, tool_calls = calls.deltas(texts[o.index], final=o.finish_reason is not None)
+        if not self.tools.parallel:
+            tool_calls = [c for c in tool_calls if c["index"] == 0]
+        delta = {"content": content} if content else {}
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return delta, self.tools.finish_reason(o.finish_reason, bool(calls.sent))
 
     def _logprobs(self, o: CompletionOutput) -> dict[str, list] | None:
         if self.top_logprobs is None:
@@ -88,8 +118,12 @@ class ChatRun:
                 final.add(delta, aggregate=True)
         choices = []
         for o in final.outputs:
-            choice = {"index": o.index, "message": {"role": "assistant", "content": self.echo + o.text},
-                      "logprobs": self._logprobs(o), "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+            message, has_calls = self.tools.message(o.text)
+            if self.echo:
+                message["content"] = self.echo + (message["content"] or "")
+            choice = {"index": o.index, "message": message, "logprobs": self._logprobs(o),
+                      "finish_reason": self.tools.finish_reason(o.finish_reason, has_calls),
+                      "stop_reason": o.stop_reason}
             choice["token_ids"] = list(o.token_ids) if self.request.return_token_ids else None
             choices.append(choice)
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.served.name,
@@ -110,6 +144,8 @@ class ChatRun:
             return {"usage": self._usage(completion_tokens, last) if continuous else None} if include_usage else {}
 
         extras = {"prompt_token_ids": self.prompts[0][1]} if self.request.return_token_ids else {}
+        calls = [self.tools.stream() for _ in range(self.params.n)]
+        texts = [""] * self.params.n
         for i in range(self.params.n):
             yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}], **extras, **usage_so_far()))
@@ -123,9 +159,9 @@ class ChatRun:
                     if not (o.text or o.token_ids or o.finish_reason):
                         continue
                     completion_tokens += len(o.token_ids)
-                    choice = {"index": o.index, "delta": {"content": o.text} if o.text else {},
-                              "logprobs": self._logprobs(o), "finish_reason": o.finish_reason,
-                              "stop_reason": o.stop_reason}
+                    delta, finish_reason = self._delta(o, calls[o.index], texts)
+                    choice = {"index": o.index, "delta": delta, "logprobs": self._logprobs(o),
+                              "finish_reason": finish_reason, "stop_reason": o.stop_reason}
                     if self.request.return_token_ids:
                         choice["token_ids"] = list(o.token_ids)
                     yield sse(self._chunk([choice], **usage_so_far()))

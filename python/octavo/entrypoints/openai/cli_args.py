@@ -1,17 +1,18 @@
 """``octavo serve``'s options, apart from the server so that ``octavo --help`` stays light."""
 
 import argparse
+import json
 
 from ..device_arg import add_device_argument
+from .tool_parsers import PARSERS
 
 # `vllm serve` options for features Octavo does not have yet: refused with the feature's name
 # rather than argparse's bare "unrecognized arguments".
 UNSUPPORTED_VLLM_OPTIONS = {
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
     ("--speculative-config",): "speculative decoding",
-    ("--enable-auto-tool-choice", "--tool-call-parser"): "tool calling",
     ("--reasoning-parser",): "reasoning outputs",
-    ("--structured-outputs-config", "--guided-decoding-backend"): "structured output",
+    ("--guided-decoding-backend",): "guided decoding (vLLM's older name; use --structured-outputs-config)",
     ("--kv-transfer-config",): "KV cache transfer (disaggregated prefill)",
     ("--cpu-offload-gb", "--kv-offloading-size"): "CPU offload",
     ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs",
@@ -104,5 +105,14 @@ def add_arguments(parser) -> None:
                         help="answer with an X-Request-Id header (the client's, or a new one)")
     parser.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="logprobs name tokens as 'token_id:N' instead of their text")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='let tool_choice be "auto": the model decides, --tool-call-parser finds its calls')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="the format the model writes tool calls in")
+    parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                        help='leave the tools out of the chat template when tool_choice is "none"')
+    parser.add_argument("--structured-outputs-config", type=json.loads, default=None,
+                        help='JSON, e.g. {"backend": "xgrammar"}: the grammar backend ("auto": xgrammar, or '
+                             "llguidance where xgrammar refuses)")
     for options, feature in UNSUPPORTED_VLLM_OPTIONS.items():
         parser.add_argument(*options, action=_Unsupported, feature=feature)

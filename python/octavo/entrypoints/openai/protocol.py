@@ -2,7 +2,7 @@
 the OpenAI-style error body, and the mapping from a request to ``SamplingParams``.
 
 Unknown fields are accepted and ignored, as in vLLM, so clients that send extra OpenAI fields
-keep working; a field Octavo cannot honour (tools, ...) is refused with a 400. response_format
+keep working; a field Octavo cannot honour is refused with a 400. response_format
 and vLLM's ``structured_outputs`` become the request's StructuredOutputsParams.
 """
 
@@ -199,6 +199,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=-1)  # -1: the whole vocabulary (--max-logprobs permitting)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"
+    parallel_tool_calls: bool | None = True
     # vLLM's extra chat fields.
     add_generation_prompt: bool = True
     continue_final_message: bool = False

@@ -18,6 +18,7 @@ from ...outputs import RequestOutput
 from ...sampling_params import SamplingParams
 from .protocol import MIN_LOGPROB, APIError
 from .template_sandbox import TemplateError, TemplateSandbox
+from .tool_calls import ToolSettings
 
 
 def random_id(prefix: str) -> str:
@@ -57,6 +58,7 @@ class ServedModel:
     enable_prompt_tokens_details: bool = False  # usage.prompt_tokens_details.cached_tokens
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     chat_template: str | None = None  # the operator's --chat-template (None: the model's own)
+    tool_settings: ToolSettings = field(default_factory=ToolSettings)  # --enable-auto-tool-choice, ...
     templates: TemplateSandbox = field(default_factory=TemplateSandbox)  # request-supplied templates
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -134,7 +136,7 @@ class ServedModel:
 
     async def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                           continue_final_message: bool, chat_template: str | None,
-                          chat_template_kwargs: dict[str, Any] | None) -> str:
+                          chat_template_kwargs: dict[str, Any] | None, tools: list[dict] | None = None) -> str:
         conversation = [_text_message(m, i) for i, m in enumerate(messages)]
         if not conversation:
             raise APIError("messages must not be empty.", param="messages")
@@ -143,6 +145,8 @@ class ServedModel:
                            param="continue_final_message")
         kwargs = {**(chat_template_kwargs or {}), "add_generation_prompt": add_generation_prompt,
                   "continue_final_message": continue_final_message}
+        if tools is not None:
+            kwargs["tools"] = tools
         loop = asyncio.get_running_loop()
         try:
             if chat_template is None:
