@@ -86,6 +86,9 @@ class StructuredOutputsParams:
     # The backend that compiles it ("xgrammar" or "guidance"): the engine's choice, made when it
     # checks the request (structured_output.validate).
     _backend: str | None = field(default=None, init=False, repr=False)
+    # A reasoning model's </think> token (the server's --reasoning-parser): the constraint starts
+    # after the output's first one; None: from the first output token.
+    _reasoning_end: int | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         given = [k for k in STRUCTURED_OUTPUT_KINDS if getattr(self, k) not in (None, False)]

@@ -144,7 +144,7 @@ class EngineCore:
             r, future = self._compiling.pop(rid)
             try:
                 state = future.result()
-                self._grammars.add(self._schedule_request(r), state)
+                self._grammars.add(self._schedule_request(r), state, r.params.structured_outputs._reasoning_end)
             except Exception as e:  # noqa: BLE001 - this request's problem alone
                 _log_failure("compiling the grammar", [rid], e)
                 self._refused.append(rid)

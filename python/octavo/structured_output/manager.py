@@ -30,6 +30,7 @@ class StructuredOutputManager:
         self._tokenizer = None
         self._backends: dict[str, object] = {}
         self._states: dict[int, object] = {}  # by scheduler handle
+        self._reasoning: dict[int, int] = {}  # handle -> the </think> token its grammar waits for
 
     # ---- compiling (on the pool) ------------------------------------------------------------
 
@@ -66,11 +67,15 @@ class StructuredOutputManager:
 
     # ---- running requests (on the step loop) -------------------------------------------------
 
-    def add(self, handle: int, state) -> None:
+    def add(self, handle: int, state, reasoning_end: int | None = None) -> None:
+        """reasoning_end: the grammar applies after the first output token equal to it."""
         self._states[handle] = state
+        if reasoning_end is not None:
+            self._reasoning[handle] = reasoning_end
 
     def remove(self, handle: int) -> None:
         self._states.pop(handle, None)
+        self._reasoning.pop(handle, None)
 
     def __contains__(self, handle: int) -> bool:
         return handle in self._states
@@ -78,9 +83,10 @@ class StructuredOutputManager:
     def bitmask(self, handles: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
         """The step's mask for the batch rows whose request follows a grammar: ([G, words] int32,
         [G] int32 batch rows), or None when no row is constrained. A grammar that has ended
-        (its stop token accepted, the request kept going with ignore_eos) constrains nothing."""
+        (its stop token accepted, the request kept going with ignore_eos) constrains nothing, nor
+        does one whose request is still reasoning."""
         rows = [(i, s) for i, h in enumerate(handles) if (s := self._states.get(h)) is not None
-                and not s.is_terminated()]
+                and not s.is_terminated() and h not in self._reasoning]
         if not rows:
             return None
         mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
@@ -94,6 +100,12 @@ class StructuredOutputManager:
         state = self._states.get(handle)
         if state is None:
             return True
+        if handle in self._reasoning:  # still thinking: the grammar starts after </think>
+            end = self._reasoning[handle]
+            if end not in tokens:
+                return True
+            del self._reasoning[handle]
+            tokens = tokens[tokens.index(end) + 1:]
         for token in tokens:
             if state.is_terminated():  # ended: ignore_eos generates on, unconstrained
                 return True

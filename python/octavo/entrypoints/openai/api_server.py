@@ -329,6 +329,7 @@ def served_model(args) -> ServedModel:
     from ...engine.async_llm import AsyncLLM
     from ...llm import LLM
     from ...loader import load_tokenizer
+    from .reasoning_parsers import make_parser as make_reasoning_parser
     from .tool_calls import ToolSettings
 
     if args.enable_auto_tool_choice and args.tool_call_parser is None:
@@ -347,8 +348,13 @@ def served_model(args) -> ServedModel:
               structured_outputs_config=args.structured_outputs_config, multiprocess=core_in_own_process())
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    tokenizer = load_tokenizer(args.tokenizer or engine.model_path)
+    try:
+        reasoning = make_reasoning_parser(args.reasoning_parser, tokenizer) if args.reasoning_parser else None
+    except ValueError as e:
+        raise SystemExit(f"octavo serve: {e}") from None
     return ServedModel(engine=AsyncLLM(engine, args.max_waiting_requests, names[0]),
-                       tokenizer=load_tokenizer(args.tokenizer or engine.model_path), names=names,
+                       tokenizer=tokenizer, names=names,
                        root=str(engine.model_path), max_model_len=engine.max_model_len,
                        sampling_defaults=engine.generation_config.sampling_defaults, max_logprobs=args.max_logprobs,
                        max_n=args.max_n, request_timeout=args.request_timeout,
@@ -356,7 +362,8 @@ def served_model(args) -> ServedModel:
                        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
                        return_tokens_as_token_ids=args.return_tokens_as_token_ids,
                        tool_settings=ToolSettings(args.enable_auto_tool_choice, args.tool_call_parser,
-                                                  args.exclude_tools_when_tool_choice_none))
+                                                  args.exclude_tools_when_tool_choice_none),
+                       reasoning_parser=reasoning)
 
 
 def load_chat_template(value: str | None) -> str | None:

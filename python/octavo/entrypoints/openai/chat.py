@@ -10,7 +10,9 @@ from ... import structured_output
 from ...outputs import CompletionOutput, Logprob, RequestOutput
 from .protocol import MIN_LOGPROB, APIError, ChatCompletionRequest
 from .serving import ServedModel, random_id, sse, usage
+from .reasoning_parsers import ReasoningStream, ThinkParser
 from .tool_calls import ToolChoice, template_messages
+from .tool_parsers import ToolCallStream
 
 
 class ChatRun:
@@ -33,6 +35,8 @@ class ChatRun:
         served.check_logprobs(self.top_logprobs, "top_logprobs")
         served.check_logprobs(request.prompt_logprobs, "prompt_logprobs")
         served.check_n(request.n)
+        parser = served.reasoning_parser
+        self.reasoning = parser if parser is not None and parser.thinks(request.chat_template_kwargs) else None
         self.served, self.request = served, request
         self.id = random_id("chatcmpl")
         self.created = int(time.time())
@@ -63,22 +67,23 @@ class ChatRun:
                 raise APIError(f"The tools' parameters are not a JSON schema the server can follow: {e}",
                                param="tools") from None
             self.params.structured_outputs = forced
+        so = self.params.structured_outputs
+        if so is not None and self.reasoning is not None and not self.reasoning.ended_in_prompt(self.prompts[0][1]):
+            so._reasoning_end = self.reasoning.end_id  # the answer follows the constraint, not the thinking
         served.check_prompt(self.prompts[0][1], self.params)
         served.check_capacity()
 
-    def _delta(self, o: CompletionOutput, calls, texts: list[str]) -> tuple[dict[str, Any], str | None]:
-        """A streamed choice's delta (content, or tool calls through their parser) and its
-        finish reason."""
-        if calls is None:
-            return ({"content": o.text} if o.text else {}), o.finish_reason
-        texts[o.index] += o.text
-        content, tool_calls = calls.deltas(texts[o.index], final=o.finish_reason is not None)
-        if not self.tools.parallel:
-            tool_calls = [c for c in tool_calls if c["index"] == 0]
-        delta = {"content": content} if content else {}
-        if tool_calls:
-            delta["tool_calls"] = tool_calls
-        return delta, self.tools.finish_reason(o.finish_reason, bool(calls.sent))
+    def _message(self, text: str) -> tuple[dict[str, Any], bool]:
+        """A whole choice's message (reasoning, content, tool calls) and whether it holds calls."""
+        reasoning, answer = self.reasoning.split(text, final=True) if self.reasoning else (None, text)
+        message, has_calls = self.tools.message(answer)
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
+        if reasoning is not None:
+            message["content"] = message["content"] or None
+            if self.request.include_reasoning:  # vLLM's field, and its older name
+                message["reasoning"] = message["reasoning_content"] = reasoning or None
+        return message, has_calls
 
     def _logprobs(self, o: CompletionOutput) -> dict[str, list] | None:
         if self.top_logprobs is None:
@@ -118,9 +123,7 @@ class ChatRun:
                 final.add(delta, aggregate=True)
         choices = []
         for o in final.outputs:
-            message, has_calls = self.tools.message(o.text)
-            if self.echo:
-                message["content"] = self.echo + (message["content"] or "")
+            message, has_calls = self._message(o.text)
             choice = {"index": o.index, "message": message, "logprobs": self._logprobs(o),
                       "finish_reason": self.tools.finish_reason(o.finish_reason, has_calls),
                       "stop_reason": o.stop_reason}
@@ -144,8 +147,8 @@ class ChatRun:
             return {"usage": self._usage(completion_tokens, last) if continuous else None} if include_usage else {}
 
         extras = {"prompt_token_ids": self.prompts[0][1]} if self.request.return_token_ids else {}
-        calls = [self.tools.stream() for _ in range(self.params.n)]
-        texts = [""] * self.params.n
+        streams = [_StreamedChoice(self.reasoning, self.tools.stream(), self.tools.parallel,
+                                   self.request.include_reasoning) for _ in range(self.params.n)]
         for i in range(self.params.n):
             yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}], **extras, **usage_so_far()))
@@ -159,9 +162,11 @@ class ChatRun:
                     if not (o.text or o.token_ids or o.finish_reason):
                         continue
                     completion_tokens += len(o.token_ids)
-                    delta, finish_reason = self._delta(o, calls[o.index], texts)
+                    stream = streams[o.index]
+                    delta = stream.delta(o.text, final=o.finish_reason is not None)
                     choice = {"index": o.index, "delta": delta, "logprobs": self._logprobs(o),
-                              "finish_reason": finish_reason, "stop_reason": o.stop_reason}
+                              "finish_reason": self.tools.finish_reason(o.finish_reason, stream.has_calls),
+                              "stop_reason": o.stop_reason}
                     if self.request.return_token_ids:
                         choice["token_ids"] = list(o.token_ids)
                     yield sse(self._chunk([choice], **usage_so_far()))
@@ -171,3 +176,37 @@ class ChatRun:
             if include_usage:
                 yield sse(self._chunk([], usage=self._usage(completion_tokens, last)))
         yield sse("[DONE]")
+
+
+class _StreamedChoice:
+    """One streamed choice: its text so far, cut into reasoning, content and tool calls as it
+    grows (each part's parser holds back what may still turn out to be a marker)."""
+
+    def __init__(self, reasoning: ThinkParser | None, calls: ToolCallStream | None, parallel: bool,
+                 include_reasoning: bool):
+        self.reasoning = ReasoningStream(reasoning) if reasoning is not None else None
+        self.calls, self.parallel, self.include_reasoning = calls, parallel, include_reasoning
+        self.text, self.content_sent = "", 0
+
+    @property
+    def has_calls(self) -> bool:
+        return self.calls is not None and bool(self.calls.sent)
+
+    def delta(self, piece: str, final: bool) -> dict[str, Any]:
+        if self.reasoning is None and self.calls is None:
+            return {"content": piece} if piece else {}
+        self.text += piece
+        thought, answer = self.reasoning.advance(self.text, final) if self.reasoning else ("", self.text)
+        delta: dict[str, Any] = {}
+        if thought and self.include_reasoning:
+            delta["reasoning"] = delta["reasoning_content"] = thought
+        if self.calls is None:
+            content, self.content_sent = answer[self.content_sent:], len(answer)
+        else:
+            content, tool_calls = self.calls.deltas(answer, final)
+            tool_calls = tool_calls if self.parallel else [c for c in tool_calls if c["index"] == 0]
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+        if content:
+            delta["content"] = content
+        return delta

@@ -4,6 +4,7 @@ import argparse
 import json
 
 from ..device_arg import add_device_argument
+from .reasoning_parsers import PARSERS as REASONING_PARSERS
 from .tool_parsers import PARSERS
 
 # `vllm serve` options for features Octavo does not have yet: refused with the feature's name
@@ -11,7 +12,6 @@ from .tool_parsers import PARSERS
 UNSUPPORTED_VLLM_OPTIONS = {
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
     ("--speculative-config",): "speculative decoding",
-    ("--reasoning-parser",): "reasoning outputs",
     ("--guided-decoding-backend",): "guided decoding (vLLM's older name; use --structured-outputs-config)",
     ("--kv-transfer-config",): "KV cache transfer (disaggregated prefill)",
     ("--cpu-offload-gb", "--kv-offloading-size"): "CPU offload",
@@ -111,6 +111,8 @@ def add_arguments(parser) -> None:
                         help="the format the model writes tool calls in")
     parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help='leave the tools out of the chat template when tool_choice is "none"')
+    parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                        help="return a reasoning model's thinking (<think>...</think>) apart from its answer")
     parser.add_argument("--structured-outputs-config", type=json.loads, default=None,
                         help='JSON, e.g. {"backend": "xgrammar"}: the grammar backend ("auto": xgrammar, or '
                              "llguidance where xgrammar refuses)")

@@ -201,6 +201,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None  # default: "auto" with tools, else "none"
     parallel_tool_calls: bool | None = True
+    include_reasoning: bool = True  # with --reasoning-parser: return the reasoning beside the content
     # vLLM's extra chat fields.
     add_generation_prompt: bool = True
     continue_final_message: bool = False

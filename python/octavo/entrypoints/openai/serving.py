@@ -59,6 +59,7 @@ class ServedModel:
     return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     chat_template: str | None = None  # the operator's --chat-template (None: the model's own)
     tool_settings: ToolSettings = field(default_factory=ToolSettings)  # --enable-auto-tool-choice, ...
+    reasoning_parser: Any = None  # --reasoning-parser's ThinkParser, or None
     templates: TemplateSandbox = field(default_factory=TemplateSandbox)  # request-supplied templates
     created: int = field(default_factory=lambda: int(time.time()))
 
