@@ -150,6 +150,7 @@ class SamplingParams:
       ends with its other tokens (each word tokenized with and without a leading space, as vLLM).
     - structured_outputs: a StructuredOutputsParams (a JSON schema, regex, choice or grammar the
       output must follow; the tokens it rules out are masked at every step).
+    - extra_args: anything for custom logits processors (LLM(logits_processors=...)) to read.
     - best_of: vLLM's field; only None or 1 are accepted (vLLM V1 dropped best_of > 1 as well).
 
     Invalid values raise ValueError with a message naming the field.
@@ -180,6 +181,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     structured_outputs: StructuredOutputsParams | None = None
+    extra_args: dict[str, Any] | None = None
     best_of: int | None = None  # accepted as vLLM's field; V1 engines (vLLM's and Octavo) refuse > 1
 
     # Derived in __post_init__ / by the engine, not arguments (same names as vLLM).
@@ -307,6 +309,8 @@ class SamplingParams:
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError("structured_outputs must be a StructuredOutputsParams, got "
                              f"{type(self.structured_outputs).__name__}.")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            raise ValueError(f"extra_args must be a dict, got {type(self.extra_args).__name__}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
 

@@ -20,6 +20,7 @@ from .. import structured_output
 from ..device import cpu_only_reason, resolve_device
 from ..executor.configs import WorkerConfig
 from ..generation_config import load_generation_config
+from ..logits_processor import resolve as resolve_logits_processors
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, check_utf8
 from .core import EngineCoreConfig
@@ -43,7 +44,8 @@ class LLMEngine:
                  generation_config: str = "auto", tensor_parallel_size: int = 1, data_parallel_size: int = 1,
                  distributed_executor_backend: str | None = None, multiprocess: bool = False,
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 tokenizer_path: str | Path | None = None, structured_outputs_config: dict | None = None):
+                 tokenizer_path: str | Path | None = None, structured_outputs_config: dict | None = None,
+                 logits_processors: list | None = None):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
         scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
         where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's.
@@ -56,7 +58,8 @@ class LLMEngine:
         experts on the tensor-parallel ranks (each engine's own: data-parallel engines each hold
         every expert) instead of cutting each expert over them. tokenizer_path: where ``tokenizer``
         was loaded from (default: the model), for the engine core's structured output;
-        structured_outputs_config: {"backend": "auto" | "xgrammar" | "guidance"}, as vLLM's."""
+        structured_outputs_config: {"backend": "auto" | "xgrammar" | "guidance"}, as vLLM's;
+        logits_processors: LogitsProcessor classes or "module:Class" names (logits_processor.py)."""
         self.model_path = Path(model)
         self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
@@ -68,8 +71,9 @@ class LLMEngine:
         _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                               distributed_executor_backend)
         self.structured_outputs_backend = _structured_outputs_backend(structured_outputs_config)
+        self.logits_processor_classes = resolve_logits_processors(logits_processors)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
-                              pipeline_parallel_size, enable_expert_parallel)
+                              pipeline_parallel_size, enable_expert_parallel, tuple(logits_processors or ()))
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,
@@ -156,6 +160,8 @@ class LLMEngine:
         params = self._check_biases(params, vocab)
         if params.structured_outputs is not None:
             params = self._check_structured_outputs(params)
+        for cls in self.logits_processor_classes:
+            cls.validate_params(params)
         if len(prompt_token_ids) >= self.max_model_len:
             raise ValueError(f"The decoder prompt (length {len(prompt_token_ids)}) is longer than the maximum "
                              f"model length of {self.max_model_len}: it leaves no room to generate")

@@ -17,6 +17,7 @@ class WorkerConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages, each holding a contiguous range of the layers
     enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank
+    logits_processors: tuple = ()  # LogitsProcessor classes or "module:Class" names (logits_processor.py)
 
     @property
     def world_size(self) -> int:

@@ -15,6 +15,8 @@ from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput
 from ..layers import bf16_tiles
 from ..layers.crossover import calibrate as calibrate_linear
 from ..loader import load_model
+from ..logits_processor import LogitsProcessors
+from ..logits_processor import resolve as resolve_logits_processors
 from .gpu_memory import GpuMemoryPlan
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampler import SamplingState, sample, scatter_rows
@@ -42,7 +44,7 @@ class Worker:
         if self.device.type == "cuda" and world_size > 1:  # a GPU per rank
             self.device = torch.device("cuda", rank)
         init_model_parallel(rank, tp, pp, init_method, self.device, shared_memory)
-        self.model = self.runner = self.memory = self._staging = None
+        self.model = self.runner = self.memory = self._staging = self.logits_processors = None
         self.states: dict[int, SamplingState] = {}  # by scheduler handle
         self.num_steps = 0
 
@@ -73,6 +75,10 @@ class Worker:
         """Allocates the KV cache, captures the decode graphs and warms up (on a GPU)."""
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size)
         self._staging = Staging(self.runner.device)
+        if self.driver and self.config.logits_processors:
+            self.logits_processors = LogitsProcessors(resolve_logits_processors(self.config.logits_processors),
+                                                      self.model.config.vocab_size, cache.max_num_seqs,
+                                                      self.runner.device)
         if self._graphs(cache):
             seconds = self.runner.capture_cuda_graphs(cache.max_num_seqs, -(-cache.max_model_len // cache.block_size))
             print(f"octavo: captured CUDA graphs for decode batches of {self.runner.cuda_graphs.sizes} "
@@ -102,6 +108,8 @@ class Worker:
         logits, prompt_logits = self.runner.execute(step, rows)
         if step.grammar_bitmask is not None:  # structured output: the tokens each grammar rules out
             _C.ops.apply_token_bitmask(logits, *self._staging.to_device(step.grammar_bitmask, step.grammar_rows))
+        if self.logits_processors is not None:
+            self.logits_processors.apply(logits, step.req_handles.tolist(), states)
         prompt = [] if chunks is None else prompt_logprobs(chunks, prompt_logits, step, self.states)
         sampled, failures = self._sample(logits, states)
         self._keep_sampled(step, states, sampled.token_ids)

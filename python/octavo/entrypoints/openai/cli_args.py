@@ -111,6 +111,9 @@ def add_arguments(parser) -> None:
                         help="the format the model writes tool calls in")
     parser.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
                         help='leave the tools out of the chat template when tool_choice is "none"')
+    parser.add_argument("--logits-processors", nargs="+", default=None, metavar="MODULE:CLASS",
+                        help="custom logits processors (vLLM v1's LogitsProcessor subclasses); requests pass them "
+                             "arguments in vllm_xargs")
     parser.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                         help="return a reasoning model's thinking (<think>...</think>) apart from its answer")
     parser.add_argument("--structured-outputs-config", type=json.loads, default=None,

@@ -85,6 +85,7 @@ class _SamplingFields(BaseModel):
     truncation_side: Literal["left", "right"] = "left"  # which end truncate_prompt_tokens cuts
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
+    vllm_xargs: dict[str, Any] | None = None  # SamplingParams.extra_args, for custom logits processors
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -139,7 +140,7 @@ class _SamplingFields(BaseModel):
                 spaces_between_special_tokens=self.spaces_between_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output, logit_bias=self.logit_bias,
                 allowed_token_ids=self.allowed_token_ids, bad_words=self.bad_words,
-                structured_outputs=self.structured_outputs_params())
+                structured_outputs=self.structured_outputs_params(), extra_args=self.vllm_xargs)
         except ValueError as e:
             raise APIError(str(e)) from None
 
