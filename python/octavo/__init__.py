@@ -27,9 +27,9 @@ FINISH_REASONS = (None, "stop", "length", "abort")  # the scheduler's; the engin
 # vLLM's offline API: code written for vLLM runs by changing the import.
 from .llm import LLM  # noqa: E402  (the engine reads FINISH_REASONS from this module)
 from .outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
-from .sampling_params import SamplingParams, StructuredOutputsParams  # noqa: E402
+from .sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams  # noqa: E402
 
-__all__ = ["BlockPool", "CompletionOutput", "FINISH_REASONS", "LLM", "Logprob", "RequestOutput", "SamplingParams",
+__all__ = ["BeamSearchParams", "BlockPool", "CompletionOutput", "FINISH_REASONS", "LLM", "Logprob", "RequestOutput", "SamplingParams",
            "Scheduler", "SchedulerConfig", "SchedulerOutput", "StructuredOutputsParams", "UpdateOutput", "__version__",
            "cmake_dir", "cpu_isa", "get_num_threads", "ops", "set_num_threads"]
 

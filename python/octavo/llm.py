@@ -6,9 +6,10 @@ import itertools
 from pathlib import Path
 from typing import Any, Sequence
 
+from .beam_search import BeamSearch, BeamSearchOutput
 from .engine.llm_engine import LLMEngine
 from .outputs import RequestOutput
-from .sampling_params import RequestOutputKind, SamplingParams
+from .sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -74,6 +75,34 @@ class LLM:
             self.llm_engine.abort_request(ids)
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(self, prompts, params: BeamSearchParams, lora_request=None, use_tqdm: bool = False,
+                    concurrency_limit: int | None = None) -> list[BeamSearchOutput]:
+        """vLLM's beam search (octavo/beam_search.py): one BeamSearchOutput per prompt, its best
+        params.beam_width beams first. concurrency_limit: prompts searched at once (all: None)."""
+        if lora_request is not None:
+            raise ValueError("LoRA adapters are not supported by Octavo yet")
+        items = self._normalize(prompts)
+        eos = self._tokenizer.eos_token_id if self._tokenizer is not None else None
+        for _, ids in items:
+            if len(ids) + params.max_tokens > self.llm_engine.max_model_len:
+                raise ValueError(f"a prompt of {len(ids)} tokens and max_tokens {params.max_tokens} pass max_model_len "
+                                 f"({self.llm_engine.max_model_len})")
+        searches = [BeamSearch(ids, params, eos) for _, ids in items]
+        group = concurrency_limit or len(searches) or 1
+        for start in range(0, len(searches), group):
+            self._search(searches[start:start + group])
+        return [s.output(self._tokenizer) for s in searches]
+
+    def _search(self, searches: list[BeamSearch]) -> None:
+        """Steps these searches together until each is done: every live beam of every one runs
+        as a request of one generate() call per step."""
+        while active := [s for s in searches if not s.done]:
+            beams = [(s, tokens) for s in active for tokens in s.step_requests()]
+            outputs = self.generate([tokens for _, tokens in beams], [s.sampling_params() for s, _ in beams],
+                                    use_tqdm=False)
+            for s in active:
+                s.advance([o.outputs[0].logprobs[0] for (owner, _), o in zip(beams, outputs) if owner is s])
 
     def chat(self, messages, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, chat_template: str | None = None):

@@ -445,3 +445,21 @@ def _normalize_logit_bias(logit_bias: Any) -> dict[int, float]:
         raise ValueError(
             f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad_keys!r}")
     return result
+
+
+@dataclass
+class BeamSearchParams:
+    """Beam search's parameters, as vLLM's (LLM.beam_search; octavo/beam_search.py)."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.beam_width, int) or self.beam_width < 1:
+            raise ValueError(f"beam_width must be a positive integer, got {self.beam_width!r}")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")

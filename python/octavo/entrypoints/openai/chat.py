@@ -71,6 +71,7 @@ class ChatRun:
         if so is not None and self.reasoning is not None and not self.reasoning.ended_in_prompt(self.prompts[0][1]):
             so._reasoning_end = self.reasoning.end_id  # the answer follows the constraint, not the thinking
         served.check_prompt(self.prompts[0][1], self.params)
+        self.beam = request.beam_search_params(self.params.max_tokens or served.max_model_len - len(self.prompts[0][1]))
         served.check_capacity()
 
     def _message(self, text: str) -> tuple[dict[str, Any], bool]:
@@ -116,7 +117,7 @@ class ChatRun:
 
     async def response(self) -> dict[str, Any]:
         final: RequestOutput | None = None
-        async for _, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
+        async for _, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority, self.beam):
             if final is None:
                 final = delta
             else:
@@ -147,16 +148,18 @@ class ChatRun:
             return {"usage": self._usage(completion_tokens, last) if continuous else None} if include_usage else {}
 
         extras = {"prompt_token_ids": self.prompts[0][1]} if self.request.return_token_ids else {}
+        choices = self.request.n if self.beam else self.params.n
         streams = [_StreamedChoice(self.reasoning, self.tools.stream(), self.tools.parallel,
-                                   self.request.include_reasoning) for _ in range(self.params.n)]
-        for i in range(self.params.n):
+                                   self.request.include_reasoning) for _ in range(choices)]
+        for i in range(choices):
             yield sse(self._chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                     "finish_reason": None}], **extras, **usage_so_far()))
             if self.echo:
                 yield sse(self._chunk([{"index": i, "delta": {"content": self.echo}, "logprobs": None,
                                         "finish_reason": None}], **usage_so_far()))
         try:
-            async for _, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
+            async for _, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority,
+                                                      self.beam):
                 last = delta
                 for o in delta.outputs:
                     if not (o.text or o.token_ids or o.finish_reason):

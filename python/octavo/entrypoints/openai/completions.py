@@ -50,6 +50,8 @@ class CompletionRun:
                                               prompt_logprobs=echo_logprobs)
         for _, ids in self.prompts:
             served.check_prompt(ids, self.params)
+        longest = max(len(ids) for _, ids in self.prompts)
+        self.beam = request.beam_search_params(self.params.max_tokens or served.max_model_len - longest)
         served.check_capacity()
 
     def _choice(self, i: int, output: RequestOutput, o: CompletionOutput, first: bool, offset: int) -> dict:
@@ -102,7 +104,7 @@ class CompletionRun:
 
     async def response(self) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}
-        async for i, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
+        async for i, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority, self.beam):
             if i in finals:
                 finals[i].add(delta, aggregate=True)
             else:
@@ -123,7 +125,8 @@ class CompletionRun:
         completion_tokens = 0
         cached: dict[int, RequestOutput] = {}  # the latest delta of each prompt, for its cache hits
         try:
-            async for i, delta in self.served.stream(self.id, self.prompts, self.params, self.request.priority):
+            async for i, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority,
+                                                      self.beam):
                 cached[i] = delta
                 for o in delta.outputs:
                     index = i * self.n + o.index

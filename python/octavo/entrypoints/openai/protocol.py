@@ -9,13 +9,14 @@ and vLLM's ``structured_outputs`` become the request's StructuredOutputsParams.
 from __future__ import annotations
 
 import json
+import math
 from http import HTTPStatus
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from ... import structured_output
-from ...sampling_params import SEED_MAX, SEED_MIN, SamplingParams, StructuredOutputsParams
+from ...sampling_params import SEED_MAX, SEED_MIN, BeamSearchParams, SamplingParams, StructuredOutputsParams
 
 # Past this, JSON cannot carry the value (-inf); vLLM reports -9999.0 the same way.
 MIN_LOGPROB = -9999.0
@@ -86,6 +87,8 @@ class _SamplingFields(BaseModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None  # vLLM's StructuredOutputsParams fields
     vllm_xargs: dict[str, Any] | None = None  # SamplingParams.extra_args, for custom logits processors
+    use_beam_search: bool = False  # n beams; the n best come back
+    length_penalty: float = 1.0  # beam search's score: cum_logprob / length ** length_penalty
 
     def check_stream_options(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -131,7 +134,8 @@ class _SamplingFields(BaseModel):
         prompt_logprobs = max(asked) if asked else None
         try:
             return SamplingParams(
-                n=self.n, presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                n=1 if self.use_beam_search else self.n,  # beam search runs its own requests
+                presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
                 repetition_penalty=pick("repetition_penalty", 1.0), temperature=pick("temperature", 1.0),
                 top_p=pick("top_p", 1.0), top_k=pick("top_k", 0), min_p=pick("min_p", 0.0), seed=self.seed,
                 stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
@@ -143,6 +147,17 @@ class _SamplingFields(BaseModel):
                 structured_outputs=self.structured_outputs_params(), extra_args=self.vllm_xargs)
         except ValueError as e:
             raise APIError(str(e)) from None
+
+    def beam_search_params(self, max_tokens: int) -> BeamSearchParams | None:
+        """With use_beam_search: vLLM's mapping (beam_width = n; temperature 0 unless given). The
+        beams come back together once the search ends (streamed, in one chunk each)."""
+        if not self.use_beam_search:
+            return None
+        if not math.isfinite(self.length_penalty):
+            raise APIError("length_penalty must be a finite number.", param="length_penalty")
+        return BeamSearchParams(beam_width=self.n, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
+                                temperature=self.temperature or 0.0, length_penalty=self.length_penalty,
+                                include_stop_str_in_output=self.include_stop_str_in_output)
 
     def structured_outputs_params(self) -> StructuredOutputsParams | None:
         """response_format (which wins, as in vLLM) or structured_outputs, checked by the backend

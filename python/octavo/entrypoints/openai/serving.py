@@ -14,8 +14,9 @@ from http import HTTPStatus
 from typing import Any
 
 from ...engine.async_llm import AsyncLLM, EngineDeadError, EngineOverloadedError, RequestFailedError
-from ...outputs import RequestOutput
-from ...sampling_params import SamplingParams
+from ...beam_search import BeamSearch
+from ...outputs import CompletionOutput, RequestOutput
+from ...sampling_params import BeamSearchParams, SamplingParams
 from .protocol import MIN_LOGPROB, APIError
 from .template_sandbox import TemplateError, TemplateSandbox
 from .tool_calls import ToolSettings
@@ -231,6 +232,33 @@ class ServedModel:
         finally:
             for task in tasks:
                 task.cancel()
+
+    async def outputs(self, request_id: str, prompts: list[tuple[str | None, list[int]]], params: SamplingParams,
+                      priority: int = 0, beam: BeamSearchParams | None = None
+                      ) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """stream(), or with ``beam`` each prompt's beam search, as one final output per prompt."""
+        if beam is None:
+            async for item in self.stream(request_id, prompts, params, priority):
+                yield item
+            return
+        searches = [BeamSearch(ids, beam, self.tokenizer.eos_token_id) for _, ids in prompts]
+        for step in range(beam.max_tokens):
+            active = [s for s in searches if not s.done]
+            if not active:
+                break
+            beams = [(s, tokens) for s in active for tokens in s.step_requests()]
+            entries: dict[int, dict] = {}
+            async for j, out in self.stream(f"{request_id}-beam{step}", [(None, t) for _, t in beams],
+                                            active[0].sampling_params(), priority):
+                if out.outputs and out.outputs[0].logprobs:
+                    entries[j] = out.outputs[0].logprobs[0]
+            for s in active:
+                s.advance([entries[j] for j, (owner, _) in enumerate(beams) if owner is s])
+        for i, ((text, ids), search) in enumerate(zip(prompts, searches)):
+            result = search.output(self.tokenizer)
+            outputs = [CompletionOutput(k, b.text, b.tokens[len(ids):], b.cum_logprob, None, b.finish_reason)
+                       for k, b in enumerate(result.sequences)]
+            yield i, RequestOutput(f"{request_id}-{i}", text, ids, None, outputs, finished=True)
 
     async def _next(self, queue: asyncio.Queue, deadline: float | None):
         if deadline is None:
