@@ -127,6 +127,28 @@ def test_any_choice_list_compiles(choices):
     structured_output.validate(SO(choice=choices))
 
 
+@pytest.mark.parametrize("constraint", [SO(regex="[a-c]{2}-[0-9]{3}"), SO(grammar='start: "ab-" ("1" | "2")+ "3"')])
+def test_grammar_states_roll_back(tiny_path, constraint):
+    """What speculative decoding needs: tokens taken back leave the grammar where it was."""
+    import numpy as np
+    from octavo.loader import load_tokenizer
+    from octavo.structured_output import StructuredOutputManager
+
+    tokenizer = load_tokenizer(tiny_path)
+    manager = StructuredOutputManager(str(tiny_path), len(tokenizer))
+    try:
+        manager.add(1, manager.compile(constraint).result())
+        tokens = tokenizer.encode("ab-123")
+        assert manager.accept(1, tokens[:2])
+        before = manager.bitmask([1])[0].copy()
+        assert manager.accept(1, tokens[2:])
+        assert not np.array_equal(manager.bitmask([1])[0], before)
+        manager.rollback(1, len(tokens) - 2)
+        assert np.array_equal(manager.bitmask([1])[0], before)
+    finally:
+        manager.shutdown()
+
+
 # ---- the engine ----------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

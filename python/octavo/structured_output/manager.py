@@ -113,5 +113,11 @@ class StructuredOutputManager:
                 return False
         return True
 
+    def rollback(self, handle: int, num_tokens: int) -> None:
+        """Takes back the request's last num_tokens accepted tokens (drafts a verifier rejected)."""
+        state = self._states.get(handle)
+        if state is not None and num_tokens > 0:
+            state.rollback(num_tokens)
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

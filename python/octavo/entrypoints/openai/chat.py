@@ -9,8 +9,8 @@ from typing import Any
 from ... import structured_output
 from ...outputs import CompletionOutput, Logprob, RequestOutput
 from .protocol import MIN_LOGPROB, APIError, ChatCompletionRequest
-from .serving import ServedModel, random_id, sse, usage
 from .reasoning_parsers import ReasoningStream, ThinkParser
+from .serving import ServedModel, random_id, sse, usage
 from .tool_calls import ToolChoice, template_messages
 from .tool_parsers import ToolCallStream
 
@@ -67,11 +67,12 @@ class ChatRun:
                 raise APIError(f"The tools' parameters are not a JSON schema the server can follow: {e}",
                                param="tools") from None
             self.params.structured_outputs = forced
+        prompt = self.prompts[0][1]
         so = self.params.structured_outputs
-        if so is not None and self.reasoning is not None and not self.reasoning.ended_in_prompt(self.prompts[0][1]):
+        if so is not None and self.reasoning is not None and not self.reasoning.ended_in_prompt(prompt):
             so._reasoning_end = self.reasoning.end_id  # the answer follows the constraint, not the thinking
-        served.check_prompt(self.prompts[0][1], self.params)
-        self.beam = request.beam_search_params(self.params.max_tokens or served.max_model_len - len(self.prompts[0][1]))
+        served.check_prompt(prompt, self.params)
+        self.beam = request.beam_search_params(self.params.max_tokens or served.max_model_len - len(prompt))
         served.check_capacity()
 
     def _message(self, text: str) -> tuple[dict[str, Any], bool]:
@@ -117,7 +118,8 @@ class ChatRun:
 
     async def response(self) -> dict[str, Any]:
         final: RequestOutput | None = None
-        async for _, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority, self.beam):
+        async for _, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority,
+                                                  self.beam):
             if final is None:
                 final = delta
             else:
@@ -166,8 +168,8 @@ class ChatRun:
                         continue
                     completion_tokens += len(o.token_ids)
                     stream = streams[o.index]
-                    delta = stream.delta(o.text, final=o.finish_reason is not None)
-                    choice = {"index": o.index, "delta": delta, "logprobs": self._logprobs(o),
+                    change = stream.delta(o.text, final=o.finish_reason is not None)
+                    choice = {"index": o.index, "delta": change, "logprobs": self._logprobs(o),
                               "finish_reason": self.tools.finish_reason(o.finish_reason, stream.has_calls),
                               "stop_reason": o.stop_reason}
                     if self.request.return_token_ids:

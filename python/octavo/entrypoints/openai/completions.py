@@ -104,7 +104,8 @@ class CompletionRun:
 
     async def response(self) -> dict[str, Any]:
         finals: dict[int, RequestOutput] = {}
-        async for i, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority, self.beam):
+        async for i, delta in self.served.outputs(self.id, self.prompts, self.params, self.request.priority,
+                                                  self.beam):
             if i in finals:
                 finals[i].add(delta, aggregate=True)
             else:
