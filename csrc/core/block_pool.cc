@@ -50,6 +50,7 @@ BlockPool::BlockPool(int num_blocks, int block_size, bool enable_caching)
   parent_gen_.assign(n, 0);
   generation_.assign(n, 0);
   next_same_hash_.assign(n, -1);
+  length_.assign(n, 0);
   if (enable_caching) tokens_.assign(n * static_cast<size_t>(block_size), 0);
   const int32_t sentinel = num_blocks_;
   prev_free_[sentinel] = next_free_[sentinel] = sentinel;
@@ -104,14 +105,18 @@ void BlockPool::release(const int32_t* ids, int n) {
   }
 }
 
-void BlockPool::cache_block(int32_t id, uint64_t hash, const int32_t* tokens, uint64_t extra_key, int32_t parent) {
+void BlockPool::cache_block(int32_t id, uint64_t hash, const int32_t* tokens, uint64_t extra_key, int32_t parent,
+                            int num_tokens) {
   if (!enable_caching_ || cached_[id]) return;
+  const int n = num_tokens < 0 ? block_size_ : num_tokens;
+  OCTAVO_CHECK(n >= 1 && n <= block_size_, "a cached block holds 1 to " << block_size_ << " tokens, got " << n);
   cached_[id] = 1;
   hash_[id] = hash;
   extra_key_[id] = extra_key;
   parent_[id] = parent;
   parent_gen_[id] = generation_[parent];
-  std::memcpy(&tokens_[static_cast<size_t>(id) * block_size_], tokens, sizeof(int32_t) * block_size_);
+  length_[id] = n;
+  std::memcpy(&tokens_[static_cast<size_t>(id) * block_size_], tokens, sizeof(int32_t) * n);
   auto [it, inserted] = hash_head_.try_emplace(hash, id);
   next_same_hash_[id] = inserted ? -1 : it->second;
   it->second = id;
@@ -135,9 +140,9 @@ void BlockPool::uncache_block(int32_t id) {
   --num_cached_;
 }
 
-bool BlockPool::holds(int32_t id, const int32_t* tokens, uint64_t extra_key) const {
-  return extra_key_[id] == extra_key &&
-         std::memcmp(&tokens_[static_cast<size_t>(id) * block_size_], tokens, sizeof(int32_t) * block_size_) == 0;
+bool BlockPool::holds(int32_t id, const int32_t* tokens, uint64_t extra_key, int num_tokens) const {
+  return extra_key_[id] == extra_key && length_[id] == num_tokens &&
+         std::memcmp(&tokens_[static_cast<size_t>(id) * block_size_], tokens, sizeof(int32_t) * num_tokens) == 0;
 }
 
 bool BlockPool::parent_matches(int32_t id, const std::vector<int32_t>& parents) const {
@@ -147,12 +152,13 @@ bool BlockPool::parent_matches(int32_t id, const std::vector<int32_t>& parents) 
 }
 
 void BlockPool::find_cached(uint64_t hash, const int32_t* tokens, uint64_t extra_key,
-                            const std::vector<int32_t>& parents, std::vector<int32_t>& out) const {
+                            const std::vector<int32_t>& parents, std::vector<int32_t>& out, int num_tokens) const {
   if (!enable_caching_) return;
   auto it = hash_head_.find(hash);
   if (it == hash_head_.end()) return;
+  const int n = num_tokens < 0 ? block_size_ : num_tokens;
   for (int32_t id = it->second; id >= 0; id = next_same_hash_[id]) {
-    if (hash_[id] == hash && holds(id, tokens, extra_key) && parent_matches(id, parents)) out.push_back(id);
+    if (hash_[id] == hash && holds(id, tokens, extra_key, n) && parent_matches(id, parents)) out.push_back(id);
   }
 }
 

@@ -28,7 +28,26 @@ ComputedBlocks KVCacheManager::get_computed_blocks(Request& request) {
     parents_.swap(matches_);
   }
   result.num_computed_tokens = static_cast<int>(result.block_ids.size()) * bs;
+  find_partial_block(request, result);
   return result;
+}
+
+void KVCacheManager::find_partial_block(Request& request, ComputedBlocks& result) {
+  // parents_ holds the candidates for the parent of the block after the matched ones.
+  const int bs = block_size();
+  const int i = static_cast<int>(result.block_ids.size());
+  const int32_t* tokens = request.token_ids().data() + static_cast<size_t>(i) * bs;
+  for (int n = std::min(bs - 1, request.num_tokens() - 1 - i * bs); n >= 1; --n) {
+    matches_.clear();
+    pool_.find_cached(request.partial_block_hash(i, n, bs), tokens, request.params().cache_extra_key, parents_,
+                      matches_, n);
+    if (!matches_.empty()) {
+      result.partial_block = matches_.front();
+      result.num_partial_tokens = n;
+      result.num_computed_tokens += n;
+      return;
+    }
+  }
 }
 
 bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens, const ComputedBlocks* new_computed,
@@ -42,7 +61,8 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens, const 
   const int num_to_allocate = std::max(0, num_blocks_for(num_slots) - num_held);
 
   // Cache hits sitting in the free queue stop being free once touched.
-  int num_hits_in_free_queue = 0;
+  const int32_t partial = new_computed ? new_computed->partial_block : -1;
+  int num_hits_in_free_queue = partial >= 0 && pool_.ref_count(partial) == 0;
   for (int i = 0; i < num_hit_blocks; ++i) num_hits_in_free_queue += pool_.ref_count(new_computed->block_ids[i]) == 0;
   if (num_to_allocate > pool_.num_free_blocks() - num_hits_in_free_queue) return false;
 
@@ -59,7 +79,14 @@ bool KVCacheManager::allocate_slots(Request& request, int num_new_tokens, const 
     request.block_ids.insert(request.block_ids.end(), new_computed->block_ids.begin(), new_computed->block_ids.end());
     request.num_cached_blocks += num_hit_blocks;
   }
+  if (partial >= 0) {  // held before allocating, which could otherwise evict it
+    pool_.touch(&partial, 1);
+    request.copy_src = partial;
+    request.copy_dst = -1;
+  }
+  const size_t first_new = request.block_ids.size();
   pool_.allocate(num_to_allocate, request.block_ids);
+  if (partial >= 0) request.copy_dst = request.block_ids[first_new];
   cache_full_blocks(request, std::min(num_computed + num_new_tokens, request.num_tokens()));
   return true;
 }
@@ -77,10 +104,25 @@ void KVCacheManager::cache_full_blocks(Request& request, int num_tokens) {
   request.num_cached_blocks = std::max(request.num_cached_blocks, num_full);
 }
 
+void KVCacheManager::cache_partial_block(Request& request, int num_valid_tokens) {
+  const int bs = block_size();
+  const int i = num_valid_tokens / bs, n = num_valid_tokens % bs;
+  if (n == 0 || i >= static_cast<int>(request.block_ids.size())) return;
+  const int32_t parent = i == 0 ? BlockPool::kNullBlock : request.block_ids[i - 1];
+  if (i > 0 && !pool_.is_cached(parent)) return;  // unreachable by any lookup
+  pool_.cache_block(request.block_ids[i], request.partial_block_hash(i, n, bs),
+                    request.token_ids().data() + static_cast<size_t>(i) * bs, request.params().cache_extra_key, parent,
+                    n);
+}
+
 void KVCacheManager::free(Request& request, int num_valid_tokens) {
   auto& ids = request.block_ids;
   if (num_valid_tokens >= 0) {
     for (size_t i = static_cast<size_t>(num_valid_tokens / block_size()); i < ids.size(); ++i) pool_.uncache_block(ids[i]);
+  }
+  if (pool_.enable_caching()) {
+    const int valid = num_valid_tokens < 0 ? request.num_computed_tokens : num_valid_tokens;
+    cache_partial_block(request, std::min(valid, request.num_computed_tokens));
   }
   std::reverse(ids.begin(), ids.end());
   pool_.release(ids.data(), static_cast<int>(ids.size()));

@@ -30,6 +30,12 @@ uint64_t Request::block_hash(int i, int block_size) {
   return block_hashes_[i];
 }
 
+uint64_t Request::partial_block_hash(int i, int n, int block_size) {
+  const uint64_t parent = i == 0 ? 0 : block_hash(i - 1, block_size);
+  return hash_block_tokens(parent, token_ids_.data() + static_cast<size_t>(i) * block_size, n,
+                           params_.cache_extra_key);
+}
+
 bool Request::check_stop(int max_model_len) {
   const int32_t last = token_ids_.back();
   if (num_output_tokens() >= params_.min_tokens) {

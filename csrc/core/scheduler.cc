@@ -161,6 +161,7 @@ void Scheduler::release_if_landed(Request* request) {
 const SchedulerOutput& Scheduler::schedule(int max_num_reqs) {
   apply_pending_aborts();  // those no open step holds any more
   output_.preempted_handles.clear();
+  output_.block_copies.clear();
   scheduled_.clear();
   int budget = config_.max_num_batched_tokens;
   const size_t max_reqs = max_num_reqs > 0 ? static_cast<size_t>(max_num_reqs) : SIZE_MAX;
@@ -251,17 +252,34 @@ void Scheduler::schedule_waiting(int& budget, size_t max_reqs) {
          scheduled_.size() < max_reqs) {
     Request* request = waiting_.front();
     ComputedBlocks hits = kv_.get_computed_blocks(*request);
-    const int wanted = request->num_tokens() - hits.num_computed_tokens;
-    if (!config_.enable_chunked_prefill && wanted > budget) break;
-    const int num_new = std::min(cap_new_tokens(*request, wanted, budget), wanted);
-    const bool partial = num_new < wanted;
-    if (partial && config_.max_num_partial_prefills > 0 && partial_prefills >= config_.max_num_partial_prefills) break;
-    if (!kv_.allocate_slots(*request, num_new, &hits, config_.num_lookahead_tokens)) break;
+    int wanted = 0, num_new = 0;
+    bool partial = false, admitted = false;
+    for (;;) {
+      wanted = request->num_tokens() - hits.num_computed_tokens;
+      if (!config_.enable_chunked_prefill && wanted > budget) break;
+      num_new = std::min(cap_new_tokens(*request, wanted, budget), wanted);
+      partial = num_new < wanted;
+      const int cap = config_.max_num_partial_prefills;
+      if (partial && cap > 0 && partial_prefills >= cap) break;
+      admitted = kv_.allocate_slots(*request, num_new, &hits, config_.num_lookahead_tokens);
+      // A partial-block hit holds one more block (the one it copies): where that is the block
+      // too many, the request computes those tokens instead.
+      if (admitted || hits.partial_block < 0) break;
+      hits.num_computed_tokens -= hits.num_partial_tokens;
+      hits.partial_block = -1;
+      hits.num_partial_tokens = 0;
+    }
+    if (!admitted) break;
     waiting_.pop_front();
     request->num_computed_tokens = hits.num_computed_tokens;
     request->status = RequestStatus::kRunning;
     running_.push_back(request);
     scheduled_.push_back({request, num_new, true});
+    if (request->copy_src >= 0) {  // its first tokens' KV comes from a cached partial block
+      output_.block_copies.insert(output_.block_copies.end(), {request->copy_src, request->copy_dst});
+      scheduled_.back().copy_src = request->copy_src;
+      request->copy_src = request->copy_dst = -1;
+    }
     budget -= num_new;
     partial_prefills += partial;
   }
@@ -309,7 +327,10 @@ void Scheduler::fill_output() {
 std::vector<Scheduler::Scheduled> Scheduler::close_oldest_step() {
   std::vector<Scheduled> step = std::move(in_flight_.front());
   in_flight_.pop_front();
-  for (const Scheduled& s : step) --s.request->num_steps_in_flight;
+  for (const Scheduled& s : step) {
+    --s.request->num_steps_in_flight;
+    if (s.copy_src >= 0) kv_.release_copy_source(s.copy_src);  // copied by now
+  }
   return step;
 }
 
@@ -364,7 +385,10 @@ std::vector<int64_t> Scheduler::fail_step() {
     unqueue(r);
     // Only the tokens before this step are in the cache; a later open step of the request
     // computes on top of KV that was never written, so it is ended too (its rows report nothing).
-    finish(r, FinishReason::kAbort, s.num_computed_before);
+    // A block this step was to copy may never have been copied: only the full blocks before it count.
+    const int bs = kv_.block_size();
+    const int valid = s.copy_src >= 0 ? s.num_computed_before / bs * bs : s.num_computed_before;
+    finish(r, FinishReason::kAbort, valid);
   }
   apply_pending_aborts();
   return aborted;

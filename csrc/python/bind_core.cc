@@ -153,6 +153,8 @@ void bind_outputs(py::module_& m) {
   def_array(out, "logits_indices", &SchedulerOutput::logits_indices, "[R] int32");
   def_array(out, "finished_handles", &SchedulerOutput::finished_handles, "finished or aborted since the previous step");
   def_array(out, "preempted_handles", &SchedulerOutput::preempted_handles, "preempted in this step");
+  def_array(out, "block_copies", &SchedulerOutput::block_copies,
+            "[2C] int32, (src, dst) block pairs whose KV the step copies before its forward pass");
   out.def_property_readonly("block_table", [](py::object self) {
        const SchedulerOutput& o = self.cast<const SchedulerOutput&>();
        const py::ssize_t w = o.block_table_width;

@@ -11,6 +11,12 @@
 // block the whole prefix is checked token by token. A hash collision can cost a lookup, never
 // a wrong answer.
 //
+// Partial blocks. A request's last block, when it holds fewer than block_size tokens of valid
+// KV, is registered as it is freed, under the hash of its n tokens (chained from its full
+// parent). A later request whose tokens continue past those n copies the block into one of its
+// own rather than computing the n tokens again (copy on write: the block is never shared). Beam
+// search's beams extend one sequence each step, so each finds its parent's tail this way.
+//
 // Free queue. Blocks with reference count 0 sit in a doubly linked list in LRU order; allocation
 // takes from the front. A cached block that reaches count 0 keeps its cache entry until it is
 // taken from the front (evicted) or touched by a cache hit (removed from the queue in O(1)).
@@ -55,15 +61,17 @@ class BlockPool {
   // order given, so the first of them is evicted first.
   void release(const int32_t* ids, int n);
 
-  // Registers a full block that holds `tokens` (block_size of them) after `parent`
+  // Registers a block that holds `tokens` (num_tokens of them; -1: a full block) after `parent`
   // (kNullBlock for the first block of a sequence).
-  void cache_block(int32_t id, uint64_t hash, const int32_t* tokens, uint64_t extra_key, int32_t parent);
+  void cache_block(int32_t id, uint64_t hash, const int32_t* tokens, uint64_t extra_key, int32_t parent,
+                   int num_tokens = -1);
   // Removes a block's cache entry (its KV is not valid), if it has one.
   void uncache_block(int32_t id);
-  // Appends to out every cached block under `hash` that holds `tokens` with `extra_key` and whose
-  // recorded parent is one of `parents` (still cached); parents = {kNullBlock} for the first block.
+  // Appends to out every cached block under `hash` that holds exactly `tokens` (num_tokens of
+  // them; -1: a full block) with `extra_key` and whose recorded parent is one of `parents` (still
+  // cached); parents = {kNullBlock} for the first block.
   void find_cached(uint64_t hash, const int32_t* tokens, uint64_t extra_key, const std::vector<int32_t>& parents,
-                   std::vector<int32_t>& out) const;
+                   std::vector<int32_t>& out, int num_tokens = -1) const;
   // Drops every cache entry. Refused (returns false) while any block is in use, as in vLLM.
   bool reset_prefix_cache();
 
@@ -78,7 +86,7 @@ class BlockPool {
  private:
   void push_back_free(int32_t id);
   void unlink_free(int32_t id);
-  bool holds(int32_t id, const int32_t* tokens, uint64_t extra_key) const;
+  bool holds(int32_t id, const int32_t* tokens, uint64_t extra_key, int num_tokens) const;
   bool parent_matches(int32_t id, const std::vector<int32_t>& parents) const;
 
   int num_blocks_;
@@ -99,6 +107,7 @@ class BlockPool {
   std::vector<uint32_t> generation_;     // [num_blocks] bumped when the block leaves the cache
   std::vector<int32_t> next_same_hash_;  // [num_blocks] chain of blocks sharing a hash, -1 ends
   std::vector<int32_t> tokens_;          // [num_blocks, block_size] tokens of cached blocks
+  std::vector<int32_t> length_;          // [num_blocks] how many of them (block_size: a full block)
   std::unordered_map<uint64_t, int32_t> hash_head_;  // hash -> first block of its chain
   PrefixCacheStats stats_;
 };

@@ -49,6 +49,8 @@ class Request {
 
   // Chained prefix-cache hash of full block i of token_ids(); hashes are computed as blocks fill.
   uint64_t block_hash(int i, int block_size);
+  // The hash of block i's first n (< block_size) tokens, chained from full block i - 1.
+  uint64_t partial_block_hash(int i, int n, int block_size);
 
   // Applies vLLM's stop rules to the newest token; sets finish_reason / stop_reason on a stop.
   bool check_stop(int max_model_len);
@@ -64,6 +66,9 @@ class Request {
   // Owned by KVCacheManager: the request's block table and how many of its blocks are cached.
   std::vector<int32_t> block_ids;
   int num_cached_blocks = 0;
+  // A partial-block cache hit admitted in the current schedule(): the cached block (held until
+  // the step that copies it closes) and the request's own block it is copied into; -1: none.
+  int32_t copy_src = -1, copy_dst = -1;
 
  private:
   RequestParams params_;

@@ -56,6 +56,8 @@ struct SchedulerOutput {
   std::vector<int32_t> logits_indices;        // [R] token whose logits each request samples from
   std::vector<int64_t> finished_handles;      // finished or aborted since the previous step
   std::vector<int64_t> preempted_handles;     // preempted in this step
+  std::vector<int32_t> block_copies;          // [2C] (src, dst) block pairs to copy, all layers, K and V,
+                                              //   before this step's forward: partial-block cache hits
 
   int num_reqs() const { return static_cast<int>(req_handles.size()); }
   int total_num_scheduled_tokens() const { return static_cast<int>(input_ids.size()); }
@@ -123,6 +125,7 @@ class Scheduler {
     bool is_new;
     int num_computed_before = 0;  // the request's computed tokens when the step was scheduled
     bool samples = false;         // the step reaches the request's last token: its token is kept
+    int32_t copy_src = -1;        // a partial cached block this step copies: held until it closes
   };
 
   void schedule_running(int& budget, size_t max_reqs);

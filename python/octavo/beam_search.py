@@ -2,8 +2,9 @@
 step runs every live beam as a one-token request asking for the 2 x beam_width most likely next
 tokens; the beam_width best extensions over all of a prompt's beams (by cumulative logprob) go
 on, those ending in EOS are complete. Beams of a prompt share their KV blocks through the block
-pool: every beam's request finds its full blocks (prompt and common prefix) in the prefix cache,
-so a step computes only each beam's last, partial block.
+pool: every beam's request finds its full blocks (prompt and common prefix) in the prefix cache
+and copies its parent's partial last block (the scheduler's partial-block cache), so a step
+computes one token per beam.
 
 At the end the complete and live beams are ranked by vLLM's score, cum_logprob / len ** length
 _penalty (len counts the prompt and not a final EOS), and the best beam_width are returned.

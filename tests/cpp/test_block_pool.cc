@@ -405,3 +405,33 @@ TEST(BlockPool, ChurnKeepsInvariants) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(BlockPool, PartialBlocksMatchOnlyTheirExactTokens) {
+  BlockPool pool(8, kBs);
+  const std::vector<int32_t> ids = alloc(pool, 2);
+  const std::vector<int32_t> full = {1, 2, 3, 4}, tail = {5, 6};
+  const uint64_t h0 = octavo::hash_block_tokens(0, full.data(), kBs, 0);
+  const uint64_t h1 = octavo::hash_block_tokens(h0, tail.data(), 2, 0);
+  pool.cache_block(ids[0], h0, full.data(), 0, BlockPool::kNullBlock);
+  pool.cache_block(ids[1], h1, tail.data(), 0, ids[0], 2);
+  std::vector<int32_t> out;
+  pool.find_cached(h1, tail.data(), 0, {ids[0]}, out, 2);
+  EXPECT_EQ(out, (std::vector<int32_t>{ids[1]}));
+  // The same hash asked for another length, another token, or as a full block: no match.
+  const std::vector<int32_t> other = {5, 7}, longer = {5, 6, 9, 9};
+  out.clear();
+  pool.find_cached(h1, other.data(), 0, {ids[0]}, out, 2);
+  pool.find_cached(h1, longer.data(), 0, {ids[0]}, out, 3);
+  pool.find_cached(h1, longer.data(), 0, {ids[0]}, out);
+  EXPECT_TRUE(out.empty());
+  // A partial block is nobody's parent: a lookup that names it finds nothing after it.
+  EXPECT_TRUE(find(pool, h0, full, 0, {ids[1]}).empty());
+  EXPECT_EQ(find(pool, h0, full, 0, {BlockPool::kNullBlock}), (std::vector<int32_t>{ids[0]}));
+  EXPECT_OCTAVO_ERROR(pool.cache_block(alloc(pool, 1)[0], 1, tail.data(), 0, BlockPool::kNullBlock, kBs + 1),
+                      ErrorKind::kValue);
+  expect_pool_consistent(pool);
+}
+
+}  // namespace

@@ -138,6 +138,7 @@ class Harness {
     EXPECT_EQ(sampled.size(), last_.size());
     const UpdateOutput& up = sched.update_from_output(sampled.data(), nullptr);
     in_step_ = false;
+    copy_sources_.clear();  // released by the update
     check_update(up, sampled);
     for (int64_t h : deferred_aborts_) {
       if (finished.count(h) != 0) continue;  // finished on its own in this update
@@ -167,6 +168,7 @@ class Harness {
     for (int32_t slot : last_slots_) kv_[static_cast<size_t>(slot)] = 0;
     const std::vector<int64_t> failed = sched.fail_step();
     in_step_ = false;
+    copy_sources_.clear();
     EXPECT_EQ(failed, last_handles_);
     for (int64_t h : failed) {
       EXPECT_EQ(sched.find(h), nullptr) << "request " << h << " of a failed step is still unfinished";
@@ -238,6 +240,7 @@ class Harness {
       EXPECT_TRUE(r->block_ids.empty()) << "waiting request " << r->request_id() << " holds blocks";
       EXPECT_EQ(r->num_computed_tokens, 0);
     }
+    for (int32_t id : copy_sources_) refs[static_cast<size_t>(id)] += 1;  // held until the step closes
     for (int32_t id = 1; id < pool.num_blocks(); ++id) {
       EXPECT_EQ(pool.ref_count(id), refs[static_cast<size_t>(id)]) << "block " << id << " reference count";
     }
@@ -271,6 +274,16 @@ class Harness {
     EXPECT_EQ(out.query_start_loc[0], 0);
     EXPECT_EQ(out.query_start_loc[R1], T);
 
+    // Partial-block cache hits: each copy goes into a block of a new request, from another block.
+    ASSERT_EQ(out.block_copies.size() % 2, 0u);
+    std::map<int32_t, int32_t> copied_into;  // dst -> src
+    copy_sources_.clear();
+    for (size_t c = 0; c < out.block_copies.size(); c += 2) {
+      const int32_t src = out.block_copies[c], dst = out.block_copies[c + 1];
+      EXPECT_NE(src, dst);
+      EXPECT_TRUE(copied_into.emplace(dst, src).second) << "block " << dst << " is copied into twice";
+      copy_sources_.push_back(src);
+    }
     last_.clear();
     last_slots_.assign(out.slot_mapping.begin(), out.slot_mapping.end());
     last_handles_.assign(out.req_handles.begin(), out.req_handles.end());
@@ -294,8 +307,9 @@ class Harness {
       EXPECT_EQ(r->num_computed_tokens, start + n) << "num_computed_tokens not advanced by schedule()";
       EXPECT_LE(start + n, r->num_tokens());
       EXPECT_LT(start + n, config_.max_model_len + 1);
-      if (out.is_new[u]) {
-        EXPECT_EQ(start % bs, 0) << "a new request starts at a cached block boundary";
+      if (out.is_new[u] && start % bs != 0) {  // its last cached tokens come from a partial block
+        EXPECT_EQ(copied_into.count(r->block_ids[static_cast<size_t>(start / bs)]), 1u)
+            << "a new request starts inside a block it does not copy";
       }
       EXPECT_EQ(out.logits_indices[u], out.query_start_loc[u + 1] - 1);
       // Block table row: the request's blocks, then null-block padding.
@@ -325,7 +339,10 @@ class Harness {
       EXPECT_EQ(r->num_computed_tokens, 0);
       EXPECT_TRUE(r->block_ids.empty());
     }
-    // The forward pass: write KV of every scheduled token, then read every context token.
+    // The forward pass: copy the blocks, write KV of every scheduled token, then read every context token.
+    for (const auto& [dst, src] : copied_into) {
+      std::copy_n(kv_.begin() + static_cast<ptrdiff_t>(src) * bs, bs, kv_.begin() + static_cast<ptrdiff_t>(dst) * bs);
+    }
     for (int i = 0; i < R; ++i) {
       const auto u = static_cast<size_t>(i);
       const std::vector<uint64_t> fp = prefix_fingerprints(reqs[u]->token_ids());
@@ -393,6 +410,7 @@ class Harness {
   std::vector<Scheduled> last_;
   std::vector<int64_t> last_handles_;
   std::vector<int32_t> last_slots_;
+  std::vector<int32_t> copy_sources_;  // partial cached blocks the open step copies (it holds them)
   std::set<int64_t> expect_finished_;
   std::vector<int64_t> deferred_aborts_;
   bool in_step_ = false;
@@ -569,11 +587,64 @@ TEST(Scheduler, PromptOfPreviousOutputHitsGeneratedBlocks) {
   h.add(p);  // 14 tokens
   const SchedulerOutput& o = h.schedule();
   ASSERT_EQ(o.num_reqs(), 1);
-  EXPECT_EQ(o.num_computed_tokens[0], 12);
-  EXPECT_EQ(o.num_scheduled_tokens[0], 2);
+  // Blocks 0-2 from the prefix cache, a's partial block 3 (token 12) copied: 1 token to compute.
+  EXPECT_EQ(o.num_computed_tokens[0], 13);
+  EXPECT_EQ(o.num_scheduled_tokens[0], 1);
+  EXPECT_EQ(o.block_copies.size(), 2u);
   h.update_from_model();
   h.run();
   h.expect_reference_outputs();
+}
+
+// Beam search's step: beams that each extend a finished request by a different token copy its
+// partial last block (copy on write: the cached block stays as it is for the next copier) and
+// compute only their new token; the cached block is held until the copying step closes.
+TEST(Scheduler, ExtensionsOfAFinishedRequestCopyItsPartialBlock) {
+  Harness h(make_config(32, 4, 64, 64));
+  const int64_t a = h.add(params("a", 5, 2));
+  h.run();  // KV for prompt + 1 output: 6 tokens, block 1 holds 2 of them
+  std::vector<int32_t> prefix = token_range(5, 1000);
+  prefix.push_back(h.outputs[a][0]);
+  std::vector<int64_t> beams;
+  for (int32_t next : {7, 8, 9}) {
+    RequestParams p = make_params("beam" + std::to_string(next), prefix, 3);
+    p.prompt_token_ids.push_back(next);
+    beams.push_back(h.add(p));
+  }
+  const SchedulerOutput& o = h.schedule();
+  ASSERT_EQ(o.num_reqs(), 3);
+  EXPECT_EQ(o.num_computed_tokens, (std::vector<int32_t>{6, 6, 6}));
+  EXPECT_EQ(o.num_scheduled_tokens, (std::vector<int32_t>{1, 1, 1}));
+  ASSERT_EQ(o.block_copies.size(), 6u);
+  const int32_t src = o.block_copies[0];
+  EXPECT_EQ(o.block_copies[2], src);
+  EXPECT_EQ(o.block_copies[4], src);
+  EXPECT_EQ(h.sched.kv_cache_manager().pool().ref_count(src), 3);  // held by the step
+  h.update_from_model();
+  EXPECT_EQ(h.sched.kv_cache_manager().pool().ref_count(src), 0);
+  h.run();
+  h.expect_reference_outputs();
+  expect_all_blocks_free(h.sched.kv_cache_manager().pool());
+}
+
+// A step that was to copy a partial block fails: the copy may never have run, so the block the
+// request copied into must not be cached with the copied tokens.
+TEST(Scheduler, FailedStepDoesNotCacheAnUncopiedBlock) {
+  Harness h(make_config(32, 4, 64, 64));
+  const int64_t a = h.add(params("a", 5, 2));
+  h.run();
+  std::vector<int32_t> prompt = token_range(5, 1000);
+  prompt.push_back(h.outputs[a][0]);
+  prompt.push_back(7);
+  h.add(make_params("b", prompt, 3));
+  const SchedulerOutput& o = h.schedule();
+  ASSERT_EQ(o.block_copies.size(), 2u);
+  const int32_t src = o.block_copies[0], dst = o.block_copies[1];
+  h.fail();
+  const octavo::BlockPool& pool = h.sched.kv_cache_manager().pool();
+  EXPECT_TRUE(pool.is_cached(src));
+  EXPECT_FALSE(pool.is_cached(dst));
+  expect_all_blocks_free(pool);
 }
 
 TEST(Scheduler, ConcurrentRequestsShareCachedPrefix) {
@@ -1015,9 +1086,11 @@ TEST(Scheduler, PreemptedChunkLeavesNoUnwrittenBlockCached) {
   ASSERT_EQ(o.preempted_handles, (std::vector<int64_t>{b}));
   ASSERT_EQ(o.req_handles, (std::vector<int64_t>{a}));
   h.update_from_model();
-  // Blocks 0 and 1 of b hold computed KV; block 2 does not.
+  // Blocks 0 and 1 of b hold computed KV; block 2 only for tokens 8 and 9 (a partial block now).
   Request probe(make_params("probe", token_range(16, 3000), 1), 999, 999);
-  EXPECT_EQ(h.sched.kv_cache_manager().get_computed_blocks(probe).num_computed_tokens, 8);
+  const octavo::ComputedBlocks hits = h.sched.kv_cache_manager().get_computed_blocks(probe);
+  EXPECT_EQ(hits.num_computed_tokens, 10);
+  EXPECT_EQ(hits.num_partial_tokens, 2);
   h.run();  // the Harness checks that b's resumed context reads only written KV
   h.expect_reference_outputs();
   expect_all_blocks_free(h.sched.kv_cache_manager().pool());

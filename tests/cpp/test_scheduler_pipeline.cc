@@ -6,6 +6,7 @@
 // wrote, or a request that samples twice or out of turn, shows up as a failure.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <deque>
 #include <map>
 #include <set>
@@ -107,6 +108,11 @@ class Pipeline {
     step.fails = out.num_reqs() > 0 && rnd(100) == 0;
     for (const OpenStep& s : open_) step.verified &= !s.fails;  // it may read what a failing step never wrote
     const int bs = config.block_size;
+    for (size_t c = 0; !step.fails && c < out.block_copies.size(); c += 2) {  // partial-block cache hits
+      const auto src = static_cast<ptrdiff_t>(out.block_copies[c]);
+      const auto dst = static_cast<ptrdiff_t>(out.block_copies[c + 1]);
+      std::copy_n(kv_.begin() + src * bs, bs, kv_.begin() + dst * bs);
+    }
     for (int i = 0; i < out.num_reqs(); ++i) {
       const Request* r = sched.find(out.req_handles[static_cast<size_t>(i)]);
       EXPECT_NE(r, nullptr);

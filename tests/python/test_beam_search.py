@@ -41,12 +41,16 @@ def test_matches_transformers_num_beams(llm, tiny_path, width):
                 assert math.isclose(beam.cum_logprob / 8, score, rel_tol=1e-4)
 
 
-def test_beams_share_their_blocks_through_the_prefix_cache(llm):
+def test_beams_compute_only_their_new_token(llm):
+    """Each beam's request after the first step finds all but its last token in the cache: the
+    full blocks shared, the partial last block copied from its parent's (copy on write)."""
     scheduler = llm.llm_engine.scheduler
-    before = scheduler.prefix_cache_stats["hits"]
-    llm.beam_search(["a long enough prompt to fill a few blocks of sixteen tokens each, at least"],
-                    BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
-    assert scheduler.prefix_cache_stats["hits"] - before > 0
+    prompt = llm.get_tokenizer().encode("a prompt no other test uses, long enough for a block or two: zq")
+    before = dict(scheduler.prefix_cache_stats)
+    llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=3, max_tokens=6, ignore_eos=True))
+    stats = {k: scheduler.prefix_cache_stats[k] - before[k] for k in before}
+    # Every request computes its last token; the first (the prompt alone) computes it all.
+    assert stats["hits"] == stats["queries"] - stats["requests"] - (len(prompt) - 1)
     assert scheduler.block_pool.num_used_blocks == 0
 
 

@@ -59,6 +59,24 @@ def test_a_stop_tokens_text_is_left_out_unless_asked_for(tiny):
         assert out.text == tokenizer.decode(kept)
 
 
+def test_a_follow_up_copies_the_partial_block_and_generates_the_same(tiny, tiny_path):
+    """A prompt that continues a finished request's tokens copies that request's partial last
+    block instead of computing its tokens again; the output is the one without any cache."""
+    llm, _, tokenizer = tiny
+    first = tokenizer.encode("Hello world, how are you")
+    greedy = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    answer = list(llm.generate([first], greedy, use_tqdm=False)[0].outputs[0].token_ids)
+    follow_up = first + answer[:-1] + [5, 6]
+    scheduler = llm.llm_engine.scheduler
+    hits = scheduler.prefix_cache_stats["hits"]
+    cached = llm.generate([follow_up], greedy, use_tqdm=False)[0]
+    # All the KV the first request computed: its prompt and all but its last output token.
+    assert scheduler.prefix_cache_stats["hits"] - hits == len(first) + len(answer) - 1
+    plain = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+                enable_prefix_caching=False)
+    assert cached.outputs[0].token_ids == plain.generate([follow_up], greedy, use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_greedy_generate_matches_transformers(tiny):
     llm, reference, tokenizer = tiny
     prompts = ["Hello world", "Emoji time 😀", "Straße", "x"]

@@ -117,12 +117,15 @@ class Checker:
 
     # --- invariants -------------------------------------------------------------------------
 
-    def check_pool(self):
+    def check_pool(self, copy_sources=()):
+        """copy_sources: the partial cached blocks the open step copies (it holds them)."""
         sched, pool = self.sched, self.sched.block_pool
         n = pool.num_blocks
         assert pool.num_free_blocks + pool.num_used_blocks == n - 1
         refs = sched.block_ref_counts()
         expected = [0] * n
+        for b in copy_sources:
+            expected[b] += 1
         for h in self.live:
             state = sched.request_state(h)
             assert state is not None, f"request {h} vanished"
@@ -205,7 +208,7 @@ class Checker:
         # Running requests first, then the newly admitted ones.
         is_new = out.is_new.tolist()
         assert is_new == sorted(is_new)
-        self.check_kv(handles, ncomp, nsched, slots, qsl)
+        self.check_kv(handles, ncomp, nsched, slots, qsl, out.block_copies.reshape(-1, 2).tolist(), is_new)
 
     def tag(self, h, p):
         tags = self.prefix_tags[h]
@@ -215,13 +218,19 @@ class Checker:
             tags.append(hash((parent, toks[len(tags)])))
         return tags[p]
 
-    def check_kv(self, handles, ncomp, nsched, slots, qsl):
-        """This step writes the KV of its scheduled tokens; every token of a scheduled request up
-        to the end of its chunk must then find its own prefix's KV in its slot: cache hits hold
-        the right tokens, and no block someone still reads was handed out again. (A request may
-        hit a block that another request of the same step computes: as in vLLM, each layer writes
-        the step's KV before its attention reads it.)"""
+    def check_kv(self, handles, ncomp, nsched, slots, qsl, copies, is_new):
+        """This step copies its partial-block cache hits, then writes the KV of its scheduled
+        tokens; every token of a scheduled request up to the end of its chunk must then find its
+        own prefix's KV in its slot: cache hits hold the right tokens, and no block someone still
+        reads was handed out again. (A request may hit a block that another request of the same
+        step computes: as in vLLM, each layer writes the step's KV before its attention reads it.)"""
         bs = self.cfg["block_size"]
+        targets = {self.sched.request_state(h)["block_ids"][c // bs]
+                   for h, c, new in zip(handles, ncomp, is_new) if new and c % bs}
+        assert sorted(dst for _, dst in copies) == sorted(targets), "copies go into the partial hits' own blocks"
+        for src, dst in copies:
+            for o in range(bs):
+                self.kv[dst * bs + o] = self.kv.get(src * bs + o)
         written = set()
         for i, h in enumerate(handles):
             for k, p in enumerate(range(ncomp[i], ncomp[i] + nsched[i])):
@@ -293,7 +302,7 @@ class Checker:
         out = sched.schedule()
         self.finished_seen += out.finished_handles.tolist()
         self.check_batch(out, running_before)
-        self.check_pool()
+        self.check_pool(out.block_copies[::2].tolist())
         handles = out.req_handles.tolist()
         ncomp = out.num_computed_tokens.tolist()
         nsched = out.num_scheduled_tokens.tolist()

@@ -18,7 +18,7 @@ from ..sampling_params import SamplingParams
 
 # The scheduler's arrays a forward pass reads, in SchedulerOutput's names.
 STEP_ARRAYS = ("req_handles", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-               "block_table", "logits_indices")
+               "block_table", "logits_indices", "block_copies")
 
 
 @dataclass
@@ -45,6 +45,7 @@ class StepInput:
     seq_lens: np.ndarray        # [R] int32
     block_table: np.ndarray     # [R, width] int32
     logits_indices: np.ndarray  # [R] int32
+    block_copies: np.ndarray    # [2C] int32 (src, dst) KV block pairs, copied before the forward pass
     new_requests: list[NewRequest] = field(default_factory=list)
     finished_handles: list[int] = field(default_factory=list)  # finished or aborted: workers forget them
     # [C, 4] int32, one row per prompt chunk whose logprobs are wanted: (batch index i, first,

@@ -66,6 +66,8 @@ class ModelRunner:
         logprobs; on the CPU, made PROMPT_LOGITS_ROWS rows at a time so that a long prompt's
         logits never sit on the device at once)."""
         use_device(self.device)
+        if len(out.block_copies):
+            self._copy_blocks(out.block_copies)
         if self.cuda_graphs is not None and extra_rows is None:
             logits = self.cuda_graphs.run(out)
             if logits is not None:
@@ -92,6 +94,15 @@ class ModelRunner:
         extra = indices[n:]
         return logits, torch.cat([self.model.compute_logits(hidden, extra[i:i + PROMPT_LOGITS_ROWS]).cpu()
                                   for i in range(0, len(extra), PROMPT_LOGITS_ROWS)])
+
+    def _copy_blocks(self, pairs: np.ndarray) -> None:
+        """Partial-block cache hits: each (src, dst) pair's KV, every layer's K and V, before the
+        step reads it (the scheduler holds src until the step ends)."""
+        pairs = torch.from_numpy(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)).to(self.device)
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for attn in self.model.attention_layers():
+            for cache in attn.kv_cache:
+                cache.index_copy_(0, dst, cache.index_select(0, src))
 
     def _forward(self, input_ids, positions, meta) -> torch.Tensor | None:
         """The model's part on this stage: hidden states on the last stage, else None (the
@@ -150,7 +161,7 @@ def dummy_step(num_tokens: int, num_logits: int, block_size: int) -> SimpleNames
         input_ids=np.zeros(num_tokens, dtype=np.int32), positions=positions, slot_mapping=positions + block_size,
         query_start_loc=np.array([0, num_tokens], dtype=np.int32), seq_lens=np.array([num_tokens], dtype=np.int32),
         block_table=np.arange(1, num_blocks + 1, dtype=np.int32)[None, :],
-        logits_indices=np.full(num_logits, num_tokens - 1, dtype=np.int32))
+        logits_indices=np.full(num_logits, num_tokens - 1, dtype=np.int32), block_copies=np.zeros(0, dtype=np.int32))
 
 
 def reserve_workspaces(model, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> int:
