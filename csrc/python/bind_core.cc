@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "octavo/block_pool.h"
+#include "octavo/ngram_proposer.h"
 #include "octavo/scheduler.h"
 #include "octavo/status.h"
 #include "tensor_from_python.h"
@@ -92,6 +93,14 @@ void bind_block_pool(py::module_& m) {
   m.def("hash_block_tokens", [](uint64_t parent, const std::vector<int32_t>& tokens, uint64_t extra_key) {
     return hash_block_tokens(parent, tokens.data(), static_cast<int>(tokens.size()), extra_key);
   }, py::arg("parent_hash"), py::arg("tokens"), py::arg("extra_key") = 0);
+  m.def("propose_ngram", [](const std::vector<int32_t>& tokens, int min_n, int max_n, int num_tokens,
+                            int max_model_len) {
+    NgramConfig config{min_n, max_n, num_tokens, max_model_len};
+    config.validate();
+    return propose_ngram(tokens.data(), static_cast<int>(tokens.size()), config);
+  }, py::arg("tokens"), py::arg("min_n"), py::arg("max_n"), py::arg("num_tokens"), py::arg("max_model_len") = 0,
+        "Prompt lookup (ngram speculative decoding): the draft that follows the earliest earlier occurrence of the "
+        "longest n-gram (min_n <= n <= max_n) ending tokens; see include/octavo/ngram_proposer.h.");
 }
 
 void bind_config(py::module_& m) {
