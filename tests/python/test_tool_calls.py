@@ -91,6 +91,12 @@ def test_streaming_holds_back_what_may_be_a_marker():
     assert stream.deltas("Hi <tool_x", final=False) == ("<tool_x", [])
 
 
+def test_a_list_cut_off_by_max_tokens_keeps_its_whole_calls():
+    text = '[TOOL_CALLS][{"name": "now", "arguments": {}}, {"name": "get_weather", "argum'
+    parsed = PARSERS["mistral"]().parse(text, final=True)
+    assert [(c.name, c.arguments) for c in parsed.calls] == [("now", "{}")]
+
+
 def test_hermes_unterminated_last_call():
     parsed = PARSERS["hermes"]().parse('<tool_call>{"name": "now", "arguments": {}}', final=True)
     assert [(c.name, c.arguments) for c in parsed.calls] == [("now", "{}")]

@@ -211,6 +211,9 @@ class LLMEngine:
         params records the backend that will compile it."""
         if self.tokenizer is None:
             raise ValueError("structured outputs need a tokenizer, and this engine was created without one")
+        chosen = params.structured_outputs._backend  # the server's protocol checked it already
+        if chosen is not None and self.structured_outputs_backend in ("auto", chosen):
+            return params
         params = params.clone()
         structured_output.validate(params.structured_outputs, self.structured_outputs_backend)
         return params

@@ -18,8 +18,7 @@ from typing import Any
 
 from ...sampling_params import StructuredOutputsParams
 from .protocol import APIError
-from .tool_parsers import (PARSERS, Parsed, ParsedCall, ToolCallStream, call_from_json_object, json_value_end,
-                           make_tool_call_id)
+from .tool_parsers import PARSERS, Parsed, ParsedCall, ToolCallStream, calls_in_json_list, make_tool_call_id
 
 
 @dataclass
@@ -147,18 +146,7 @@ class _RequiredParser:
 
     def parse(self, text: str, final: bool) -> Parsed:
         body = text.lstrip()
-        calls, at = [], 1
-        while body.startswith("[") and (start := body.find("{", at)) >= 0:
-            end = json_value_end(body, start)
-            if final and end is None:  # cut off by max_tokens: not a call
-                break
-            call = call_from_json_object(body[start:end], final, ("parameters",))
-            if call is not None:
-                calls.append(call)
-            if end is None:
-                break
-            at = end
-        return Parsed(None, calls)
+        return Parsed(None, calls_in_json_list(body, final, ("parameters",)) if body.startswith("[") else [])
 
 
 def template_messages(messages: list[dict]) -> list[dict]:

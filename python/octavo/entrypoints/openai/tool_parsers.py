@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 class ParsedCall:
     name: str | None  # None until its name is complete
     arguments: str  # JSON text, complete or (while streaming) a prefix of it
-    complete: bool = True
 
 
 @dataclass
@@ -94,7 +93,25 @@ def call_from_json_object(body: str, final: bool, argument_keys: tuple[str, ...]
         value = next((obj[k] for k in argument_keys if k in obj), {})
         return ParsedCall(obj["name"], raw if raw is not None else json.dumps(value, ensure_ascii=False))
     name = json.loads(f'"{name.group(1)}"') if name else None
-    return ParsedCall(name, body[at.end():end] if at else "", complete=end is not None)
+    return ParsedCall(name, body[at.end():end] if at else "")
+
+
+def calls_in_json_list(body: str, final: bool, argument_keys: tuple[str, ...] = ("arguments",)) -> list[ParsedCall]:
+    """The calls of a ``[{"name": ..., "<arguments key>": {...}}, ...]`` list (body starts at its
+    "["): the whole objects, and while streaming the one being written; a final text cut off
+    inside an object (max_tokens) keeps the whole ones."""
+    calls, at = [], 1
+    while (start := body.find("{", at)) >= 0:
+        end = json_value_end(body, start)
+        if final and end is None:
+            break
+        call = call_from_json_object(body[start:end], final, argument_keys)
+        if call is not None:
+            calls.append(call)
+        if end is None:
+            break
+        at = end
+    return calls
 
 
 class HermesParser:
@@ -154,23 +171,9 @@ class MistralParser:
             keep = len(text) - (0 if final else held_back(text, self.MARKER))
             return Parsed(text[:keep] or None)
         rest = text[first + len(self.MARKER):].lstrip()
-        calls = self._list(rest, final) if rest.startswith("[") else self._named(text[first:], final)
+        # A JSON list of calls before tokenizer v11, then name{arguments} after each marker.
+        calls = calls_in_json_list(rest, final) if rest.startswith("[") else self._named(text[first:], final)
         return Parsed(text[:first] or None, calls)
-
-    def _list(self, rest: str, final: bool) -> list[ParsedCall]:
-        """``[{"name": ..., "arguments": {...}}, ...]`` (before tokenizer v11)."""
-        if final and json_value_end(rest, 0) is None:
-            return []
-        calls, at = [], 1
-        while (start := rest.find("{", at)) >= 0:
-            end = json_value_end(rest, start)
-            call = call_from_json_object(rest[start:end], final)
-            if call is not None:
-                calls.append(call)
-            if end is None:
-                break
-            at = end
-        return calls
 
     def _named(self, text: str, final: bool) -> list[ParsedCall]:
         """``[TOOL_CALLS]name{args}`` repeated (Mistral's v11 tokenizer format)."""
@@ -182,7 +185,7 @@ class MistralParser:
             end = json_value_end(part, brace)
             if final and end is None:
                 continue
-            calls.append(ParsedCall(part[:brace].strip(), part[brace:end], complete=end is not None))
+            calls.append(ParsedCall(part[:brace].strip(), part[brace:end]))
         return calls
 
 
