@@ -121,8 +121,10 @@ void KVCacheManager::free(Request& request, int num_valid_tokens) {
     for (size_t i = static_cast<size_t>(num_valid_tokens / block_size()); i < ids.size(); ++i) pool_.uncache_block(ids[i]);
   }
   if (pool_.enable_caching()) {
-    const int valid = num_valid_tokens < 0 ? request.num_computed_tokens : num_valid_tokens;
-    cache_partial_block(request, std::min(valid, request.num_computed_tokens));
+    const int valid = std::min(num_valid_tokens < 0 ? request.num_computed_tokens : num_valid_tokens,
+                               request.num_computed_tokens);
+    cache_full_blocks(request, valid);  // accepted draft tokens fill blocks that no schedule() has hashed
+    cache_partial_block(request, valid);
   }
   std::reverse(ids.begin(), ids.end());
   pool_.release(ids.data(), static_cast<int>(ids.size()));

@@ -174,7 +174,8 @@ const SchedulerOutput& Scheduler::schedule(int max_num_reqs) {
     Request* r = s.request;
     s.num_computed_before = r->num_computed_tokens;
     r->num_computed_tokens += s.num_tokens;
-    s.samples = r->num_computed_tokens == r->num_tokens();
+    s.samples = r->num_computed_tokens - s.num_drafts == r->num_tokens();
+    r->spec_token_ids.clear();  // verified by this step, or (those the budget cut off) dropped
     ++r->num_steps_in_flight;
   }
   if (!scheduled_.empty() || in_flight_.empty()) in_flight_.push_back(scheduled_);
@@ -194,7 +195,8 @@ void Scheduler::schedule_running(int& budget, size_t max_reqs) {
   for (size_t i = 0; i < running_.size() && budget > 0 && scheduled_.size() < max_reqs; ++i) {
     Request* request = running_[i];
     if (request->abort_pending) continue;  // it ends when its open steps close
-    const int wanted = request->num_tokens() - request->num_computed_tokens;
+    const int uncomputed = request->num_tokens() - request->num_computed_tokens;
+    const int wanted = uncomputed + static_cast<int>(request->spec_token_ids.size());
     const int num_new = cap_new_tokens(*request, wanted, budget);
     if (num_new <= 0) continue;
     const size_t num_preempted = output_.preempted_handles.size();
@@ -202,6 +204,7 @@ void Scheduler::schedule_running(int& budget, size_t max_reqs) {
     // A priority victim may have stood before this request; find where it stands now.
     if (output_.preempted_handles.size() != num_preempted) i = std::find(running_.begin(), running_.end(), request) - running_.begin();
     scheduled_.push_back({request, num_new, false});
+    scheduled_.back().num_drafts = std::max(0, num_new - uncomputed);  // the budget may cut drafts off
     budget -= num_new;
   }
 }
@@ -238,6 +241,7 @@ void Scheduler::preempt(Request* victim, int& budget) {
   // KV written in earlier steps stays cached for the recompute; slots reserved this step are not.
   kv_.free(*victim, victim->num_computed_tokens);
   victim->num_computed_tokens = 0;
+  victim->spec_token_ids.clear();
   victim->status = RequestStatus::kPreempted;
   victim->num_preemptions += 1;
   ++num_preemptions_;
@@ -296,6 +300,7 @@ void Scheduler::fill_output() {
   out.positions.clear();
   out.slot_mapping.clear();
   out.seq_lens.clear();
+  out.num_draft_tokens.clear();
   out.logits_indices.clear();
   out.query_start_loc.assign(1, 0);
   int width = 0;
@@ -312,14 +317,17 @@ void Scheduler::fill_output() {
     out.num_computed_tokens.push_back(start);
     out.is_new.push_back(scheduled_[i].is_new ? 1 : 0);
     const int32_t* ids = r.block_ids.data();
+    const int num_tokens = r.num_tokens();
     for (int pos = start; pos < end; ++pos) {
-      out.input_ids.push_back(r.token_ids()[pos]);
+      out.input_ids.push_back(pos < num_tokens ? r.token_ids()[pos] : r.spec_token_ids[pos - num_tokens]);
       out.positions.push_back(pos);
       out.slot_mapping.push_back(ids[pos / bs] * bs + pos % bs);
     }
     out.query_start_loc.push_back(static_cast<int32_t>(out.input_ids.size()));
     out.seq_lens.push_back(end);
-    out.logits_indices.push_back(static_cast<int32_t>(out.input_ids.size()) - 1);
+    const int num_drafts = scheduled_[i].num_drafts;
+    out.num_draft_tokens.push_back(num_drafts);
+    for (int k = num_drafts; k >= 0; --k) out.logits_indices.push_back(static_cast<int32_t>(out.input_ids.size()) - 1 - k);
     std::copy(r.block_ids.begin(), r.block_ids.end(), out.block_table.begin() + static_cast<ptrdiff_t>(i) * width);
   }
 }
@@ -357,6 +365,10 @@ const UpdateOutput& Scheduler::update_from_output(const int32_t* sampled, const 
         up.new_token_ids.push_back(sampled[k]);
         stopped = r->check_stop(config_.max_model_len);
       }
+      // The rejected drafts' KV is not the request's: their slots are computed again. After a
+      // stop, KV past the last kept token is no part of it either (it may be cached at free).
+      const int num_rejected = std::max(0, step[i].num_drafts + 1 - (end - begin));
+      r->num_computed_tokens = std::min(r->num_computed_tokens - num_rejected, r->num_tokens());
     }
     up.new_token_offsets.push_back(static_cast<int32_t>(up.new_token_ids.size()));
     up.finish_reasons.push_back(static_cast<int8_t>(stopped ? r->finish_reason : FinishReason::kNone));
@@ -392,6 +404,18 @@ std::vector<int64_t> Scheduler::fail_step() {
   }
   apply_pending_aborts();
   return aborted;
+}
+
+void Scheduler::set_draft_tokens(int64_t handle, const int32_t* tokens, int count) {
+  auto it = requests_.find(handle);
+  if (it == requests_.end()) return;
+  Request* r = it->second.get();
+  if (r->status != RequestStatus::kRunning || r->num_steps_in_flight > 0 || r->abort_pending ||
+      r->num_computed_tokens != r->num_tokens() - 1) {
+    return;
+  }
+  const int room = r->params().max_tokens - r->num_output_tokens() - 1;
+  r->spec_token_ids.assign(tokens, tokens + std::max(0, std::min(count, room)));
 }
 
 void Scheduler::apply_pending_aborts() {

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "octavo/block_pool.h"
@@ -159,7 +160,10 @@ void bind_outputs(py::module_& m) {
   def_array(out, "slot_mapping", &SchedulerOutput::slot_mapping, "[T] int32, block_id * block_size + offset");
   def_array(out, "query_start_loc", &SchedulerOutput::query_start_loc, "[R + 1] int32");
   def_array(out, "seq_lens", &SchedulerOutput::seq_lens, "[R] int32");
-  def_array(out, "logits_indices", &SchedulerOutput::logits_indices, "[R] int32");
+  def_array(out, "num_draft_tokens", &SchedulerOutput::num_draft_tokens,
+            "[R] int32, draft tokens verified after each request's newest token");
+  def_array(out, "logits_indices", &SchedulerOutput::logits_indices,
+            "[R + D] int32, sampled rows: num_draft_tokens[i] + 1 per request, in batch order");
   def_array(out, "finished_handles", &SchedulerOutput::finished_handles, "finished or aborted since the previous step");
   def_array(out, "preempted_handles", &SchedulerOutput::preempted_handles, "preempted in this step");
   def_array(out, "block_copies", &SchedulerOutput::block_copies,
@@ -174,6 +178,7 @@ void bind_outputs(py::module_& m) {
        return a;
      }, "[R, width] int32, padded with the null block 0")
       .def_property_readonly("num_reqs", &SchedulerOutput::num_reqs)
+      .def_property_readonly("total_num_draft_tokens", &SchedulerOutput::total_num_draft_tokens)
       .def_property_readonly("total_num_scheduled_tokens", &SchedulerOutput::total_num_scheduled_tokens);
 
   py::class_<UpdateOutput> up(m, "UpdateOutput", "New tokens and finish reasons of one step (views, valid until the next step).");
@@ -195,7 +200,38 @@ py::object request_state(const Scheduler& s, int64_t handle) {
   d["output_token_ids"] = std::vector<int32_t>(r->token_ids().begin() + r->num_prompt_tokens(), r->token_ids().end());
   d["block_ids"] = r->block_ids;
   d["num_preemptions"] = r->num_preemptions;
+  d["spec_token_ids"] = r->spec_token_ids;
   return d;
+}
+
+// Each handle's tokens [offsets[i], offsets[i + 1]) go to set_draft_tokens.
+void set_draft_tokens(Scheduler& s, const std::vector<int64_t>& handles, const std::vector<int32_t>& offsets,
+                      const std::vector<int32_t>& tokens) {
+  OCTAVO_CHECK(offsets.size() == handles.size() + 1 && offsets.front() == 0 &&
+                   offsets.back() == static_cast<int32_t>(tokens.size()),
+               "offsets must be [len(handles) + 1], from 0 to len(tokens)");
+  for (size_t i = 0; i < handles.size(); ++i) {
+    OCTAVO_CHECK(offsets[i] <= offsets[i + 1], "offsets must be non-decreasing");
+  }
+  for (int32_t t : tokens) OCTAVO_CHECK(t >= 0, "draft token ids must be >= 0, got " << t);
+  for (size_t i = 0; i < handles.size(); ++i) {
+    s.set_draft_tokens(handles[i], tokens.data() + offsets[i], offsets[i + 1] - offsets[i]);
+  }
+}
+
+// Prompt-lookup drafts of the given unfinished requests, from their tokens: (offsets, tokens).
+std::pair<std::vector<int32_t>, std::vector<int32_t>> propose_ngram_drafts(const Scheduler& s,
+                                                                           const std::vector<int64_t>& handles,
+                                                                           const NgramConfig& config) {
+  std::vector<int32_t> offsets{0}, tokens;
+  for (int64_t h : handles) {
+    if (const Request* r = s.find(h)) {
+      const std::vector<int32_t> draft = propose_ngram(r->token_ids().data(), r->num_tokens(), config);
+      tokens.insert(tokens.end(), draft.begin(), draft.end());
+    }
+    offsets.push_back(static_cast<int32_t>(tokens.size()));
+  }
+  return {std::move(offsets), std::move(tokens)};
 }
 
 std::vector<int64_t> handles_of(const std::vector<Request*>& requests) {
@@ -251,6 +287,18 @@ void bind_scheduler(py::module_& m) {
            "Closes the oldest open step, whose forward pass failed, instead of update_from_output(): "
            "aborts the requests it scheduled and drops their unwritten blocks from the prefix cache. "
            "Returns their handles.")
+      .def("set_draft_tokens", &set_draft_tokens, py::arg("handles"), py::arg("offsets"), py::arg("tokens"),
+           "Speculative decoding: handle i verifies tokens[offsets[i]:offsets[i + 1]] in its next step (see the "
+           "C++ header for when drafts are kept).")
+      .def("propose_ngram",
+           [](const Scheduler& s, const std::vector<int64_t>& handles, int min_n, int max_n, int num_tokens) {
+             NgramConfig config{min_n, max_n, num_tokens, s.config().max_model_len};
+             config.validate();
+             return propose_ngram_drafts(s, handles, config);
+           },
+           py::arg("handles"), py::arg("min_n"), py::arg("max_n"), py::arg("num_tokens"),
+           "Prompt-lookup drafts of each request from its own tokens: (offsets [len(handles) + 1], tokens); an "
+           "unknown or finished handle gets none.")
       .def_property_readonly("config", &Scheduler::config)
       .def_property_readonly("num_waiting", &Scheduler::num_waiting)
       .def_property_readonly("num_running", &Scheduler::num_running)

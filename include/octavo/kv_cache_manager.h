@@ -46,7 +46,7 @@ class KVCacheManager {
   // Returns the request's blocks to the pool, last block first so that its tail is evicted
   // before its shared prefix. Blocks holding tokens at or past `num_valid_tokens` lose their
   // cache entries (their KV was never computed); -1 keeps every entry. A last block partly
-  // filled with valid KV is cached as a partial block.
+  // filled with valid KV is cached as a partial block, and full ones not cached yet are cached.
   void free(Request& request, int num_valid_tokens = -1);
   void release_copy_source(int32_t block_id) { pool_.release(&block_id, 1); }
 

@@ -69,6 +69,9 @@ class Request {
   // A partial-block cache hit admitted in the current schedule(): the cached block (held until
   // the step that copies it closes) and the request's own block it is copied into; -1: none.
   int32_t copy_src = -1, copy_dst = -1;
+  // Speculative decoding: draft tokens to follow token_ids() in the request's next step, where
+  // they are verified; the step that schedules the request takes them (Scheduler::set_draft_tokens).
+  std::vector<int32_t> spec_token_ids;
 
  private:
   RequestParams params_;

@@ -6,6 +6,12 @@
 // update_from_output() with the tokens sampled for that batch. More than one step may be open
 // at once (pipeline parallel keeps a batch per stage in flight): schedule() then takes only
 // tokens no open step holds, and updates close the open steps in the order they were scheduled.
+//
+// Speculative decoding: a decoding request may carry draft tokens (set_draft_tokens). Its step
+// then computes its newest token and the drafts (they count against the token budget and get KV
+// slots) and samples one row per draft plus one; the update takes the accepted drafts and the
+// token after them, and the rejected drafts' KV slots are written again by the next step. Drafts
+// never reach token_ids(), so they are never hashed into the prefix cache.
 #pragma once
 
 #include <cstdint>
@@ -53,7 +59,10 @@ struct SchedulerOutput {
   std::vector<int32_t> seq_lens;              // [R] num_computed_tokens + num_scheduled_tokens
   std::vector<int32_t> block_table;           // [R, block_table_width] padded with the null block 0
   int block_table_width = 0;
-  std::vector<int32_t> logits_indices;        // [R] token whose logits each request samples from
+  std::vector<int32_t> num_draft_tokens;      // [R] draft tokens scheduled after each request's newest token
+  std::vector<int32_t> logits_indices;        // [R + D] sampled token rows, each request's in a run: its
+                                              //   drafts' positions' (predicting the next draft) and its
+                                              //   last token's; D = sum of num_draft_tokens
   std::vector<int64_t> finished_handles;      // finished or aborted since the previous step
   std::vector<int64_t> preempted_handles;     // preempted in this step
   std::vector<int32_t> block_copies;          // [2C] (src, dst) block pairs to copy, all layers, K and V,
@@ -61,6 +70,7 @@ struct SchedulerOutput {
 
   int num_reqs() const { return static_cast<int>(req_handles.size()); }
   int total_num_scheduled_tokens() const { return static_cast<int>(input_ids.size()); }
+  int total_num_draft_tokens() const { return static_cast<int>(logits_indices.size() - req_handles.size()); }
 };
 
 // What update_from_output() produced, for the scheduled requests in batch order.
@@ -93,13 +103,21 @@ class Scheduler {
   // Closes the oldest open step. sampled[offsets[i] .. offsets[i + 1]) are the tokens sampled
   // for its request i; offsets may be null (exactly one token per request). Tokens of a request
   // whose step stopped short of its last token (a prefill chunk), or that a failed step
-  // finished meanwhile, are ignored.
+  // finished meanwhile, are ignored. A request that verified k drafts gets its accepted drafts
+  // and the token after them (n <= k + 1 tokens); its k + 1 - n rejected drafts' KV no longer
+  // counts as computed. Tokens after one that stops the request are dropped.
   const UpdateOutput& update_from_output(const int32_t* sampled, const int32_t* offsets = nullptr);
   // Closes the oldest open step, whose forward pass failed, in place of update_from_output():
   // every request it scheduled finishes with reason "abort", and the blocks it was to fill leave
   // the prefix cache (their KV may never have been written). Returns the handles it aborted, in
   // batch order.
   std::vector<int64_t> fail_step();
+
+  // Speculative decoding: the draft tokens request `handle` verifies in its next step, replacing
+  // any it had. Kept only for a running request whose newest token is its only uncomputed one
+  // and that no open step holds (else ignored, as is an unknown handle); cut to what max_tokens
+  // leaves room for (a step verifying k drafts yields up to k + 1 tokens).
+  void set_draft_tokens(int64_t handle, const int32_t* tokens, int count);
 
   int num_waiting() const { return static_cast<int>(waiting_.size()); }
   int num_running() const { return static_cast<int>(running_.size()); }
@@ -126,6 +144,7 @@ class Scheduler {
     int num_computed_before = 0;  // the request's computed tokens when the step was scheduled
     bool samples = false;         // the step reaches the request's last token: its token is kept
     int32_t copy_src = -1;        // a partial cached block this step copies: held until it closes
+    int num_drafts = 0;           // draft tokens it verifies (the last num_drafts of num_tokens)
   };
 
   void schedule_running(int& budget, size_t max_reqs);

@@ -7,11 +7,14 @@
 // request attends to holds the right fingerprint, so a wrong block table, slot mapping or cache
 // hit shows up as a failure. Its "model" samples a token that depends only on the sequence, so
 // each request's outputs are known in advance whatever the scheduling, preemption included.
+// With speculation on, the harness also proposes draft tokens (some right, some wrong) and
+// verifies them as a rejection sampler would, so the outputs must still be the same.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <map>
 #include <ostream>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -111,6 +114,11 @@ class Harness {
   std::set<int64_t> aborted;
   std::map<int64_t, int> times_scheduled;
   int num_steps = 0;
+  // Speculative decoding: up to this many drafts per decoding request after every update, each
+  // right (the model's next token) with probability draft_accuracy.
+  int num_speculative_tokens = 0;
+  double draft_accuracy = 0.7;
+  int num_drafts_verified = 0, num_drafts_accepted = 0;
 
   int64_t add(RequestParams p) {
     RequestParams copy = p;
@@ -133,13 +141,26 @@ class Harness {
     return out;
   }
 
+  // One token per scheduled request.
   const UpdateOutput& update(const std::vector<int32_t>& sampled) {
+    std::vector<std::vector<int32_t>> rows;
+    for (int32_t t : sampled) rows.push_back({t});
+    return update_rows(rows);
+  }
+
+  // rows[i]: the tokens sampled for scheduled request i.
+  const UpdateOutput& update_rows(const std::vector<std::vector<int32_t>>& rows) {
     EXPECT_TRUE(in_step_);
-    EXPECT_EQ(sampled.size(), last_.size());
-    const UpdateOutput& up = sched.update_from_output(sampled.data(), nullptr);
+    EXPECT_EQ(rows.size(), last_.size());
+    std::vector<int32_t> sampled, offsets{0};
+    for (const auto& row : rows) {
+      sampled.insert(sampled.end(), row.begin(), row.end());
+      offsets.push_back(static_cast<int32_t>(sampled.size()));
+    }
+    const UpdateOutput& up = sched.update_from_output(sampled.data(), offsets.data());
     in_step_ = false;
     copy_sources_.clear();  // released by the update
-    check_update(up, sampled);
+    check_update(up, rows);
     for (int64_t h : deferred_aborts_) {
       if (finished.count(h) != 0) continue;  // finished on its own in this update
       EXPECT_EQ(sched.find(h), nullptr) << "deferred abort of " << h << " not applied after the update";
@@ -147,14 +168,50 @@ class Harness {
     }
     deferred_aborts_.clear();
     check_invariants();
+    if (num_speculative_tokens > 0) propose_drafts(up);
     return up;
   }
 
-  // Samples one token per scheduled request from the fake model.
+  // Samples from the fake model: one token per scheduled request, or with drafts, its accepted
+  // drafts and the model's token after them (a rejection sampler whose target is the model).
   const UpdateOutput& update_from_model() {
-    std::vector<int32_t> sampled;
-    for (const Scheduled& s : last_) sampled.push_back(model_token(sched.find(s.handle)->token_ids(), vocab));
-    return update(sampled);
+    std::vector<std::vector<int32_t>> rows;
+    for (const Scheduled& s : last_) {
+      std::vector<int32_t> seq = sched.find(s.handle)->token_ids(), row;
+      for (size_t k = 0;; ++k) {
+        const int32_t t = model_token(seq, vocab);
+        row.push_back(t);
+        if (k == s.drafts.size() || s.drafts[k] != t) break;
+        seq.push_back(t);
+      }
+      num_drafts_verified += static_cast<int>(s.drafts.size());
+      num_drafts_accepted += static_cast<int>(row.size()) - 1;
+      rows.push_back(std::move(row));
+    }
+    return update_rows(rows);
+  }
+
+  // Drafts for the requests the update left decoding: the model's next tokens, some replaced by
+  // a wrong one. The scheduler keeps them (cut to what max_tokens allows).
+  void propose_drafts(const UpdateOutput& up) {
+    for (size_t i = 0; i < up.req_handles.size(); ++i) {
+      const int64_t h = up.req_handles[i];
+      const Request* r = sched.find(h);
+      if (r == nullptr || r->num_computed_tokens != r->num_tokens() - 1) continue;
+      std::vector<int32_t> seq = r->token_ids(), drafts;
+      const int k = static_cast<int>(rng_() % static_cast<uint32_t>(num_speculative_tokens + 1));
+      for (int j = 0; j < k; ++j) {
+        int32_t t = model_token(seq, vocab);
+        if (static_cast<double>(rng_() % 1000) >= draft_accuracy * 1000) t = t % vocab + 1;  // a wrong one
+        drafts.push_back(t);
+        seq.push_back(t);
+      }
+      sched.set_draft_tokens(h, drafts.data(), k);
+      const int room = r->params().max_tokens - r->num_output_tokens() - 1;
+      drafts.resize(static_cast<size_t>(std::max(0, std::min(k, room))));
+      EXPECT_EQ(r->spec_token_ids, drafts) << "drafts of " << r->request_id();
+      proposed_[h] = std::move(drafts);
+    }
   }
 
   void step() {
@@ -229,6 +286,7 @@ class Harness {
     EXPECT_LE(sched.num_running(), config_.max_num_seqs);
     for (const Request* r : sched.running()) {
       EXPECT_EQ(r->status, RequestStatus::kRunning);
+      if (!in_step_) EXPECT_LE(r->num_computed_tokens, r->num_tokens()) << r->request_id();
       for (int32_t id : r->block_ids) {
         ASSERT_GT(id, 0);
         ASSERT_LT(id, pool.num_blocks());
@@ -253,6 +311,7 @@ class Harness {
     int64_t handle;
     int seq_len;
     int num_tokens;
+    std::vector<int32_t> drafts;  // verified by the step
   };
 
   void check_output(const SchedulerOutput& out) {
@@ -264,7 +323,10 @@ class Harness {
     ASSERT_EQ(out.num_computed_tokens.size(), R1);
     ASSERT_EQ(out.is_new.size(), R1);
     ASSERT_EQ(out.seq_lens.size(), R1);
-    ASSERT_EQ(out.logits_indices.size(), R1);
+    ASSERT_EQ(out.num_draft_tokens.size(), R1);
+    int num_rows = 0;
+    for (int d : out.num_draft_tokens) num_rows += d + 1;
+    ASSERT_EQ(out.logits_indices.size(), static_cast<size_t>(num_rows));
     ASSERT_EQ(out.query_start_loc.size(), R1 + 1);
     ASSERT_EQ(out.positions.size(), static_cast<size_t>(T));
     ASSERT_EQ(out.slot_mapping.size(), static_cast<size_t>(T));
@@ -290,6 +352,8 @@ class Harness {
     std::set<int64_t> handles;
     std::set<int32_t> slots;
     std::vector<const Request*> reqs;
+    std::vector<std::vector<int32_t>> seqs;  // each request's tokens, then the drafts it verifies
+    size_t row = 0;
     for (int i = 0; i < R; ++i) {
       const auto u = static_cast<size_t>(i);
       const int64_t h = out.req_handles[u];
@@ -301,17 +365,29 @@ class Harness {
       EXPECT_EQ(r->status, RequestStatus::kRunning);
       const int n = out.num_scheduled_tokens[u];
       const int start = out.num_computed_tokens[u];
+      const int d = out.num_draft_tokens[u];
       EXPECT_GE(n, 1);
       EXPECT_EQ(out.query_start_loc[u + 1] - out.query_start_loc[u], n);
       EXPECT_EQ(out.seq_lens[u], start + n);
       EXPECT_EQ(r->num_computed_tokens, start + n) << "num_computed_tokens not advanced by schedule()";
-      EXPECT_LE(start + n, r->num_tokens());
+      EXPECT_TRUE(r->spec_token_ids.empty()) << "drafts stay after the step that took them";
+      std::vector<int32_t> drafts = proposed_[h];
+      proposed_.erase(h);
+      ASSERT_LE(static_cast<size_t>(d), drafts.size()) << "more drafts scheduled than proposed";
+      drafts.resize(static_cast<size_t>(d));
+      if (d > 0) EXPECT_EQ(start + n - d, r->num_tokens()) << "drafts scheduled before the newest token";
+      EXPECT_LE(start + n, r->num_tokens() + d);
       EXPECT_LT(start + n, config_.max_model_len + 1);
+      EXPECT_LE(r->num_output_tokens() + d, r->params().max_tokens - 1) << "drafts past max_tokens";
+      seqs.push_back(r->token_ids());
+      seqs.back().insert(seqs.back().end(), drafts.begin(), drafts.end());
+      for (int k = 0; k <= d; ++k, ++row) {
+        EXPECT_EQ(out.logits_indices[row], out.query_start_loc[u + 1] - 1 - d + k) << "logits row " << k;
+      }
       if (out.is_new[u] && start % bs != 0) {  // its last cached tokens come from a partial block
         EXPECT_EQ(copied_into.count(r->block_ids[static_cast<size_t>(start / bs)]), 1u)
             << "a new request starts inside a block it does not copy";
       }
-      EXPECT_EQ(out.logits_indices[u], out.query_start_loc[u + 1] - 1);
       // Block table row: the request's blocks, then null-block padding.
       ASSERT_LE(r->block_ids.size(), static_cast<size_t>(out.block_table_width));
       EXPECT_GE(static_cast<int>(r->block_ids.size()) * bs, start + n) << "blocks do not cover the sequence";
@@ -323,16 +399,17 @@ class Harness {
         const auto t = static_cast<size_t>(out.query_start_loc[u] + k);
         const int pos = start + k;
         EXPECT_EQ(out.positions[t], pos);
-        EXPECT_EQ(out.input_ids[t], r->token_ids()[static_cast<size_t>(pos)]);
+        EXPECT_EQ(out.input_ids[t], seqs.back()[static_cast<size_t>(pos)]);
         const int32_t block = r->block_ids[static_cast<size_t>(pos / bs)];
         EXPECT_EQ(out.slot_mapping[t], block * bs + pos % bs);
         EXPECT_NE(block, 0) << "a token is written to the null block";
         EXPECT_TRUE(slots.insert(out.slot_mapping[t]).second) << "two tokens share KV slot " << out.slot_mapping[t];
       }
-      last_.push_back({h, start + n, r->num_tokens()});
+      last_.push_back({h, start + n, r->num_tokens(), std::move(drafts)});
     }
     for (int64_t h : out.preempted_handles) {
       EXPECT_EQ(handles.count(h), 0u) << "a preempted request is in the batch";
+      proposed_.erase(h);  // preemption drops drafts
       const Request* r = sched.find(h);
       ASSERT_NE(r, nullptr);
       EXPECT_EQ(r->status, RequestStatus::kPreempted);
@@ -345,7 +422,7 @@ class Harness {
     }
     for (int i = 0; i < R; ++i) {
       const auto u = static_cast<size_t>(i);
-      const std::vector<uint64_t> fp = prefix_fingerprints(reqs[u]->token_ids());
+      const std::vector<uint64_t> fp = prefix_fingerprints(seqs[u]);
       for (int k = 0; k < out.num_scheduled_tokens[u]; ++k) {
         const auto t = static_cast<size_t>(out.query_start_loc[u] + k);
         kv_[static_cast<size_t>(out.slot_mapping[t])] = fp[static_cast<size_t>(out.positions[t])];
@@ -354,7 +431,7 @@ class Harness {
     for (int i = 0; i < R; ++i) {
       const auto u = static_cast<size_t>(i);
       const Request* r = reqs[u];
-      const std::vector<uint64_t> fp = prefix_fingerprints(r->token_ids());
+      const std::vector<uint64_t> fp = prefix_fingerprints(seqs[u]);
       for (int pos = 0; pos < out.seq_lens[u]; ++pos) {
         const int32_t block = r->block_ids[static_cast<size_t>(pos / bs)];
         const size_t slot = static_cast<size_t>(block) * bs + pos % bs;
@@ -368,7 +445,7 @@ class Harness {
     check_invariants();
   }
 
-  void check_update(const UpdateOutput& up, const std::vector<int32_t>& sampled) {
+  void check_update(const UpdateOutput& up, const std::vector<std::vector<int32_t>>& rows) {
     const size_t R = last_.size();
     ASSERT_EQ(up.req_handles, last_handles_);
     ASSERT_EQ(up.new_token_offsets.size(), R + 1);
@@ -380,14 +457,19 @@ class Harness {
       const int64_t h = last_[i].handle;
       const RequestParams& p = params.at(h);
       const int count = up.new_token_offsets[i + 1] - up.new_token_offsets[i];
-      const bool prefilling = last_[i].seq_len < last_[i].num_tokens;
-      EXPECT_EQ(count, prefilling ? 0 : 1) << "request " << p.request_id << (prefilling ? " mid-prefill" : " decoding");
-      if (count == 1) {
-        EXPECT_EQ(up.new_token_ids[static_cast<size_t>(up.new_token_offsets[i])], sampled[i]);
-        outputs[h].push_back(sampled[i]);
+      const bool prefilling = last_[i].seq_len - static_cast<int>(last_[i].drafts.size()) < last_[i].num_tokens;
+      // The tokens kept: the row's up to (and with) the first that stops the request.
+      Stop expected;
+      size_t kept = 0;
+      while (!prefilling && kept < rows[i].size() && expected.reason == FinishReason::kNone) {
+        outputs[h].push_back(rows[i][kept++]);
+        expected = expected_stop(p, outputs[h], config_.max_model_len);
+      }
+      EXPECT_EQ(count, static_cast<int>(kept)) << "request " << p.request_id << (prefilling ? " mid-prefill" : "");
+      for (size_t k = 0; k < kept && static_cast<int>(k) < count; ++k) {
+        EXPECT_EQ(up.new_token_ids[static_cast<size_t>(up.new_token_offsets[i]) + k], rows[i][k]);
       }
       const auto reason = static_cast<FinishReason>(up.finish_reasons[i]);
-      const Stop expected = count == 1 ? expected_stop(p, outputs[h], config_.max_model_len) : Stop{};
       EXPECT_EQ(static_cast<int>(reason), static_cast<int>(expected.reason)) << "request " << p.request_id;
       EXPECT_EQ(up.stop_reasons[i], expected.stop_reason) << "request " << p.request_id;
       if (reason != FinishReason::kNone) {
@@ -400,6 +482,7 @@ class Harness {
         EXPECT_NE(r, nullptr) << "request " << p.request_id << " vanished without finishing";
         if (r != nullptr) {
           EXPECT_EQ(r->num_output_tokens(), static_cast<int>(outputs[h].size()));
+          if (!prefilling) EXPECT_EQ(r->num_computed_tokens, r->num_tokens() - 1) << "rejected drafts still computed";
         }
       }
     }
@@ -413,6 +496,8 @@ class Harness {
   std::vector<int32_t> copy_sources_;  // partial cached blocks the open step copies (it holds them)
   std::set<int64_t> expect_finished_;
   std::vector<int64_t> deferred_aborts_;
+  std::map<int64_t, std::vector<int32_t>> proposed_;  // drafts the scheduler keeps for each request
+  std::mt19937 rng_{12345};
   bool in_step_ = false;
 };
 
@@ -1208,6 +1293,136 @@ TEST(Scheduler, UpdateWithOffsetsTakesSeveralTokensPerRequest) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Speculative decoding
+
+// A step verifying drafts: the drafts follow the newest token in the batch, one logits row per
+// draft plus one; the update keeps the accepted ones and the token after them, and the rejected
+// drafts' positions are computed again by the next step.
+TEST(Scheduler, DraftsAreVerifiedAndRejectedOnesComputedAgain) {
+  Scheduler s(make_config(32, 4, 64, 64));
+  const int64_t a = s.add_request(params("a", 5, 20, 1000));
+  s.schedule();
+  const int32_t first = 7;
+  s.update_from_output(&first);
+  const int32_t drafts[3] = {11, 12, 13};
+  s.set_draft_tokens(a, drafts, 3);
+  EXPECT_EQ(s.find(a)->spec_token_ids, (std::vector<int32_t>{11, 12, 13}));
+  const SchedulerOutput& o = s.schedule();
+  EXPECT_EQ(o.num_scheduled_tokens, (std::vector<int32_t>{4}));
+  EXPECT_EQ(o.num_draft_tokens, (std::vector<int32_t>{3}));
+  EXPECT_EQ(o.input_ids, (std::vector<int32_t>{7, 11, 12, 13}));
+  EXPECT_EQ(o.positions, (std::vector<int32_t>{5, 6, 7, 8}));
+  EXPECT_EQ(o.logits_indices, (std::vector<int32_t>{0, 1, 2, 3}));
+  EXPECT_EQ(o.total_num_draft_tokens(), 3);
+  EXPECT_TRUE(s.find(a)->spec_token_ids.empty());
+  EXPECT_EQ(s.find(a)->num_computed_tokens, 9);
+  const int32_t verified[2] = {11, 20};  // 11 accepted, 12 rejected: 20 comes instead
+  const int32_t offsets[2] = {0, 2};
+  const UpdateOutput& u = s.update_from_output(verified, offsets);
+  EXPECT_EQ(u.new_token_ids, (std::vector<int32_t>{11, 20}));
+  EXPECT_EQ(s.find(a)->num_tokens(), 8);
+  EXPECT_EQ(s.find(a)->num_computed_tokens, 7) << "the rejected drafts' KV still counts";
+  const SchedulerOutput& o2 = s.schedule();  // no drafts: the newest token alone
+  EXPECT_EQ(o2.input_ids, (std::vector<int32_t>{20}));
+  EXPECT_EQ(o2.positions, (std::vector<int32_t>{7}));
+  EXPECT_EQ(o2.num_draft_tokens, (std::vector<int32_t>{0}));
+  EXPECT_EQ(o2.logits_indices, (std::vector<int32_t>{0}));
+  const int32_t next = 21;
+  s.update_from_output(&next);
+  EXPECT_EQ(s.find(a)->num_computed_tokens, 8);
+}
+
+// Drafts are kept only where the next step can verify them, and only as many as max_tokens can
+// use; the token budget and max_model_len cut them further.
+TEST(Scheduler, DraftsAreCutToWhatTheRequestAndTheStepAllow) {
+  Scheduler s(make_config(32, 4, /*max_model_len=*/12, /*budget=*/4));
+  const int64_t a = s.add_request(params("a", 4, /*max_tokens=*/4, 1000));
+  const int64_t b = s.add_request(params("b", 4, 8, 2000));
+  const int32_t drafts[5] = {1, 2, 3, 4, 5};
+  s.set_draft_tokens(a, drafts, 2);
+  EXPECT_TRUE(s.find(a)->spec_token_ids.empty()) << "a waiting request keeps no drafts";
+  s.schedule();
+  s.set_draft_tokens(a, drafts, 2);
+  EXPECT_TRUE(s.find(a)->spec_token_ids.empty()) << "a request in flight keeps no drafts";
+  const int32_t t1 = 9;
+  s.update_from_output(&t1);  // a's prompt (budget 4): b still waits
+  s.set_draft_tokens(a, drafts, 5);
+  EXPECT_EQ(s.find(a)->spec_token_ids.size(), 2u) << "one output, max_tokens 4: two drafts at most";
+  s.set_draft_tokens(a, drafts, 1);
+  EXPECT_EQ(s.find(a)->spec_token_ids, (std::vector<int32_t>{1})) << "drafts replace the earlier ones";
+  s.set_draft_tokens(b, drafts, 2);
+  EXPECT_TRUE(s.find(b)->spec_token_ids.empty());
+  s.set_draft_tokens(a, drafts, 2);
+  const SchedulerOutput& o = s.schedule();  // a: 1 + 2 tokens; b's prompt chunk gets the last one
+  EXPECT_EQ(o.num_draft_tokens, (std::vector<int32_t>{2, 0}));
+  const int32_t rows[4] = {1, 2, 30, 31};  // a: both drafts accepted, then 30; b: mid-prefill
+  const int32_t offsets[3] = {0, 3, 4};
+  const UpdateOutput& u = s.update_from_output(rows, offsets);
+  EXPECT_EQ(u.new_token_ids, (std::vector<int32_t>{1, 2, 30}));
+  EXPECT_EQ(u.finish_reasons[0], static_cast<int8_t>(FinishReason::kLength));
+  EXPECT_EQ(s.find(a), nullptr);
+  while (s.find(b)->num_output_tokens() == 0) {  // the rest of b's prompt
+    s.schedule();
+    s.update_from_output(rows);
+  }
+  ASSERT_EQ(s.find(b)->num_tokens(), 5);
+  s.set_draft_tokens(b, drafts, 5);
+  const SchedulerOutput& o2 = s.schedule();
+  EXPECT_EQ(o2.num_draft_tokens, (std::vector<int32_t>{3})) << "the budget of 4 leaves room for 3";
+  const int32_t rows2[4] = {1, 2, 3, 40};
+  const int32_t offsets2[2] = {0, 4};
+  s.update_from_output(rows2, offsets2);
+  ASSERT_EQ(s.find(b)->num_tokens(), 9);
+  // max_model_len 12: positions stop at 10, so the newest token (position 8) takes 2 drafts.
+  s.set_draft_tokens(b, drafts, 3);
+  const SchedulerOutput& o3 = s.schedule();
+  EXPECT_EQ(o3.num_draft_tokens, (std::vector<int32_t>{2}));
+  EXPECT_EQ(o3.positions, (std::vector<int32_t>{8, 9, 10}));
+}
+
+// A request preempted with drafts loses them; resumed, it recomputes and verifies none.
+TEST(Scheduler, PreemptionDropsDrafts) {
+  Harness h(make_config(/*num_blocks=*/7, 4, 64, 64));  // 6 usable blocks
+  h.num_speculative_tokens = 4;
+  h.draft_accuracy = 1.0;
+  h.add(params("a", 8, 12, 1000));
+  h.add(params("b", 8, 12, 2000));
+  h.run(200);
+  h.expect_reference_outputs();
+  EXPECT_GT(h.sched.num_preemptions(), 0);
+  EXPECT_GT(h.num_drafts_accepted, 0);
+  EXPECT_EQ(h.num_drafts_accepted, h.num_drafts_verified);
+  expect_all_blocks_free(h.sched.kv_cache_manager().pool());
+}
+
+// A stop token among the accepted drafts ends the request there; the KV it keeps for the prefix
+// cache covers its tokens only.
+TEST(Scheduler, StopAmongAcceptedDraftsDropsTheRest) {
+  Scheduler s(make_config(32, 4, 64, 64));
+  RequestParams p = params("a", 6, 20, 1000);
+  p.stop_token_ids = {50};
+  const int64_t a = s.add_request(p);
+  s.schedule();
+  const int32_t first = 7;
+  s.update_from_output(&first);
+  const int32_t drafts[4] = {8, 50, 9, 10};
+  s.set_draft_tokens(a, drafts, 4);
+  s.schedule();
+  const int32_t rows[5] = {8, 50, 9, 10, 11};
+  const int32_t offsets[2] = {0, 5};
+  const UpdateOutput& u = s.update_from_output(rows, offsets);
+  EXPECT_EQ(u.new_token_ids, (std::vector<int32_t>{8, 50}));
+  EXPECT_EQ(u.stop_reasons[0], 50);
+  EXPECT_EQ(s.find(a), nullptr);
+  // a's tokens were prompt 1000..1005, 7, 8, 50: 9 tokens, two full blocks and one of 1 token.
+  RequestParams q = params("b", 6, 4, 1000);
+  q.prompt_token_ids.insert(q.prompt_token_ids.end(), {7, 8, 50, 60});
+  s.add_request(q);
+  s.schedule();
+  EXPECT_EQ(s.kv_cache_manager().pool().stats().hits, 9) << "8 tokens in full blocks + 1 in a partial one";
+}
+
+// ---------------------------------------------------------------------------------------------
 // Aborts
 
 TEST(Scheduler, AbortWaitingRequest) {
@@ -1355,13 +1570,15 @@ struct Workload {
   int budget;
   int max_num_seqs;
   uint64_t seed;
+  int num_speculative_tokens = 0;  // drafts proposed per decoding request (0: speculation off)
 };
 
 std::string workload_name(const Workload& w) {
   return std::string(w.policy == SchedulingPolicy::kFcfs ? "Fcfs" : "Priority") + (w.chunked ? "Chunked" : "Whole") +
          (w.caching ? "Cached" : "Uncached") + "_bs" + std::to_string(w.block_size) + "_blocks" +
          std::to_string(w.num_blocks) + "_budget" + std::to_string(w.budget) + "_seqs" + std::to_string(w.max_num_seqs) +
-         "_seed" + std::to_string(w.seed);
+         "_seed" + std::to_string(w.seed) +
+         (w.num_speculative_tokens ? "_spec" + std::to_string(w.num_speculative_tokens) : "");
 }
 
 void PrintTo(const Workload& w, std::ostream* os) { *os << workload_name(w); }
@@ -1381,6 +1598,7 @@ TEST_P(SchedulerRandom, MatchesReferenceAndFreesEverything) {
   c.policy = w.policy;
   Harness h(c);
   h.vocab = 40;  // small: eos and stop tokens do occur
+  h.num_speculative_tokens = w.num_speculative_tokens;
 
   uint64_t state = w.seed;
   auto rnd = [&state](int n) {
@@ -1450,6 +1668,10 @@ TEST_P(SchedulerRandom, MatchesReferenceAndFreesEverything) {
   if (w.num_blocks <= 20) {
     EXPECT_GT(h.sched.num_preemptions(), 0) << "the tight pool never preempted";
   }
+  if (w.num_speculative_tokens > 0) {
+    EXPECT_GT(h.num_drafts_accepted, 0);
+    EXPECT_LT(h.num_drafts_accepted, h.num_drafts_verified) << "no draft was ever rejected";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -1463,7 +1685,14 @@ INSTANTIATE_TEST_SUITE_P(
                     Workload{SchedulingPolicy::kFcfs, true, false, 4, 20, 32, 8, 7},
                     Workload{SchedulingPolicy::kFcfs, true, true, 16, 6, 48, 4, 8},
                     Workload{SchedulingPolicy::kFcfs, true, true, 4, 200, 256, 32, 9},
-                    Workload{SchedulingPolicy::kPriority, true, true, 1, 80, 24, 8, 10}),
+                    Workload{SchedulingPolicy::kPriority, true, true, 1, 80, 24, 8, 10},
+                    Workload{SchedulingPolicy::kFcfs, true, true, 4, 20, 32, 8, 11, 3},
+                    Workload{SchedulingPolicy::kFcfs, true, true, 4, 20, 7, 8, 12, 5},
+                    Workload{SchedulingPolicy::kPriority, true, true, 2, 40, 16, 6, 13, 4},
+                    Workload{SchedulingPolicy::kFcfs, false, true, 4, 20, 64, 8, 14, 2},
+                    Workload{SchedulingPolicy::kFcfs, true, false, 4, 20, 32, 8, 15, 3},
+                    Workload{SchedulingPolicy::kPriority, true, true, 1, 80, 24, 8, 16, 6},
+                    Workload{SchedulingPolicy::kFcfs, true, true, 4, 200, 256, 32, 17, 7}),
     [](const testing::TestParamInfo<Workload>& info) { return workload_name(info.param); });
 
 }  // namespace

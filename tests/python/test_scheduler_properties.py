@@ -5,6 +5,9 @@ budget, both policies, chunked prefill on or off, prefix caching on or off) and 
 (prompts built from a few shared prefixes plus random tails, random stop tokens and eos, aborts at
 random steps, requests arriving at random steps), then runs it to completion with a
 deterministic sampler, checking the pool and the batch after every schedule() and update.
+With speculation drawn on, decoding requests get draft tokens after every update (the sampler's
+own next tokens with some made wrong, or prompt-lookup drafts), verified as a rejection sampler
+would: the outputs must be the sampler's, whatever was accepted.
 """
 
 import math
@@ -83,6 +86,7 @@ def workloads(draw):
     cfg["num_blocks"] = 1 + need + draw(st.sampled_from([0, 0, 1, 2, need, 2 * need + 2]))
     seed = draw(st.integers(0, 2**31 - 1))
     reset_every = draw(st.sampled_from([0, 0, 3, 7]))
+    cfg["num_speculative_tokens"] = draw(st.sampled_from([0, 0, 1, 3, 6]))
     return cfg, requests, seed, reset_every
 
 
@@ -98,9 +102,13 @@ def sampler(seed):
 
 class Checker:
     def __init__(self, cfg, requests, seed):
+        cfg = dict(cfg)
+        self.num_speculative = cfg.pop("num_speculative_tokens", 0)
         self.cfg = cfg
         self.sched = _C.Scheduler(_C.SchedulerConfig(**cfg))
         self.sample = sampler(seed)
+        self.seed = seed
+        self.drafts = {}  # handle -> the drafts the scheduler keeps for its next step
         self.specs = {}  # handle -> request spec
         self.tokens = {}  # handle -> prompt + outputs
         self.outputs = {}
@@ -114,6 +122,7 @@ class Checker:
         # slot holds. A token's KV depends on its whole prefix (and the request's extra key).
         self.kv = {}
         self.prefix_tags = {}  # handle -> [tag of tokens[:p + 1] for each position p]
+        self.verifying = {}  # handle -> the drafts its open step verifies
 
     # --- invariants -------------------------------------------------------------------------
 
@@ -163,7 +172,8 @@ class Checker:
         qsl = out.query_start_loc.tolist()
         assert qsl == [0] + list(np.cumsum(nsched, dtype=np.int64))
         assert out.seq_lens.tolist() == [c + k for c, k in zip(ncomp, nsched)]
-        assert out.logits_indices.tolist() == [q - 1 for q in qsl[1:]]
+        ndraft = out.num_draft_tokens.tolist()
+        assert out.logits_indices.tolist() == [q - 1 - k for q, d in zip(qsl[1:], ndraft) for k in range(d, -1, -1)]
         positions = out.positions.tolist()
         input_ids = out.input_ids.tolist()
         slots = out.slot_mapping.tolist()
@@ -172,16 +182,23 @@ class Checker:
             assert h in self.live
             assert nsched[i] >= 1
             lo, hi = qsl[i], qsl[i + 1]
-            # Positions contiguous from the request's computed tokens, inside the known tokens.
+            # Positions contiguous from the request's computed tokens, inside the known tokens
+            # and the drafts (verified after the newest token).
+            drafts = self.drafts.pop(h, [])
+            assert ndraft[i] <= len(drafts)
+            if ndraft[i]:
+                assert ncomp[i] + nsched[i] - ndraft[i] == len(self.tokens[h])
+            seq = self.tokens[h] + drafts[:ndraft[i]]
+            self.verifying[h] = drafts[:ndraft[i]]
             assert positions[lo:hi] == list(range(ncomp[i], ncomp[i] + nsched[i]))
-            assert ncomp[i] + nsched[i] <= len(self.tokens[h])
+            assert ncomp[i] + nsched[i] <= len(seq)
             assert ncomp[i] + nsched[i] <= cfg["max_model_len"] - 1
-            assert input_ids[lo:hi] == self.tokens[h][ncomp[i] : ncomp[i] + nsched[i]]
+            assert input_ids[lo:hi] == seq[ncomp[i] : ncomp[i] + nsched[i]]
             threshold = cfg["long_prefill_token_threshold"]
             if threshold and cfg["enable_chunked_prefill"]:
                 assert nsched[i] <= threshold
             if not cfg["enable_chunked_prefill"]:
-                assert ncomp[i] + nsched[i] == len(self.tokens[h]), "prompt split without chunked prefill"
+                assert ncomp[i] + nsched[i] >= len(self.tokens[h]), "prompt split without chunked prefill"
             state = sched.request_state(h)
             assert state["status"] == "running"
             assert state["num_computed_tokens"] == ncomp[i] + nsched[i]
@@ -194,6 +211,7 @@ class Checker:
                 assert s == blocks[p // bs] * bs + p % bs
         for h in out.preempted_handles.tolist():
             assert h not in handles
+            self.drafts.pop(h, None)  # preemption drops them
             state = sched.request_state(h)
             assert state["status"] == "preempted" and state["block_ids"] == [] and state["num_computed_tokens"] == 0
         # Victims: the requests served last under the policy, in that order.
@@ -211,12 +229,15 @@ class Checker:
         self.check_kv(handles, ncomp, nsched, slots, qsl, out.block_copies.reshape(-1, 2).tolist(), is_new)
 
     def tag(self, h, p):
+        """The KV tag of position p of request h's tokens, then of the drafts it verifies."""
         tags = self.prefix_tags[h]
         toks = self.tokens[h]
-        while len(tags) <= p:
+        while len(tags) <= min(p, len(toks) - 1):
             parent = tags[-1] if tags else self.specs[h]["cache_extra_key"]
             tags.append(hash((parent, toks[len(tags)])))
-        return tags[p]
+        if p < len(toks):
+            return tags[p]
+        return hash((self.tag(h, p - 1), self.verifying[h][p - len(toks)]))
 
     def check_kv(self, handles, ncomp, nsched, slots, qsl, copies, is_new):
         """This step copies its partial-block cache hits, then writes the KV of its scheduled
@@ -306,7 +327,8 @@ class Checker:
         handles = out.req_handles.tolist()
         ncomp = out.num_computed_tokens.tolist()
         nsched = out.num_scheduled_tokens.tolist()
-        completes = [c + k == len(self.tokens[h]) for h, c, k in zip(handles, ncomp, nsched)]
+        ndraft = out.num_draft_tokens.tolist()
+        completes = [c + k - d == len(self.tokens[h]) for h, c, k, d in zip(handles, ncomp, nsched, ndraft)]
         for spec in arrive_during:  # added between schedule() and update: waits for the next step
             self.add(spec)
             assert sched.request_state(spec["handle"])["status"] == "waiting"
@@ -317,11 +339,18 @@ class Checker:
         # Deferred: the aborted requests are still there until the update.
         for h in abort_now:
             assert sched.request_state(h) is not None
-        sampled = np.array([self.sample(h, len(self.outputs[h])) for h in handles], dtype=self.dtype)
+        rows = [self.verify(h) for h in handles]
+        sampled = np.array([t for row in rows for t in row], dtype=self.dtype)
         # A step may schedule nothing while requests remain (a running request that preempts
         # itself ends the step). Empty numpy arrays are covered by test_scheduler.py's
         # test_empty_schedule; here an empty step gets an empty torch tensor.
-        up = sched.update_from_output(sampled if handles else torch.zeros(0, dtype=torch.int32))
+        if not handles:
+            up = sched.update_from_output(torch.zeros(0, dtype=torch.int32))
+        elif not self.num_speculative:
+            up = sched.update_from_output(sampled)
+        else:
+            up = sched.update_from_output(sampled, np.cumsum([0] + [len(r) for r in rows], dtype=np.int32))
+        self.verifying.clear()
         assert up.req_handles.tolist() == handles
         offs = up.new_token_offsets.tolist()
         new_ids = up.new_token_ids.tolist()
@@ -329,7 +358,8 @@ class Checker:
         stops = up.stop_reasons.tolist()
         for i, h in enumerate(handles):
             new = new_ids[offs[i] : offs[i + 1]]
-            assert new == ([int(sampled[i])] if completes[i] else [])
+            # The row's tokens, up to one that stops the request.
+            assert new == (rows[i][:len(new)] if completes[i] else [])
             self.outputs[h] += new
             self.tokens[h] += new
             if reasons[i] != FINISH_RUNNING:
@@ -338,12 +368,47 @@ class Checker:
                 self.live.discard(h)
             else:
                 assert stops[i] == -1
+                assert len(new) == (len(rows[i]) if completes[i] else 0)
+                if completes[i] and h not in abort_now:  # the rejected drafts' KV no longer counts
+                    assert sched.request_state(h)["num_computed_tokens"] == len(self.tokens[h]) - 1
         for h in abort_now:
             if h in self.live:
                 self.aborted.add(h)
                 self.live.discard(h)
             assert sched.request_state(h) is None
         self.check_pool()
+        if self.num_speculative:
+            self.propose([h for h, done in zip(handles, completes) if done and h in self.live])
+
+    def verify(self, h):
+        """The sampler's tokens for h's step: its accepted drafts, then the token after them."""
+        drafts = self.verifying.get(h, [])
+        row = []
+        for d in drafts + [None]:
+            row.append(self.sample(h, len(self.outputs[h]) + len(row)))
+            if row[-1] != d:
+                break
+        return row
+
+    def propose(self, handles):
+        """Drafts for the decoding requests: the sampler's next tokens with some made wrong, or
+        (odd seeds) prompt lookup, which may propose nothing."""
+        k = self.num_speculative
+        if self.seed % 2:
+            offsets, tokens = self.sched.propose_ngram(handles, 1, 3, k)
+            proposals = [tokens[offsets[i]:offsets[i + 1]] for i in range(len(handles))]
+        else:
+            proposals = []
+            for h in handles:
+                n = len(self.outputs[h])
+                proposals.append([self.sample(h, n + j) if (h * 7 + n * 3 + j) % 5 else SAMPLE_VOCAB + 1
+                                  for j in range((h + n) % (k + 1))])
+        self.sched.set_draft_tokens(handles, np.cumsum([0] + [len(p) for p in proposals]).tolist(),
+                                    [t for p in proposals for t in p])
+        for h, p in zip(handles, proposals):
+            room = self.specs[h]["max_tokens"] - len(self.outputs[h]) - 1
+            self.drafts[h] = list(p[:max(0, room)])
+            assert self.sched.request_state(h)["spec_token_ids"] == self.drafts[h]
 
 
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
