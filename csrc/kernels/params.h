@@ -148,6 +148,8 @@ struct SampleParams {
   int32_t* top_token_ids;           // [num_reqs, num_top] or null
   float* top_logprobs;              // [num_reqs, num_top] or null
   int64_t num_top;
+  const int32_t* draft_token_ids;   // [num_reqs] or null (rejection_sample): the draft row r checks, -1: none
+  int32_t* accepted;                // [num_reqs] with draft_token_ids: 1 where sampled[r] is the draft
 };
 
 }  // namespace octavo

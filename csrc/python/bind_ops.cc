@@ -2,8 +2,11 @@
 // and calls the C++ op of the same name. Outputs are preallocated by the caller, as in vLLM.
 #include "bind_ops.h"
 
+#include <algorithm>
+#include <map>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "octavo/cpu_isa.h"
 #include "octavo/ops.h"
@@ -26,6 +29,55 @@ struct OptTensor {
 };
 
 PyTensor tensor(py::handle obj, const char* arg) { return tensor_view_from_python(obj, arg); }
+
+// sample's and rejection_sample's tensors: the five every call passes, then the optional ones as
+// keyword arguments named after SampleArgs' fields. Holds the views while the op runs.
+struct SampleTensors {
+  SampleTensors(py::handle logits, py::handle temperature, py::handle seeds, py::handle counters,
+                py::handle sampled, const py::kwargs& optional)
+      : logits_(tensor(logits, "logits")), temperature_(tensor(temperature, "temperature")),
+        seeds_(tensor(seeds, "seeds")), counters_(tensor(counters, "counters")), sampled_(tensor(sampled, "sampled")) {
+    args.logits = logits_.view;
+    args.temperature = temperature_.view;
+    args.seeds = seeds_.view;
+    args.counters = counters_.view;
+    args.sampled = sampled_.view;
+    for (const auto& [key, value] : optional) {
+      const std::string name = py::str(key);
+      const auto field = std::find_if(kOptional, std::end(kOptional), [&](const auto& f) { return name == f.first; });
+      OCTAVO_CHECK_TYPE(field != std::end(kOptional), "unexpected keyword argument '" << name << "'");
+      if (value.is_none()) continue;
+      const PyTensor& t = optional_.emplace(name, tensor(value, field->first)).first->second;
+      args.*(field->second) = &t.view;
+    }
+  }
+
+  SampleArgs args;
+
+ private:
+  static constexpr std::pair<const char*, const TensorView* SampleArgs::*> kOptional[] = {
+      {"top_k", &SampleArgs::top_k},
+      {"top_p", &SampleArgs::top_p},
+      {"min_p", &SampleArgs::min_p},
+      {"repetition_penalty", &SampleArgs::repetition_penalty},
+      {"frequency_penalty", &SampleArgs::frequency_penalty},
+      {"presence_penalty", &SampleArgs::presence_penalty},
+      {"prompt_offsets", &SampleArgs::prompt_offsets},
+      {"prompt_token_ids", &SampleArgs::prompt_token_ids},
+      {"output_offsets", &SampleArgs::output_offsets},
+      {"output_token_ids", &SampleArgs::output_token_ids},
+      {"bias_offsets", &SampleArgs::bias_offsets},
+      {"bias_token_ids", &SampleArgs::bias_token_ids},
+      {"bias_values", &SampleArgs::bias_values},
+      {"only_listed", &SampleArgs::only_listed},
+      {"sampled_logprobs", &SampleArgs::sampled_logprobs},
+      {"sampled_ranks", &SampleArgs::sampled_ranks},
+      {"top_token_ids", &SampleArgs::top_token_ids},
+      {"top_logprobs", &SampleArgs::top_logprobs},
+  };
+  PyTensor logits_, temperature_, seeds_, counters_, sampled_;
+  std::map<std::string, PyTensor> optional_;  // nodes stay put: args point into them
+};
 
 CpuIsa parse_isa(const std::string& name) {
   for (CpuIsa isa : kAllCpuIsas) {
@@ -246,61 +298,27 @@ void bind_kernels(py::module_& ops) {
   ops.def(
       "sample",
       [](py::handle logits, py::handle temperature, py::handle seeds, py::handle counters, py::handle sampled,
-         py::handle top_k, py::handle top_p, py::handle min_p, py::handle repetition_penalty,
-         py::handle frequency_penalty, py::handle presence_penalty, py::handle prompt_offsets,
-         py::handle prompt_token_ids, py::handle output_offsets, py::handle output_token_ids,
-         py::handle bias_offsets, py::handle bias_token_ids, py::handle bias_values, py::handle only_listed,
-         py::handle sampled_logprobs,
-         py::handle sampled_ranks, py::handle top_token_ids, py::handle top_logprobs) {
-        PyTensor l = tensor(logits, "logits"), t = tensor(temperature, "temperature");
-        PyTensor se = tensor(seeds, "seeds"), c = tensor(counters, "counters"), s = tensor(sampled, "sampled");
-        OptTensor tk(top_k, "top_k"), tp(top_p, "top_p"), mp(min_p, "min_p");
-        OptTensor rp(repetition_penalty, "repetition_penalty"), fp(frequency_penalty, "frequency_penalty");
-        OptTensor pp(presence_penalty, "presence_penalty");
-        OptTensor po(prompt_offsets, "prompt_offsets"), pt(prompt_token_ids, "prompt_token_ids");
-        OptTensor oo(output_offsets, "output_offsets"), ot(output_token_ids, "output_token_ids");
-        OptTensor bo(bias_offsets, "bias_offsets"), bt(bias_token_ids, "bias_token_ids");
-        OptTensor bv(bias_values, "bias_values"), ol(only_listed, "only_listed");
-        OptTensor sl(sampled_logprobs, "sampled_logprobs"), sr(sampled_ranks, "sampled_ranks");
-        OptTensor ti(top_token_ids, "top_token_ids"), tl(top_logprobs, "top_logprobs");
-        SampleArgs a;
-        a.logits = l.view;
-        a.temperature = t.view;
-        a.seeds = se.view;
-        a.counters = c.view;
-        a.sampled = s.view;
-        a.top_k = tk.view();
-        a.top_p = tp.view();
-        a.min_p = mp.view();
-        a.repetition_penalty = rp.view();
-        a.frequency_penalty = fp.view();
-        a.presence_penalty = pp.view();
-        a.prompt_offsets = po.view();
-        a.prompt_token_ids = pt.view();
-        a.output_offsets = oo.view();
-        a.output_token_ids = ot.view();
-        a.bias_offsets = bo.view();
-        a.bias_token_ids = bt.view();
-        a.bias_values = bv.view();
-        a.only_listed = ol.view();
-        a.sampled_logprobs = sl.view();
-        a.sampled_ranks = sr.view();
-        a.top_token_ids = ti.view();
-        a.top_logprobs = tl.view();
+         const py::kwargs& optional) {
+        const SampleTensors t(logits, temperature, seeds, counters, sampled, optional);
         py::gil_scoped_release nogil;
-        sample(a);
+        sample(t.args);
       },
       py::arg("logits"), py::arg("temperature"), py::arg("seeds"), py::arg("counters"), py::arg("sampled"),
-      py::kw_only(), py::arg("top_k") = py::none(), py::arg("top_p") = py::none(), py::arg("min_p") = py::none(),
-      py::arg("repetition_penalty") = py::none(), py::arg("frequency_penalty") = py::none(),
-      py::arg("presence_penalty") = py::none(), py::arg("prompt_offsets") = py::none(),
-      py::arg("prompt_token_ids") = py::none(), py::arg("output_offsets") = py::none(),
-      py::arg("output_token_ids") = py::none(), py::arg("bias_offsets") = py::none(),
-      py::arg("bias_token_ids") = py::none(), py::arg("bias_values") = py::none(),
-      py::arg("only_listed") = py::none(), py::arg("sampled_logprobs") = py::none(),
-      py::arg("sampled_ranks") = py::none(), py::arg("top_token_ids") = py::none(),
-      py::arg("top_logprobs") = py::none(),
-      "Samples one token per row of logits with per-request parameters; see include/octavo/ops.h.");
+      "Samples one token per row of logits with per-request parameters; the optional tensors are keyword "
+      "arguments named as SampleArgs' fields (top_k, ..., top_logprobs); see include/octavo/ops.h.");
+  ops.def(
+      "rejection_sample",
+      [](py::handle logits, py::handle temperature, py::handle seeds, py::handle counters, py::handle sampled,
+         py::handle draft_token_ids, py::handle accepted, const py::kwargs& optional) {
+        const SampleTensors t(logits, temperature, seeds, counters, sampled, optional);
+        PyTensor d = tensor(draft_token_ids, "draft_token_ids"), a = tensor(accepted, "accepted");
+        py::gil_scoped_release nogil;
+        rejection_sample(t.args, d.view, a.view);
+      },
+      py::arg("logits"), py::arg("temperature"), py::arg("seeds"), py::arg("counters"), py::arg("sampled"),
+      py::arg("draft_token_ids"), py::arg("accepted"),
+      "Speculative decoding's verification: sample() on every row, accepted[b] = 1 where row b's token is "
+      "draft_token_ids[b]; the optional tensors as sample()'s; see include/octavo/ops.h.");
 }
 
 }  // namespace

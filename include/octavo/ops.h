@@ -223,4 +223,17 @@ struct SampleArgs {
 };
 void sample(const SampleArgs& args);
 
+// Speculative decoding's verification: sample() on every row (one row per position verified:
+// each draft's predecessor and the last token, with that position's outputs so far, counter and
+// bans), where row b checks draft_token_ids[b] (-1: none) and accepted[b] becomes 1 where the
+// row's token is the draft, else 0 (int32, [B]). A request keeps its rows' tokens up to and
+// including its first row not accepted.
+// Drafts are proposed deterministically here (prompt lookup, a draft model's argmax), so the
+// drafter's distribution q is one-hot at the draft d. The standard rule then accepts d with
+// probability min(1, p(d) / q(d)) = p(d) and otherwise draws from the residual max(p - q, 0),
+// which is p without d, renormalized. One draw t ~ p does both: t == d has probability p(d),
+// and t given t != d follows the residual. The draw is sample()'s own (seed, counter), so a
+// request generates the same tokens with or without speculation, greedy or seeded.
+void rejection_sample(const SampleArgs& args, const TensorView& draft_token_ids, const TensorView& accepted);
+
 }  // namespace octavo

@@ -65,6 +65,7 @@ struct Batch {
   bool penalties = false;  // pass the penalty values and the prompt / output lists
   bool logprobs = false;   // ask for the sampled tokens' logprobs and ranks
   int64_t num_top = 0;     // and for this many top tokens per row
+  std::vector<int32_t> drafts;  // one per row: run rejection_sample with them (empty: sample)
 
   Batch(int64_t v, int64_t rows, int64_t pad = 0)
       : vocab(v), stride(v + pad), logits(static_cast<size_t>(rows * (v + pad)), kPadding), requests(rows) {}
@@ -94,7 +95,7 @@ std::vector<float> randn(int64_t n, std::mt19937& gen, double scale = 1.0) {
 }
 
 struct Output {
-  std::vector<int32_t> sampled, ranks, top_ids;
+  std::vector<int32_t> sampled, ranks, top_ids, accepted;
   std::vector<float> logprobs, top_logprobs;
 };
 
@@ -212,8 +213,15 @@ Output run(const Batch& b, DeviceType device) {
     a.top_token_ids = &top_ids_v;
     a.top_logprobs = &top_logprobs_v;
   }
-  octavo::sample(a);
-  return {values<int32_t>(sampled), values<int32_t>(ranks), values<int32_t>(top_ids), values<float>(logprobs),
+  Tensor drafts({rows}, DType::kInt32), accepted({rows}, DType::kInt32);
+  if (b.drafts.empty()) {
+    octavo::sample(a);
+  } else {
+    std::copy(b.drafts.begin(), b.drafts.end(), drafts.as<int32_t>());
+    octavo::rejection_sample(a, view(drafts), view(accepted));
+  }
+  return {values<int32_t>(sampled), values<int32_t>(ranks), values<int32_t>(top_ids),
+          b.drafts.empty() ? std::vector<int32_t>{} : values<int32_t>(accepted), values<float>(logprobs),
           values<float>(top_logprobs)};
 }
 
@@ -931,6 +939,26 @@ void expect_logprobs_of_raw_logits(const Batch& b, const Output& got) {
       EXPECT_NEAR(got.top_logprobs[r * b.num_top + j], expected, 1e-5 * (1 + std::fabs(expected))) << "top " << j;
     }
   }
+}
+
+// rejection_sample draws each row as sample() does and accepts the rows whose token is the draft.
+TEST(SimSampling, RejectionSampleAcceptsTheRowsThatDrawTheirDraft) {
+  Batch batch = request_batch();
+  const Output plain = run(batch, DeviceType::kCUDA);
+  for (int64_t r = 0; r < batch.rows(); ++r) {  // right, wrong, none
+    const int32_t token = plain.sampled[static_cast<size_t>(r)];
+    batch.drafts.push_back(r % 3 == 0 ? token : r % 3 == 1 ? (token + 1) % static_cast<int32_t>(batch.vocab) : -1);
+  }
+  for (DeviceType device : {DeviceType::kCUDA, DeviceType::kCPU}) {
+    const Output verified = run(batch, device);
+    EXPECT_EQ(verified.sampled, plain.sampled);
+    EXPECT_EQ(verified.logprobs, plain.logprobs);
+    for (int64_t r = 0; r < batch.rows(); ++r) {
+      EXPECT_EQ(verified.accepted[static_cast<size_t>(r)], r % 3 == 0 ? 1 : 0) << "row " << r;
+    }
+  }
+  batch.drafts[2] = static_cast<int32_t>(batch.vocab);  // not a token: the CPU refuses it
+  EXPECT_THROW(run(batch, DeviceType::kCPU), octavo::Error);
 }
 
 TEST(SimSampling, LogprobsRanksAndTopNMatchLogSoftmax) {

@@ -32,10 +32,11 @@ DEVICE = "cpu"
 
 
 def sample(logits, temperature=1.0, *, seed=0, counters=None, num_top=0, logprobs=False,
-           prompt=None, output=None, banned=None, biases=None, only_listed=None, **params):
+           prompt=None, output=None, banned=None, biases=None, only_listed=None, drafts=None, **params):
     """Runs the kernel on DEVICE; scalars broadcast over rows. ``banned`` (token lists) and
-    ``biases`` ({token: value} per row) become the bias lists, ``only_listed`` a flag per row.
-    Returns sampled, or a dict with logprobs (on the CPU)."""
+    ``biases`` ({token: value} per row) become the bias lists, ``only_listed`` a flag per row;
+    ``drafts`` (a token or -1 per row) runs rejection_sample. Returns sampled, or a dict with
+    logprobs or accepted (on the CPU)."""
     b = logits.shape[0]
     kw = {}
     for name, value in params.items():
@@ -58,11 +59,17 @@ def sample(logits, temperature=1.0, *, seed=0, counters=None, num_top=0, logprob
     if num_top:
         out["top_token_ids"] = torch.empty(b, num_top, dtype=I32)
         out["top_logprobs"] = torch.empty(b, num_top, dtype=F32)
+    if drafts is not None:
+        out["accepted"] = torch.empty(b, dtype=I32)
     out = {k: v.to(DEVICE) for k, v in out.items()}
     kw = {k: v.to(DEVICE) for k, v in kw.items()}
-    kw.update((k, v) for k, v in out.items() if k != "sampled")
-    _C.ops.sample(logits.to(DEVICE), per_row(temperature, b, F32).to(DEVICE), per_row(seed, b, I64).to(DEVICE),
-                  torch.as_tensor(counters, dtype=I64).to(DEVICE), out["sampled"], **kw)
+    kw.update((k, v) for k, v in out.items() if k not in ("sampled", "accepted"))
+    args = (logits.to(DEVICE), per_row(temperature, b, F32).to(DEVICE), per_row(seed, b, I64).to(DEVICE),
+            torch.as_tensor(counters, dtype=I64).to(DEVICE), out["sampled"])
+    if drafts is None:
+        _C.ops.sample(*args, **kw)
+    else:
+        _C.ops.rejection_sample(*args, torch.as_tensor(drafts, dtype=I32).to(DEVICE), out["accepted"], **kw)
     out = {k: v.cpu() for k, v in out.items()}
     return out if len(out) > 1 else out["sampled"]
 
@@ -371,6 +378,40 @@ def test_a_request_gets_the_same_result_alone_or_in_a_batch(request_row):
 
 
 # ---------------------------------------------------------------------------------------------
+# rejection_sample: speculative decoding's verification
+
+
+def test_rejection_sample_draws_as_sample_and_accepts_the_rows_that_draw_their_draft():
+    """Each row is drawn as sample() draws it (so speculation changes no token); a row is
+    accepted exactly where its token is its draft, and a row without a draft (-1) never is."""
+    logits, params, lists = request_batch()
+    counters = torch.arange(8) * 7 + 3
+    plain = sample(logits, seed=99, counters=counters, logprobs=True, num_top=4, **params, **lists)
+    drafts = [int(t) if r % 3 == 0 else -1 if r % 3 == 2 else (int(t) + 1) % logits.shape[1]
+              for r, t in enumerate(plain["sampled"])]
+    verified = sample(logits, seed=99, counters=counters, logprobs=True, num_top=4, drafts=drafts, **params, **lists)
+    for key, value in plain.items():
+        assert torch.equal(verified[key], value), key
+    assert verified["accepted"].tolist() == [int(r % 3 == 0) for r in range(8)]
+
+
+def test_rejection_sample_accepts_a_draft_as_often_as_the_target_draws_it():
+    """The acceptance rule min(1, p(d) / q(d)) for a one-hot drafter: a draft is accepted with
+    its target probability p(d), and a rejected row's token follows p without d."""
+    row = torch.randn(1, 50) * 1.5
+    p = torch.softmax(row[0].double(), dim=0)
+    draft = int(p.argsort()[-3])  # a fairly likely token, not the likeliest
+    n = 20000
+    out = sample(row.expand(n, 50).contiguous(), counters=torch.arange(n), drafts=[draft] * n, seed=5)
+    accepted = out["accepted"].bool()
+    rate = accepted.double().mean()
+    assert abs(rate - p[draft]) < 4 * (p[draft] * (1 - p[draft]) / n) ** 0.5
+    residual = p.clone()
+    residual[draft] = 0
+    assert total_variation(out["sampled"][~accepted], residual / residual.sum()) < 0.03
+
+
+# ---------------------------------------------------------------------------------------------
 # Logprobs of the raw logits
 
 
@@ -446,10 +487,24 @@ def call(**overrides):
     (dict(frequency_penalty=torch.ones(2)), ValueError, "frequency_penalty and presence_penalty need"),
     (dict(repetition_penalty=torch.tensor([1.0, 1.2])), ValueError, "repetition_penalty needs"),
     (dict(top_token_ids=torch.empty(2, 3, dtype=I32)), ValueError, "must be given together"),
+    (dict(top_kk=torch.ones(2, dtype=I32)), TypeError, "unexpected keyword argument 'top_kk'"),
 ])
 def test_bad_arguments_raise_clear_errors(overrides, error, match):
     with pytest.raises(error, match=match):
         call(**overrides)
+
+
+@pytest.mark.parametrize("drafts,accepted,match", [
+    (torch.tensor([0, 10], dtype=I32), torch.empty(2, dtype=I32), r"draft_token_ids\[1\] = 10 is neither -1 nor"),
+    (torch.tensor([0, -2], dtype=I32), torch.empty(2, dtype=I32), r"draft_token_ids\[1\] = -2"),
+    (torch.tensor([0], dtype=I32), torch.empty(2, dtype=I32), "'draft_token_ids' must have size 2"),
+    (torch.tensor([0, 1], dtype=I32), torch.empty(2, dtype=I64), "'accepted' must have dtype int32"),
+])
+def test_rejection_sample_checks_its_drafts(drafts, accepted, match):
+    b, vocab = 2, 10
+    with pytest.raises((ValueError, TypeError), match=match):
+        _C.ops.rejection_sample(torch.randn(b, vocab), torch.ones(b), torch.zeros(b, dtype=I64),
+                                torch.zeros(b, dtype=I64), torch.empty(b, dtype=I32), drafts, accepted)
 
 
 def test_neutral_penalties_need_no_token_lists():

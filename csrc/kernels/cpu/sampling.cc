@@ -520,6 +520,7 @@ void sample_request(const SampleParams& p, int64_t r, const Scratch& s) {
   const float* row = penalized_row(p, r, raw, s);
   const int64_t token = p.temperature[r] < kGreedyTemperature ? argmax(row, p.vocab_size) : random_token(p, r, row, s);
   p.sampled[r] = static_cast<int32_t>(token);
+  if (p.accepted) p.accepted[r] = p.draft_token_ids[r] >= 0 && token == p.draft_token_ids[r];
   if (p.sampled_logprobs || p.sampled_ranks || p.top_token_ids) write_logprobs(p, r, raw, p.sampled[r], s);
 }
 

@@ -354,7 +354,10 @@ __global__ void __launch_bounds__(kThreads) sample_kernel(SampleParams p, float*
   const float* row = penalize(p, r, raw, work, counts ? counts + r * p.vocab_size : nullptr) ? work : raw;
   const int token = p.temperature[r] < kGreedyTemperature ? argmax_below(row, p.vocab_size, ~0ull, s)
                                                           : random_token(p, r, row, work, s);
-  if (threadIdx.x == 0) p.sampled[r] = token;
+  if (threadIdx.x == 0) {
+    p.sampled[r] = token;
+    if (p.accepted) p.accepted[r] = p.draft_token_ids[r] >= 0 && token == p.draft_token_ids[r];
+  }
   if (p.sampled_logprobs || p.sampled_ranks || p.top_token_ids) write_logprobs(p, r, raw, token, s);
 }
 

@@ -1,4 +1,4 @@
-// sample: argument checks, then the CPU or CUDA launcher. For CPU tensors token ids, CSR offsets
+// sample and rejection_sample: argument checks, then the CPU or CUDA launcher. For CPU tensors token ids, CSR offsets
 // and parameter values are validated here; the CUDA kernel cannot read them on the host, skips
 // token ids outside the vocabulary, and relies on the engine's validation of SamplingParams.
 #include <cmath>
@@ -92,9 +92,7 @@ bool any_not(const float* values, int64_t n, float neutral) {
   return false;
 }
 
-}  // namespace
-
-void sample(const SampleArgs& a) {
+SampleParams checked_params(const SampleArgs& a) {
   check_dtype(a.logits, "logits", DType::kFloat32);
   check_ndim(a.logits, "logits", 2);
   const ops::Rows rows = ops::as_rows(a.logits, "logits");
@@ -135,6 +133,11 @@ void sample(const SampleArgs& a) {
   token_lists(a.output_offsets, "output_offsets", a.output_token_ids, "output_token_ids", n, p.vocab_size, a.logits,
               &p.output_offsets, &p.output_token_ids);
   bias_lists(a, n, p.vocab_size, &p);
+  return p;
+}
+
+void launch(const SampleParams& p, const SampleArgs& a) {
+  const int64_t n = p.num_reqs;
   if (ops::runs_on_cuda(a.logits, "logits")) {
     // The host reads no CUDA tensor's values, so neutral penalties cannot be told from active
     // ones there: penalties come with the token lists they apply to, or not at all.
@@ -161,6 +164,22 @@ void sample(const SampleArgs& a) {
   OCTAVO_CHECK(!(any_not(p.frequency_penalty, n, 0.0f) || any_not(p.presence_penalty, n, 0.0f)) || p.output_offsets,
                "frequency_penalty and presence_penalty need 'output_offsets' and 'output_token_ids'");
   cpu_dispatch(sample, p);
+}
+
+}  // namespace
+
+void sample(const SampleArgs& a) { launch(checked_params(a), a); }
+
+void rejection_sample(const SampleArgs& a, const TensorView& draft_token_ids, const TensorView& accepted) {
+  SampleParams p = checked_params(a);
+  p.draft_token_ids = optional_vector<int32_t>(&draft_token_ids, "draft_token_ids", DType::kInt32, p.num_reqs, a.logits);
+  p.accepted = const_cast<int32_t*>(optional_vector<int32_t>(&accepted, "accepted", DType::kInt32, p.num_reqs, a.logits));
+  for (int64_t r = 0; !ops::is_cuda(a.logits) && r < p.num_reqs; ++r) {
+    OCTAVO_CHECK(p.draft_token_ids[r] >= -1 && p.draft_token_ids[r] < p.vocab_size,
+                 "draft_token_ids[" << r << "] = " << p.draft_token_ids[r] << " is neither -1 nor a token id "
+                                    << "(vocabulary size " << p.vocab_size << ")");
+  }
+  launch(p, a);
 }
 
 }  // namespace octavo
