@@ -108,7 +108,7 @@ def test_priority_field(client, server):
 
 
 @pytest.mark.parametrize("argv,feature", [(["--enable-lora"], "LoRA adapters"),
-                                          (["--speculative-config", "{}"], "speculative decoding"),
+                                          (["--enable-sleep-mode"], "sleep mode"),
                                           (["--kv-transfer-config", "{}"], "KV cache transfer (disaggregated prefill)")])
 def test_options_of_missing_features_are_refused_by_name(argv, feature, capsys):
     with pytest.raises(SystemExit) as exit_:

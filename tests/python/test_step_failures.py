@@ -33,9 +33,13 @@ STEP_POISON_SEED = 777  # step() raises outside the engine's per-request handlin
 GREEDY = {"max_tokens": 12, "temperature": 0.0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def llm():
-    return LLM(max_model_len=256, device="cpu", max_num_seqs=64)
+# Each failure once without and once with speculative decoding (whose steps verify drafts).
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+
+
+@pytest.fixture(scope="module", params=[None, SPECULATIVE], ids=["plain", "speculative"])
+def llm(request):
+    return LLM(max_model_len=256, device="cpu", max_num_seqs=64, speculative_config=request.param)
 
 
 class InProcessServer:
@@ -94,10 +98,10 @@ def poisoned(server, monkeypatch):
             raise RuntimeError("injected forward failure [kernel.cc:1]")
         return execute(out, rows)
 
-    def failing_sample(logits, states, staging=None):
+    def failing_sample(logits, states, staging=None, drafts=None):
         if any(s.params.seed == SAMPLER_POISON_SEED for s in states):
             raise RuntimeError("injected sampler failure")
-        return sample_(logits, states, staging)
+        return sample_(logits, states, staging, drafts)
 
     class FailingDetokenizer:
         def __init__(self, inner):

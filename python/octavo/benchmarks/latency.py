@@ -4,6 +4,7 @@ the memory-bandwidth roofline (weight bytes per token ÷ measured read bandwidth
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 
@@ -38,12 +39,14 @@ def run(args: argparse.Namespace) -> dict:
     from .shapes import model_arguments
 
     llm = LLM(dtype=args.dtype, kv_cache_memory_bytes=256 << 20, max_model_len=1024, quantization=args.quantization,
-              device=args.device, multiprocess=args.multiprocess, **model_arguments(args.model, args.dummy_shape))
+              device=args.device, multiprocess=args.multiprocess, speculative_config=args.speculative_config,
+              **model_arguments(args.model, args.dummy_shape))
     engine = llm.llm_engine
     vocab = engine.model_config.vocab_size
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, vocab - 100, args.prompt_len).tolist() for _ in range(args.repeats + 1)]
     time_one_request(engine, prompts[0], 8, "warmup")  # first-call costs (allocations, page faults)
+    spec_before = engine.stats.spec_decoding
     ttfts, rates = [], []
     device = engine.device
     nbytes = 4 << 30 if device.type == "cuda" else 1 << 29
@@ -61,6 +64,8 @@ def run(args: argparse.Namespace) -> dict:
               "read_gb_s": bandwidth / 1e9, "read_gb_s_range": (min(bandwidths) / 1e9, max(bandwidths) / 1e9),
               "roofline_tok_s": roofline}
     result["of_roofline"] = result["decode_tok_s"] / roofline
+    if spec_before is not None:
+        result.update(acceptance(spec_before, engine.stats.spec_decoding))
     where = f"{device}, engine core in its own process" if args.multiprocess else f"{device}"
     print(f"latency on {where}, {args.prompt_len}-token prompt, {args.max_tokens} new tokens, {result['dtype']}, "
           f"median of {args.repeats}")
@@ -69,7 +74,21 @@ def run(args: argparse.Namespace) -> dict:
     print(f"  weights read per token {result['weight_mb']:.0f} MB; read bandwidth {result['read_gb_s']:.1f} GB/s "
           f"(measured {len(bandwidths)}x: {result['read_gb_s_range'][0]:.1f}-{result['read_gb_s_range'][1]:.1f})")
     print(f"  roofline {roofline:.1f} tok/s; decode reaches {result['of_roofline']:.2f} of it")
+    if spec_before is not None:
+        print(f"  speculative decoding: {result['num_draft_tokens']} draft tokens, acceptance rate "
+              f"{result['acceptance_rate']:.2f}, mean accepted length {result['mean_accepted_length']:.2f}")
     return result
+
+
+def acceptance(before, after) -> dict:
+    """Speculative decoding between two SpecDecodingCounts: the drafts' acceptance rate (accepted
+    / draft tokens) and the mean accepted length (tokens per verifying step: 1 + accepted /
+    drafts), as vLLM reports them."""
+    drafts = after.num_drafts - before.num_drafts
+    tokens = after.num_draft_tokens - before.num_draft_tokens
+    accepted = after.num_accepted_tokens - before.num_accepted_tokens
+    return {"num_draft_tokens": tokens, "acceptance_rate": accepted / tokens if tokens else 0.0,
+            "mean_accepted_length": 1 + accepted / drafts if drafts else 1.0}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -83,4 +102,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--speculative-config", type=json.loads, default=None,
+                   help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4}: reports the acceptance too')
     add_multiprocess_argument(p)

@@ -21,6 +21,7 @@ from .. import Scheduler, SchedulerConfig
 from ..executor import Executor
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import NewRequest, StepInput
+from ..speculative import SpeculativeConfig, Speculator
 from ..structured_output import StructuredOutputManager
 from .core_messages import ERROR, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, SchedulerStats
 
@@ -50,6 +51,7 @@ class EngineCoreConfig:
     scheduling_policy: str = "fcfs"
     distributed_executor_backend: str | None = None
     tokenizer: str | None = None  # where structured output loads the vocabulary from (None: no tokenizer)
+    speculative_config: SpeculativeConfig | None = None
 
 
 @dataclass
@@ -60,6 +62,7 @@ class _InFlight:
     request_ids: list[str]
     chunks: list[tuple[int, int, int, int]]  # prompt-logprob rows (StepInput.prompt_logprobs)
     cached: np.ndarray
+    num_draft_tokens: np.ndarray  # [R] drafts each request verifies
 
 
 @dataclass
@@ -83,8 +86,10 @@ class EngineCore:
                              "the model's config.json)")
         budget = config.max_num_batched_tokens or (DEFAULT_MAX_NUM_BATCHED_TOKENS if config.enable_chunked_prefill
                                                    else max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len))
+        spec = config.speculative_config
         cache = CacheConfig(config.block_size, budget, config.max_num_seqs, max_model_len,
-                            config.kv_cache_memory_bytes, config.gpu_memory_utilization, config.enforce_eager)
+                            config.kv_cache_memory_bytes, config.gpu_memory_utilization, config.enforce_eager,
+                            spec.num_speculative_tokens if spec else 0)
         num_blocks = self.executor.determine_num_blocks(cache)
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=max_model_len,
@@ -101,6 +106,7 @@ class EngineCore:
         self._num_wanting_prompt_logprobs = 0
         self._queue: deque[_InFlight] = deque()
         self._depth = config.worker.pipeline_parallel_size  # steps in flight at most
+        self.speculator = Speculator(config.speculative_config) if config.speculative_config else None
         self._tokenizer = config.tokenizer
         self._grammars: StructuredOutputManager | None = None  # made at the first constrained request
         self._compiling: dict[str, tuple[EngineCoreRequest, Future]] = {}  # waiting for their grammar
@@ -226,12 +232,13 @@ class EngineCore:
         handles = out.req_handles.tolist()
         chunks = self._prompt_chunks(out, handles) if self._num_wanting_prompt_logprobs else []
         # Steps that overlap must not share the scheduler's buffers, which its next step rewrites.
-        mask, rows = (self._grammars.bitmask(handles) if self._grammars is not None else None) or (None, None)
         step = StepInput.from_scheduler(out, copy=self._depth > 1, new_requests=self._new_requests(out),
                                         finished_handles=self._finished(out),
-                                        prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None,
-                                        grammar_bitmask=mask, grammar_rows=rows)
-        pending = _InFlight(handles, [self._live[h].request_id for h in handles], chunks, self._cache_hits(out, handles))
+                                        prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None)
+        if self._grammars is not None:
+            step.grammar_bitmask, step.grammar_rows = self._grammars.bitmask(handles, step.drafts()) or (None, None)
+        pending = _InFlight(handles, [self._live[h].request_id for h in handles], chunks,
+                            self._cache_hits(out, handles), np.array(out.num_draft_tokens))
         self.executor.submit(step)
         return pending
 
@@ -243,7 +250,10 @@ class EngineCore:
         except Exception as e:  # noqa: BLE001 - whatever broke, the other requests keep running
             return self._fail_in_flight(e)
         # Tokens from a worker process come in a read-only buffer, which DLPack does not export.
-        update = self.scheduler.update_from_output(np.require(result.sampled.token_ids, requirements="W"))
+        sampled_offsets = result.sampled.offsets
+        update = self.scheduler.update_from_output(
+            np.require(result.sampled.token_ids, requirements="W"),
+            None if sampled_offsets is None else np.require(sampled_offsets, requirements="W"))
         finish_reasons = np.array(update.finish_reasons)
         request_ids = step.request_ids
         for f in result.failures:
@@ -256,6 +266,8 @@ class EngineCore:
         for i in np.flatnonzero(finish_reasons).tolist():
             if step.handles[i] in self._live:
                 self._forget(step.handles[i])
+        if self.speculator is not None:
+            self._speculate(step, update, finish_reasons, sampled_offsets)
         sampled = result.sampled if result.sampled.logprobs is not None else None  # else new_token_ids say it all
         return EngineCoreOutputs(
             request_ids, np.array(update.new_token_offsets), np.array(update.new_token_ids), finish_reasons,
@@ -276,6 +288,14 @@ class EngineCore:
         if refused:
             _log_failure("structured output", refused, "the grammar refused a sampled token")
             self.scheduler.abort_requests(refused)
+
+    def _speculate(self, step: _InFlight, update, finish_reasons: np.ndarray, sampled_offsets) -> None:
+        """Counts the step's accepted drafts, then drafts for the requests that sampled and run on."""
+        if sampled_offsets is not None:
+            self.speculator.record(step.num_draft_tokens, np.diff(sampled_offsets))
+        new = np.diff(update.new_token_offsets)
+        handles = [h for h, n, f in zip(step.handles, new.tolist(), finish_reasons.tolist()) if n and not f]
+        self.speculator.propose(self.scheduler, handles, self._grammars)
 
     def _fail_in_flight(self, error: Exception) -> EngineCoreOutputs:
         """The oldest step's forward pass failed: its KV may be half written, and the steps in
@@ -364,8 +384,9 @@ class EngineCore:
     def stats(self) -> SchedulerStats:
         s = self.scheduler
         pool, prefix = s.block_pool, s.prefix_cache_stats
+        spec = None if self.speculator is None else self.speculator.counts.snapshot()
         return SchedulerStats(s.num_waiting, s.num_running, pool.usage, pool.num_used_blocks, prefix["queries"],
-                              prefix["hits"], s.num_preemptions)
+                              prefix["hits"], s.num_preemptions, spec)
 
     # ---- the model, through the executor ---------------------------------------------------
 

@@ -15,6 +15,7 @@ from .. import FINISH_REASONS
 from ..config import ModelConfig
 from ..executor.step_io import PromptLogprobs, SamplerOutput
 from ..sampling_params import SamplingParams
+from ..speculative import SpecDecodingCounts
 
 
 class EngineDeadError(RuntimeError):
@@ -44,6 +45,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decoding: SpecDecodingCounts | None = None  # speculative decoding's running totals (None: off)
 
 
 # EngineCoreOutputs.finish_reasons codes: the scheduler's (FINISH_REASONS), then the engine's own.

@@ -14,6 +14,7 @@ import os
 from dataclasses import fields
 
 from ..processes import CPU_AFFINITY
+from ..speculative import SpecDecodingCounts
 from .core import EngineCoreConfig
 from .core_messages import EngineCoreOutputs, EngineCoreRequest, SchedulerStats
 from .core_proc import MPClient, OutputWaiter
@@ -78,9 +79,10 @@ class DPClient:
     def stats(self) -> SchedulerStats:
         """Every core's counts added up (the KV usage: their mean)."""
         each = [client.stats() for client in self.clients]
-        total = {f.name: sum(getattr(s, f.name) for s in each) for f in fields(SchedulerStats)}
+        total = {f.name: sum(getattr(s, f.name) for s in each) for f in fields(SchedulerStats)
+                 if f.name != "spec_decoding"}
         total["kv_cache_usage"] /= len(each)
-        return SchedulerStats(**total)
+        return SchedulerStats(**total, spec_decoding=SpecDecodingCounts.total([s.spec_decoding for s in each]))
 
     def collective_rpc(self, method, args: tuple = (), kwargs: dict | None = None) -> list:
         """Every core's workers' results, core by core."""

@@ -23,6 +23,7 @@ from ..generation_config import load_generation_config
 from ..logits_processor import resolve as resolve_logits_processors
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, check_utf8
+from ..speculative import SpeculativeConfig
 from .core import EngineCoreConfig
 from .core_client import InprocClient, make_client
 from .core_messages import ERROR, FINISH_REASON_NAMES, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -45,7 +46,7 @@ class LLMEngine:
                  distributed_executor_backend: str | None = None, multiprocess: bool = False,
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  tokenizer_path: str | Path | None = None, structured_outputs_config: dict | None = None,
-                 logits_processors: list | None = None):
+                 logits_processors: list | None = None, speculative_config: dict | None = None):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
         scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
         where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's.
@@ -59,7 +60,9 @@ class LLMEngine:
         every expert) instead of cutting each expert over them. tokenizer_path: where ``tokenizer``
         was loaded from (default: the model), for the engine core's structured output;
         structured_outputs_config: {"backend": "auto" | "xgrammar" | "guidance"}, as vLLM's;
-        logits_processors: LogitsProcessor classes or "module:Class" names (logits_processor.py)."""
+        logits_processors: LogitsProcessor classes or "module:Class" names (logits_processor.py);
+        speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4,
+        "prompt_lookup_max": 3} (speculative.py)."""
         self.model_path = Path(model)
         self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
@@ -72,13 +75,15 @@ class LLMEngine:
                               distributed_executor_backend)
         self.structured_outputs_backend = _structured_outputs_backend(structured_outputs_config)
         self.logits_processor_classes = resolve_logits_processors(logits_processors)
+        self.speculative_config = speculative = _speculative_config(speculative_config, pipeline_parallel_size,
+                                                                    logits_processors)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
                               pipeline_parallel_size, enable_expert_parallel, tuple(logits_processors or ()))
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,
             scheduling_policy, distributed_executor_backend,
-            None if tokenizer is None else str(tokenizer_path or model)), multiprocess, data_parallel_size)
+            None if tokenizer is None else str(tokenizer_path or model), speculative), multiprocess, data_parallel_size)
         info = self.info = self.core.info
         self.model_config, self.max_model_len = info.model_config, info.max_model_len
         tokens = (info.num_blocks - 1) * info.block_size
@@ -371,6 +376,16 @@ def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int, backe
     if tp * pp * dp > have:
         raise ValueError(f"tensor_parallel_size x pipeline_parallel_size x data_parallel_size = {tp * pp * dp} "
                          f"ranks, but there are only {have} {what}: each rank needs one")
+
+
+def _speculative_config(config, pipeline_parallel_size: int, logits_processors) -> SpeculativeConfig | None:
+    speculative = SpeculativeConfig.from_dict(config)
+    if speculative is not None and pipeline_parallel_size > 1:
+        raise ValueError("speculative decoding is not supported with pipeline parallelism (pipeline_parallel_size > 1)")
+    if speculative is not None and logits_processors:
+        raise ValueError("speculative decoding is not supported with custom logits processors: they see one row "
+                         "per request, a step verifying drafts has several")
+    return speculative
 
 
 def _device(model, device: str, quantization: str | None = None) -> torch.device:

@@ -63,21 +63,34 @@ class OutputProcessor:
                                       p.spaces_between_special_tokens)
 
     def append(self, request: RequestState, sample: SampleState, new: list[int], sampled: SamplerOutput | None,
-               i: int, stop_terminated: bool = False) -> bool:
-        """Adds row ``i``'s new tokens to ``sample``; True when a stop string ended it (the
+               row: int, stop_terminated: bool = False) -> bool:
+        """Adds row ``row``'s new tokens to ``sample``; True when a stop string ended it (the
         scheduler must then abort it). ``stop_terminated``: the last token is a stop token (EOS or
         stop_token_ids) that ended the request; as in vLLM its text is left out unless
-        include_stop_str_in_output (its id stays in token_ids)."""
+        include_stop_str_in_output (its id stays in token_ids). Several tokens in one step
+        (speculative decoding) are checked for stop strings one at a time, so that the output
+        ends where it would have ended had they come one step each."""
         now = time.time()
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = metrics.first_scheduled_time = now
             metrics.time_in_queue = now - metrics.arrival_time
         metrics.last_token_time = now
+        first = row if sampled is None or sampled.offsets is None else int(sampled.offsets[row])
+        if len(new) == 1 or not request.params.stop or sample.detokenizer is None:
+            return self._append_tokens(request, sample, new, sampled, first, stop_terminated)
+        last = len(new) - 1
+        return any(self._append_tokens(request, sample, [token], sampled, first + j, stop_terminated and j == last)
+                   for j, token in enumerate(new))
+
+    def _append_tokens(self, request: RequestState, sample: SampleState, new: list[int],
+                       sampled: SamplerOutput | None, first: int, stop_terminated: bool) -> bool:
+        """``new``'s sampler rows start at ``first``."""
         sample.output_token_ids.extend(new)
         if sample.logprobs is not None and sampled is not None and sampled.logprobs is not None:
-            sample.cumulative_logprob += float(sampled.logprobs[i])
-            sample.logprobs.append(self._logprob_entry(request.params, sampled, i))
+            for i in range(first, first + len(new)):
+                sample.cumulative_logprob += float(sampled.logprobs[i])
+                sample.logprobs.append(self._logprob_entry(request.params, sampled, i))
         if sample.detokenizer is None:
             return False
         if stop_terminated and not request.params.include_stop_str_in_output:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from ..outputs import RequestOutput
+from ..speculative import SpecDecodingCounts
 
 # Bucket bounds (seconds) as in vLLM's metrics, so dashboards built for it read these the same.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -61,6 +62,7 @@ class EngineStats:
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to last token.", E2E_BUCKETS)
+        self.spec = _SpecDecodingMetrics(self.registry, model_name) if engine.speculative_config else None
         self._model_name = model_name
         self._timings: dict[str, _Timing] = {}
         self._native_seen = {"queries": 0, "hits": 0, "preemptions": 0}
@@ -112,6 +114,8 @@ class EngineStats:
         self._advance(self.prefix_hits, "hits", s.prefix_cache_hits)
         self._advance(self.preemptions, "preemptions", s.num_preemptions)
         self.prefix_hit_rate.set(s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0)
+        if self.spec is not None and s.spec_decoding is not None:
+            self.spec.advance(s.spec_decoding)
 
     def _advance(self, counter, key: str, total: int) -> None:
         """Native counters are running totals; Prometheus counters only increase."""
@@ -123,3 +127,32 @@ class EngineStats:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _SpecDecodingMetrics:
+    """vLLM's speculative decoding counters: drafts (requests' steps that verified some), draft
+    tokens, accepted tokens, and accepted tokens by draft position."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        def counter(name, doc, *labels):
+            return Counter(f"octavo:spec_decode_{name}", doc, labelnames=["model_name", *labels], registry=registry)
+
+        self._model_name = model_name
+        self.drafts = counter("num_drafts", "Requests' steps that verified draft tokens.").labels(model_name)
+        self.draft_tokens = counter("num_draft_tokens", "Draft tokens verified.").labels(model_name)
+        self.accepted = counter("num_accepted_tokens", "Draft tokens accepted.").labels(model_name)
+        self.per_position = counter("num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+                                    "position")
+        self._seen = SpecDecodingCounts()
+
+    def advance(self, totals: SpecDecodingCounts) -> None:
+        """The core's running totals -> increments since the last snapshot."""
+        seen = self._seen
+        self.drafts.inc(totals.num_drafts - seen.num_drafts)
+        self.draft_tokens.inc(totals.num_draft_tokens - seen.num_draft_tokens)
+        self.accepted.inc(totals.num_accepted_tokens - seen.num_accepted_tokens)
+        now_counts = totals.accepted_per_position
+        before = seen.accepted_per_position + [0] * (len(now_counts) - len(seen.accepted_per_position))
+        for position, (now, then) in enumerate(zip(now_counts, before)):
+            self.per_position.labels(self._model_name, str(position)).inc(now - then)
+        self._seen = totals.snapshot()

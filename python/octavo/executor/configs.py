@@ -36,3 +36,4 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    num_speculative_tokens: int = 0  # drafts a request may verify per step: rows of logits beyond one each

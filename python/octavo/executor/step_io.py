@@ -18,7 +18,7 @@ from ..sampling_params import SamplingParams
 
 # The scheduler's arrays a forward pass reads, in SchedulerOutput's names.
 STEP_ARRAYS = ("req_handles", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-               "block_table", "logits_indices", "block_copies")
+               "block_table", "logits_indices", "block_copies", "num_draft_tokens")
 
 
 @dataclass
@@ -44,16 +44,17 @@ class StepInput:
     query_start_loc: np.ndarray  # [R + 1] int32
     seq_lens: np.ndarray        # [R] int32
     block_table: np.ndarray     # [R, width] int32
-    logits_indices: np.ndarray  # [R] int32
+    logits_indices: np.ndarray  # [R + D] int32, sampled rows: num_draft_tokens[i] + 1 per request
     block_copies: np.ndarray    # [2C] int32 (src, dst) KV block pairs, copied before the forward pass
+    num_draft_tokens: np.ndarray  # [R] int32, draft tokens each request verifies (its last ones)
     new_requests: list[NewRequest] = field(default_factory=list)
     finished_handles: list[int] = field(default_factory=list)  # finished or aborted: workers forget them
     # [C, 4] int32, one row per prompt chunk whose logprobs are wanted: (batch index i, first,
     # last, k): the chunk's flat rows query_start_loc[i] .. + (last - first) predict prompt tokens
     # first + 1 .. last; k top tokens each (-1: the whole vocabulary).
     prompt_logprobs: np.ndarray | None = None
-    # Structured output: [G, ceil(vocab / 32)] int32 token masks (bit set = allowed) for the batch
-    # rows grammar_rows [G] int32, applied to their logits before sampling.
+    # Structured output: [G, ceil(vocab / 32)] int32 token masks (bit set = allowed) for the
+    # logits rows grammar_rows [G] int32, applied to their logits before sampling.
     grammar_bitmask: np.ndarray | None = None
     grammar_rows: np.ndarray | None = None
 
@@ -70,6 +71,14 @@ class StepInput:
     @property
     def total_num_scheduled_tokens(self) -> int:
         return len(self.input_ids)
+
+    def drafts(self) -> list[list[int]] | None:
+        """Each request's draft tokens (the last num_draft_tokens[i] of its scheduled tokens), or
+        None in a step that verifies none."""
+        if not self.num_draft_tokens.any():
+            return None
+        ends = self.query_start_loc[1:].tolist()
+        return [self.input_ids[end - k:end].tolist() for end, k in zip(ends, self.num_draft_tokens.tolist())]
 
 
 @dataclass
@@ -92,13 +101,16 @@ class RowFailure:
 
 @dataclass
 class SamplerOutput:
-    """The sampler's results for a step's rows, in batch order."""
+    """The sampler's results for a step's rows, in batch order: one token per request, or with
+    ``offsets`` (a step verifying drafts) request i's tokens at [offsets[i], offsets[i + 1])."""
 
     token_ids: np.ndarray                        # [R] int32
     logprobs: np.ndarray | None = None           # [R] float32, raw logprob of the sampled token
     ranks: np.ndarray | None = None              # [R] int32
     top_token_ids: np.ndarray | None = None      # [R, n] int32
     top_logprobs: np.ndarray | None = None       # [R, n] float32
+    offsets: np.ndarray | None = None            # [R + 1] int32, or None: one token per request
+    accepted: np.ndarray | None = None           # rejection_sample's flag per row (the worker's own)
 
 
 @dataclass

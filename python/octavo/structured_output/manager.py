@@ -80,19 +80,60 @@ class StructuredOutputManager:
     def __contains__(self, handle: int) -> bool:
         return handle in self._states
 
-    def bitmask(self, handles: list[int]) -> tuple[np.ndarray, np.ndarray] | None:
-        """The step's mask for the batch rows whose request follows a grammar: ([G, words] int32,
-        [G] int32 batch rows), or None when no row is constrained. A grammar that has ended
-        (its stop token accepted, the request kept going with ignore_eos) constrains nothing, nor
-        does one whose request is still reasoning."""
-        rows = [(i, s) for i, h in enumerate(handles) if (s := self._states.get(h)) is not None
-                and not s.is_terminated() and h not in self._reasoning]
-        if not rows:
+    def bitmask(self, handles: list[int],
+                drafts: list[list[int]] | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+        """The step's mask for the logits rows whose request follows a grammar: ([G, words]
+        int32, [G] int32 logits rows), or None when no row is constrained. A request verifying
+        drafts (speculative decoding) has one row per draft plus one, each masked for the
+        grammar's state after the drafts before it. A grammar that has ended (its stop token
+        accepted, the request kept going with ignore_eos) constrains nothing, nor does one whose
+        request is still reasoning."""
+        masks, rows, row = [], [], 0
+        for i, handle in enumerate(handles):
+            draft = drafts[i] if drafts else []
+            state = self._states.get(handle)
+            if state is not None and not state.is_terminated() and handle not in self._reasoning:
+                masks += self._draft_masks(state, draft)
+                rows += range(row, row + len(masks) - len(rows))
+            row += len(draft) + 1
+        if not masks:
             return None
-        mask = torch.full((len(rows), self.words), -1, dtype=torch.int32)
-        for g, (_, state) in enumerate(rows):
-            state.fill_bitmask(mask, g)
-        return mask.numpy(), np.array([i for i, _ in rows], dtype=np.int32)
+        return torch.stack(masks).numpy(), np.array(rows, dtype=np.int32)
+
+    def _draft_masks(self, state, draft: list[int]) -> list[torch.Tensor]:
+        """Masks for the grammar's state now and after each draft token in turn (taken back
+        after). Rows after a token the grammar refuses, or past its end, need none: their draft
+        cannot be accepted."""
+        masks, taken = [], 0
+        for j in range(len(draft) + 1):
+            mask = torch.full((1, self.words), -1, dtype=torch.int32)
+            state.fill_bitmask(mask, 0)
+            masks.append(mask[0])
+            if j == len(draft) or not state.accept_token(draft[j]):
+                break
+            taken += 1
+            if state.is_terminated():
+                break
+        state.rollback(taken)
+        return masks
+
+    def num_valid_draft_tokens(self, handle: int, draft: list[int]) -> int:
+        """How many of the draft's tokens in a row the request's grammar takes (it takes them
+        back after). While the request reasons, the drafts before its reasoning end: the row
+        after that token must be masked, which a reasoning request's rows are not."""
+        state = self._states.get(handle)
+        if state is None or state.is_terminated():
+            return len(draft)
+        if handle in self._reasoning:
+            end = self._reasoning[handle]
+            return draft.index(end) if end in draft else len(draft)
+        taken = 0
+        for token in draft:
+            if state.is_terminated() or not state.accept_token(token):
+                break
+            taken += 1
+        state.rollback(taken)
+        return taken
 
     def accept(self, handle: int, tokens: list[int]) -> bool:
         """Advances the request's grammar by its new tokens; False when the grammar refuses one

@@ -20,15 +20,16 @@ from .model_runner import PROMPT_LOGITS_ROWS, kv_cache_block_bytes, profile_acti
 _GIB = 2**30
 
 
-def step_limits(step_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int, graphs: bool) -> dict:
+def step_limits(step_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int, graphs: bool,
+                num_speculative_tokens: int = 0) -> dict:
     """The largest step the engine runs, as ``reserve_workspaces`` takes it: the scheduler's
     token budget, raised to the batch a decode graph pads to (a captured size may pass
-    max_num_seqs: attention runs on the padded rows), the requests a step samples (never
-    padded, never more than its tokens), and the widest block table a request of max_model_len
-    tokens has."""
+    max_num_seqs: attention runs on the padded rows), the rows a step samples (one per request,
+    plus one per draft token with speculative decoding; never padded, never more than its
+    tokens), and the widest block table a request of max_model_len tokens has."""
     padded = graph_sizes(max_num_seqs)[-1] if graphs else max_num_seqs
     max_tokens = max(step_tokens, padded)
-    return dict(max_tokens=max_tokens, max_seqs=min(max_num_seqs, step_tokens),
+    return dict(max_tokens=max_tokens, max_seqs=min(max_num_seqs * (1 + num_speculative_tokens), step_tokens),
                 max_blocks_per_seq=-(-max_model_len // block_size))
 
 
@@ -39,14 +40,15 @@ class GpuMemoryPlan:
     went."""
 
     def __init__(self, model, step_tokens: int, max_num_seqs: int, max_model_len: int, block_size: int,
-                 graphs: bool):
+                 graphs: bool, num_speculative_tokens: int = 0):
         self.model, self.block_size, self.max_num_seqs, self.graphs = model, block_size, max_num_seqs, graphs
         self.device = model.embed_tokens.device
-        self.step_tokens, self.num_logits = step_tokens, max_num_seqs + PROMPT_LOGITS_ROWS
+        draft_rows = min(max_num_seqs * num_speculative_tokens, step_tokens)
+        self.step_tokens, self.num_logits = step_tokens, max_num_seqs + draft_rows + PROMPT_LOGITS_ROWS
         self.model_bytes = torch.cuda.memory_allocated(self.device)
         self.workspace_bytes = reserve_workspaces(model, block_size=block_size,
                                                   **step_limits(step_tokens, max_num_seqs, max_model_len, block_size,
-                                                                graphs))
+                                                                graphs, num_speculative_tokens))
         self.total = torch.cuda.mem_get_info(self.device)[1]
         self.activation_bytes = self.graph_bytes = None  # measured by kv_cache_bytes
         self.kv_bytes = self.warm_up_tokens = self.free_after_warm_up = 0

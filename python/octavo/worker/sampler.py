@@ -1,7 +1,9 @@
-"""Per-step sampling inputs built from the requests' parameters, and one call to ``ops.sample``."""
+"""Per-step sampling inputs built from the requests' parameters, and one call to ``ops.sample``
+(or, in a step verifying draft tokens, ``ops.rejection_sample``)."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -43,6 +45,13 @@ class SamplingState:
             entries = {**entries, **dict.fromkeys(banned, float("-inf"))}
         return entries
 
+    def after(self, drafts: list[int]) -> SamplingState:
+        """The state at the row after these draft tokens (speculative decoding): as if they had
+        been generated, for the penalties, bans and the draw's counter."""
+        row = copy.copy(self)
+        row.output_token_ids = self.output_token_ids + drafts
+        return row
+
 
 def _csr(lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
     offsets = np.zeros(len(lists) + 1, dtype=np.int32)
@@ -65,13 +74,48 @@ _F32 = np.finfo(np.float32)
 _MIN_FACTOR, _MAX_FACTOR = 1e-30, 1e30
 
 
-def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging | None = None) -> SamplerOutput:
+def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging | None = None,
+           drafts: list[list[int]] | None = None) -> SamplerOutput:
     """logits: float32 [R, vocab] in batch order, on the CPU or a GPU; states: the same R requests.
     Sampling runs where the logits are; the results come back as NumPy arrays. The per-request
-    inputs are built on the host and moved in one copy through ``staging`` (a new one if None)."""
+    inputs are built on the host and moved in one copy through ``staging`` (a new one if None).
+    With ``drafts`` (each request's draft tokens, speculative decoding) logits has one row per
+    draft plus one for each request, in order, and each request gets its accepted drafts and the
+    token after them (SamplerOutput.offsets)."""
+    if drafts is not None:
+        return _verify(logits, states, drafts, staging)
+    return _sample_rows(logits, states, staging)
+
+
+def _verify(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
+            staging: Staging | None) -> SamplerOutput:
+    """Row j of a request with drafts d checks d[j] with the state after d[:j]; its last row
+    has no draft. A request keeps its rows up to its first one not accepted."""
+    rows = [state.after(draft[:j]) if j else state for state, draft in zip(states, drafts)
+            for j in range(len(draft) + 1)]
+    checked = np.array([t for draft in drafts for t in [*draft, -1]], dtype=np.int32)
+    out = _sample_rows(logits, rows, staging, checked)
+    accepted, starts = out.accepted, np.cumsum([0] + [len(d) + 1 for d in drafts])
+    kept = [np.arange(start, start + 1 + _leading_ones(accepted[start:end]))
+            for start, end in zip(starts[:-1], starts[1:])]
+    out = SamplerOutput(**{name: None if (v := getattr(out, name)) is None else v[np.concatenate(kept)]
+                           for name in SamplerOutput.__dataclass_fields__ if name not in ("accepted", "offsets")})
+    out.offsets = np.cumsum([0] + [len(k) for k in kept]).astype(np.int32)
+    return out
+
+
+def _leading_ones(flags: np.ndarray) -> int:
+    zeros = np.flatnonzero(flags == 0)
+    return int(zeros[0]) if len(zeros) else len(flags)
+
+
+def _sample_rows(logits: torch.Tensor, states: list[SamplingState], staging: Staging | None,
+                 drafts: np.ndarray | None = None) -> SamplerOutput:
+    """One row per state: ops.sample, or ops.rejection_sample checking each row's draft."""
     n, device = len(states), logits.device
     vocab = logits.shape[-1]
     inputs = dict(temperature=_column(states, "temperature", np.float32, 0.0, _MAX_FACTOR),
+                  **({} if drafts is None else {"drafts": drafts}),
                   seeds=np.array([s.seed for s in states], dtype=np.int64),
                   counters=np.array([len(s.output_token_ids) for s in states], dtype=np.int64),
                   top_k=_column(states, "top_k", np.int32, -1, vocab),
@@ -93,8 +137,11 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
         inputs["only_listed"] = only_listed
     kwargs = dict(zip(inputs, (staging or Staging(device)).to_device(*inputs.values())))
     temperature, seeds, counters = kwargs.pop("temperature"), kwargs.pop("seeds"), kwargs.pop("counters")
+    checked = kwargs.pop("drafts", None)
     num_top = max(vocab if s.params.logprobs == -1 else (s.params.logprobs or 0) for s in states)
     specs = {"token_ids": ((n,), torch.int32)}
+    if checked is not None:
+        specs["accepted"] = ((n,), torch.int32)
     if any(s.params.logprobs is not None for s in states):
         specs.update(logprobs=((n,), torch.float32), ranks=((n,), torch.int32))
         if num_top:
@@ -104,20 +151,33 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
     kwargs.update({arg: out[name] for arg, name in (("sampled_logprobs", "logprobs"), ("sampled_ranks", "ranks"),
                                                     ("top_token_ids", "top_token_ids"),
                                                     ("top_logprobs", "top_logprobs")) if name in out})
-    _C.ops.sample(logits, temperature, seeds, counters, out["token_ids"], **kwargs)
+    if checked is None:
+        _C.ops.sample(logits, temperature, seeds, counters, out["token_ids"], **kwargs)
+    else:
+        _C.ops.rejection_sample(logits, temperature, seeds, counters, out["token_ids"], checked, out["accepted"],
+                                **kwargs)
     return SamplerOutput(**outputs.to_host())
 
 
-def scatter_rows(sampled: SamplerOutput | None, rows: list[int], n: int) -> SamplerOutput:
-    """``sampled`` (outputs for ``rows`` of a batch of ``n``) spread back to all n rows; the
-    rows left out get token 0 and zero logprobs (their requests are being aborted)."""
-    def spread(values: np.ndarray | None) -> np.ndarray | None:
-        if values is None:
-            return None
-        full = np.zeros((n, *values.shape[1:]), dtype=values.dtype)
-        full[rows] = values
-        return full
+def join_requests(outputs: list[SamplerOutput | None], with_offsets: bool) -> SamplerOutput:
+    """Requests sampled one by one, joined in order; a request whose sampling failed (None)
+    gets token 0 and zero logprobs (it is being aborted). ``with_offsets``: each request may
+    have several tokens (a step verifying drafts)."""
+    done = next((o for o in outputs if o is not None), None)
+    counts = [1 if o is None or o.offsets is None else int(o.offsets[-1]) for o in outputs]
 
-    if sampled is None:
-        return SamplerOutput(token_ids=np.zeros(n, dtype=np.int32))
-    return SamplerOutput(**{name: spread(getattr(sampled, name)) for name in SamplerOutput.__dataclass_fields__})
+    def join(name: str) -> np.ndarray | None:
+        if done is None or getattr(done, name) is None:
+            return None
+        like = getattr(done, name)
+        return np.concatenate([getattr(o, name) if o is not None else np.zeros((1, *like.shape[1:]), like.dtype)
+                               for o in outputs])
+
+    if done is None:
+        joined = SamplerOutput(token_ids=np.zeros(len(outputs), dtype=np.int32))
+    else:
+        joined = SamplerOutput(**{name: join(name) for name in SamplerOutput.__dataclass_fields__
+                                  if name not in ("offsets", "accepted")})
+    if with_offsets:
+        joined.offsets = np.cumsum([0] + counts).astype(np.int32)
+    return joined

@@ -19,7 +19,7 @@ from ..logits_processor import LogitsProcessors
 from ..logits_processor import resolve as resolve_logits_processors
 from .gpu_memory import GpuMemoryPlan
 from .model_runner import ModelRunner, kv_cache_block_bytes
-from .sampler import SamplingState, sample, scatter_rows
+from .sampler import SamplingState, join_requests, sample
 from .staging import Staging
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
@@ -66,7 +66,7 @@ class Worker:
         graphs = self._graphs(cache)
         if self.device.type == "cuda":  # profiles a step of the largest size
             self.memory = GpuMemoryPlan(self.model, cache.max_num_batched_tokens, cache.max_num_seqs,
-                                        cache.max_model_len, cache.block_size, graphs)
+                                        cache.max_model_len, cache.block_size, graphs, cache.num_speculative_tokens)
         budget = cache.kv_cache_memory_bytes or (self.memory.kv_cache_bytes(cache.gpu_memory_utilization)
                                                  if self.memory else DEFAULT_KV_CACHE_BYTES)
         return budget, kv_cache_block_bytes(self.model, cache.block_size)
@@ -111,8 +111,9 @@ class Worker:
         if self.logits_processors is not None:
             self.logits_processors.apply(logits, step.req_handles.tolist(), states)
         prompt = [] if chunks is None else prompt_logprobs(chunks, prompt_logits, step, self.states)
-        sampled, failures = self._sample(logits, states)
-        self._keep_sampled(step, states, sampled.token_ids)
+        drafts = step.drafts()
+        sampled, failures = self._sample(logits, states, drafts)
+        self._keep_sampled(step, states, sampled)
         return StepOutput(sampled, failures, prompt)
 
     def _update_states(self, step: StepInput) -> list[SamplingState]:
@@ -122,32 +123,35 @@ class Worker:
             self.states[r.handle] = SamplingState(r.params, r.prompt_token_ids, r.seed, r.stop_token_ids)
         return [self.states[h] for h in step.req_handles.tolist()]
 
-    def _sample(self, logits: torch.Tensor, states: list[SamplingState]):
-        """Samples every row; when that fails, finds the rows that fail alone and samples the
-        others without them (their token is 0)."""
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]] | None):
+        """Samples every request (verifying its drafts, if any); when that fails, samples each
+        request alone: one whose sampling fails alone gets token 0 and is reported, the others
+        keep their tokens (a request's draw does not depend on the batch)."""
         try:
-            return sample(logits, states, self._staging), []
+            return sample(logits, states, self._staging, drafts), []
         except Exception:  # noqa: BLE001 - isolate the culprit below
             pass
-        failures = []
+        rows = np.cumsum([0] + [1 + (len(d) if drafts else 0) for d in drafts or states]).tolist()
+        alone, failures = [], []
         for i, state in enumerate(states):
             try:
-                sample(logits[i:i + 1], [state], self._staging)
+                alone.append(sample(logits[rows[i]:rows[i + 1]], [state], self._staging, drafts and drafts[i:i + 1]))
             except Exception:  # noqa: BLE001
                 failures.append(RowFailure(i, traceback.format_exc()))
-        bad = {f.row for f in failures}
-        good = [i for i in range(len(states)) if i not in bad]
-        sampled = sample(logits[good], [states[i] for i in good], self._staging) if good else None
-        return scatter_rows(sampled, good, len(states)), failures
+                alone.append(None)
+        return join_requests(alone, drafts is not None), failures
 
     @staticmethod
-    def _keep_sampled(step: StepInput, states: list[SamplingState], token_ids: np.ndarray) -> None:
-        """A row's token is the request's next output once the step reaches the end of its
-        tokens (prompt and outputs so far); a prefill chunk short of it samples nothing. The
-        scheduler applies the same rule, so both keep the same outputs."""
-        for state, seq_len, token in zip(states, step.seq_lens.tolist(), token_ids.tolist()):
-            if seq_len == len(state.prompt_token_ids) + len(state.output_token_ids):
-                state.output_token_ids.append(token)
+    def _keep_sampled(step: StepInput, states: list[SamplingState], sampled) -> None:
+        """A request's tokens are its next outputs once the step reaches the end of its tokens
+        (prompt and outputs so far, then its drafts); a prefill chunk short of it samples
+        nothing. The scheduler applies the same rule, so both keep the same outputs (up to a
+        stop, after which the worker forgets the request)."""
+        tokens, offsets = sampled.token_ids.tolist(), sampled.offsets
+        ends = step.seq_lens - step.num_draft_tokens
+        for i, (state, end) in enumerate(zip(states, ends.tolist())):
+            if end == len(state.prompt_token_ids) + len(state.output_token_ids):
+                state.output_token_ids += tokens[offsets[i]:offsets[i + 1]] if offsets is not None else [tokens[i]]
 
 
 def prompt_logprobs(chunks: np.ndarray, logits: torch.Tensor, step: StepInput,

@@ -346,7 +346,7 @@ def served_model(args) -> ServedModel:
               data_parallel_size=args.data_parallel_size, enable_expert_parallel=args.enable_expert_parallel,
               distributed_executor_backend=args.distributed_executor_backend,
               structured_outputs_config=args.structured_outputs_config, logits_processors=args.logits_processors,
-              multiprocess=core_in_own_process())
+              speculative_config=args.speculative_config, multiprocess=core_in_own_process())
     engine = llm.llm_engine
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     tokenizer = load_tokenizer(args.tokenizer or engine.model_path)

@@ -11,7 +11,6 @@ from .tool_parsers import PARSERS
 # rather than argparse's bare "unrecognized arguments".
 UNSUPPORTED_VLLM_OPTIONS = {
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters",
-    ("--speculative-config",): "speculative decoding",
     ("--guided-decoding-backend",): "guided decoding (vLLM's older name; use --structured-outputs-config)",
     ("--kv-transfer-config",): "KV cache transfer (disaggregated prefill)",
     ("--cpu-offload-gb", "--kv-offloading-size"): "CPU offload",
@@ -119,5 +118,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--structured-outputs-config", type=json.loads, default=None,
                         help='JSON, e.g. {"backend": "xgrammar"}: the grammar backend ("auto": xgrammar, or '
                              "llguidance where xgrammar refuses)")
+    parser.add_argument("--speculative-config", type=json.loads, default=None,
+                        help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}: '
+                             "speculative decoding (prompt lookup drafts, verified exactly)")
     for options, feature in UNSUPPORTED_VLLM_OPTIONS.items():
         parser.add_argument(*options, action=_Unsupported, feature=feature)

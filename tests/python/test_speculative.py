@@ -1,0 +1,343 @@
+"""Speculative decoding (ngram drafts, verified by rejection_sample) end to end: the tokens are
+those of decoding without it, greedy or seeded, alone or in batches, with logprobs, stop
+strings, min_tokens, max_tokens and structured output; the sampled distribution is the
+target's (chi-square); and the configuration is vLLM's.
+
+Most tests use a "chain" model: a tiny Llama whose layers add nothing, so its next token
+depends on the current token alone (a Markov chain with one likely successor per token). A
+prompt that walks the chain twice gives prompt lookup drafts that are mostly right, so steps
+accept several tokens.
+"""
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+import transformers
+from test_models import ARCHITECTURES, tiny_checkpoint
+
+from octavo import LLM, SamplingParams
+from octavo.speculative import SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+CHAIN_VOCAB = 32
+
+
+def chain_checkpoint(path, vocab: int = CHAIN_VOCAB, sharpness: float = 0.6) -> list[int]:
+    """Saves the chain model; returns successor[t], each token's likely next token (a permutation).
+    With o_proj and down_proj zero every layer adds nothing, so the logits are lm_head(norm(embed[t])).
+    lm_head's row for s points along embed[t] where s = successor[t]: a logit of sharpness *
+    sqrt(hidden) for the successor against about N(0, sharpness) for the others."""
+    torch.manual_seed(0)
+    hidden = 128
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                      max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
+                                      eos_token_id=1)
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    successor = torch.randperm(vocab)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        unit = embed / embed.norm(dim=1, keepdim=True)
+        model.lm_head.weight[successor] = sharpness * unit
+    model.save_pretrained(path)
+    return successor.tolist()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    path = tmp_path_factory.mktemp("chain")
+    successor = chain_checkpoint(path)
+    plain = LLM(str(path), skip_tokenizer_init=True, max_model_len=512, kv_cache_memory_bytes=32 << 20)
+    spec = LLM(str(path), skip_tokenizer_init=True, max_model_len=512, kv_cache_memory_bytes=32 << 20,
+               speculative_config=NGRAM)
+    return successor, plain, spec
+
+
+def walk(successor: list[int], start: int, n: int = CHAIN_VOCAB + 8) -> list[int]:
+    """The chain from ``start``; by default past the end of its cycle (at most CHAIN_VOCAB long),
+    so that the model's likely continuation is already in the prompt for prompt lookup."""
+    tokens = [start]
+    while len(tokens) < n:
+        tokens.append(successor[tokens[-1]])
+    return tokens
+
+
+def token_ids(llm: LLM, prompts: list[list[int]], params) -> list[list[int]]:
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def counts(llm: LLM):
+    return llm.llm_engine.stats.spec_decoding
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+
+def test_config_defaults_follow_vllm():
+    c = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)
+    c = SpeculativeConfig.from_dict({"num_speculative_tokens": 3, "prompt_lookup_max": 4})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4)
+    c = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 2, 2)
+    assert SpeculativeConfig.from_dict(None) is None
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"method": "ngram"}, "needs num_speculative_tokens"),
+    ({"num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"num_speculative_tokens": 2.5}, "num_speculative_tokens must be an integer"),
+    ({"num_speculative_tokens": True}, "num_speculative_tokens must be an integer"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
+    ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
+    ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
+    ({"num_speculative_tokens": 2, "method": "eagle"}, "'eagle' is not supported by Octavo yet"),
+    ({"num_speculative_tokens": 2, "method": "lookahead"}, "unknown speculative method 'lookahead'"),
+    ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown or unsupported field"),
+    ("ngram", "must be a dict"),
+])
+def test_bad_configs_are_refused_with_vllms_messages(config, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(config)
+
+
+def test_engines_refuse_what_speculation_cannot_serve(tiny_path):
+    with pytest.raises(ValueError, match="pipeline parallelism"):
+        LLM(str(tiny_path), speculative_config=NGRAM, pipeline_parallel_size=2)
+    with pytest.raises(ValueError, match="custom logits processors"):
+        LLM(str(tiny_path), speculative_config=NGRAM, logits_processors=["test_logits_processors:ForceToken"])
+
+
+# ---- the same tokens -------------------------------------------------------------------------
+
+
+def test_greedy_chain_accepts_several_tokens_per_step_and_changes_nothing(chain):
+    successor, plain, spec = chain
+    prompts = [walk(successor, s) for s in (2, 5, 9)] + [[3, 4, 5]]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    before = counts(spec)
+    assert token_ids(spec, prompts, params) == token_ids(plain, prompts, params)
+    after = counts(spec)
+    assert after.num_accepted_tokens - before.num_accepted_tokens > 60
+    per_position = np.subtract(after.accepted_per_position, before.accepted_per_position)
+    assert (per_position > 0).all() and (np.diff(per_position) <= 0).all()  # position j needs j - 1 accepted
+
+
+@pytest.mark.parametrize("kind", list(ARCHITECTURES))
+def test_greedy_tiny_architectures_alone_and_in_batches(kind, tmp_path):
+    """Random tiny models fall into loops, which prompt lookup then drafts."""
+    tiny_checkpoint(kind, tmp_path)
+    args = dict(skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=16 << 20)
+    plain, spec = LLM(str(tmp_path), **args), LLM(str(tmp_path), speculative_config=NGRAM, **args)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(2, 300, size=n).tolist() for n in (5, 17, 33, 8)]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    expected = token_ids(plain, prompts, params)
+    assert token_ids(spec, prompts, params) == expected
+    assert token_ids(spec, prompts[1:2], params) == expected[1:2]
+    assert counts(spec).num_accepted_tokens > 0
+
+
+def test_seeded_sampling_draws_the_same_tokens(chain):
+    """Verification draws each row with sample()'s own (seed, counter): a seeded request gets the
+    tokens it gets without speculation, penalties and filters included."""
+    successor, plain, spec = chain
+    prompts = [walk(successor, s) for s in range(6)]
+    for params in (SamplingParams(temperature=1.0, seed=11, max_tokens=30, ignore_eos=True),
+                   SamplingParams(temperature=0.8, top_k=5, top_p=0.9, min_p=0.01, seed=12, max_tokens=30,
+                                  ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.2,
+                                  presence_penalty=0.1)):
+        assert token_ids(spec, prompts, params) == token_ids(plain, prompts, params)
+
+
+def test_logprobs_are_the_targets(chain):
+    successor, plain, spec = chain
+    prompts = [walk(successor, 7)]
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=24, ignore_eos=True, logprobs=3)
+    a = plain.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0]
+    b = spec.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0]
+    assert b.token_ids == a.token_ids
+    assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, abs=1e-4)
+    assert [sorted(e) for e in b.logprobs] == [sorted(e) for e in a.logprobs]
+    for x, y in zip(a.logprobs, b.logprobs):
+        for t in x:
+            assert y[t].logprob == pytest.approx(x[t].logprob, abs=1e-5) and y[t].rank == x[t].rank
+
+
+def test_stop_tokens_min_tokens_and_max_tokens_stay_exact(chain):
+    """A stop token among several accepted ones ends the request there; min_tokens bans stop
+    tokens in the rows before it; max_tokens cuts the drafts."""
+    successor, plain, spec = chain
+    prompts = [walk(successor, 4)]
+    path = walk(successor, successor[prompts[0][-1]], 30)  # the likely continuation
+    for params in (SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[path[5]]),
+                   SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[path[5]], min_tokens=9),
+                   SamplingParams(temperature=0, max_tokens=7, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=5, max_tokens=30, stop_token_ids=[path[3], path[8]],
+                                  min_tokens=4)):
+        a = plain.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0]
+        b = spec.generate([{"prompt_token_ids": prompts[0]}], params, use_tqdm=False)[0].outputs[0]
+        assert (b.token_ids, b.finish_reason, b.stop_reason) == (a.token_ids, a.finish_reason, a.stop_reason)
+
+
+def test_batch_of_mixed_requests_equals_each_alone(chain):
+    """Greedy and seeded, drafting and not, in one batch with chunked prefill splitting prompts:
+    every request gets what it gets alone without speculation."""
+    successor, plain, spec = chain
+    prompts = [walk(successor, s) for s in range(10)] + [list(range(2, 30))] * 2
+    params = [SamplingParams(temperature=0 if i % 2 else 1.0, seed=i, max_tokens=20 + i, ignore_eos=True)
+              for i in range(len(prompts))]
+    outputs = spec.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for prompt, p, out in zip(prompts, params, outputs):
+        assert list(out.outputs[0].token_ids) == token_ids(plain, [prompt], p)[0]
+
+
+# ---- the distribution ------------------------------------------------------------------------
+
+
+def chi_square_p(a: np.ndarray, b: np.ndarray) -> float:
+    """p-value of the chi-square homogeneity test of two samples of category ids (categories
+    with fewer than 10 expected per sample are pooled into one)."""
+    cats, inverse = np.unique(np.concatenate([a, b]), return_inverse=True)
+    counts_ = np.zeros((2, len(cats)))
+    np.add.at(counts_[0], inverse[:len(a)], 1)
+    np.add.at(counts_[1], inverse[len(a):], 1)
+    rare = counts_.sum(0) < 20
+    table = np.concatenate([counts_[:, ~rare], counts_[:, rare].sum(1, keepdims=True)], axis=1)
+    table = table[:, table.sum(0) > 0]
+    expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+    stat = ((table - expected) ** 2 / expected).sum()
+    dof = table.shape[1] - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def test_sampled_first_tokens_follow_the_target_distribution(chain):
+    """2000 seeded samples of the first 4 tokens with speculation against 2000 others without
+    (other seeds): the joint histograms agree (chi-square, p > 0.01) while most steps accept
+    drafts."""
+    successor, plain, spec = chain
+    prompt = walk(successor, 3)
+    n = 2000
+
+    def first_four(llm, seeds):
+        params = [SamplingParams(temperature=1.0, seed=s, max_tokens=4, ignore_eos=True) for s in seeds]
+        outputs = llm.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+        return np.array([int(np.ravel_multi_index(o.outputs[0].token_ids, (CHAIN_VOCAB,) * 4)) for o in outputs])
+
+    before = counts(spec)
+    with_spec = first_four(spec, range(n))
+    without = first_four(plain, range(n, 2 * n))
+    assert counts(spec).num_accepted_tokens - before.num_accepted_tokens > n
+    assert chi_square_p(with_spec, without) > 0.01
+    # The test can tell distributions apart: a target at another temperature is refused.
+    params = [SamplingParams(temperature=0.7, seed=s, max_tokens=4, ignore_eos=True) for s in range(n)]
+    cooler = spec.generate([{"prompt_token_ids": prompt}] * n, params, use_tqdm=False)
+    cooler = np.array([int(np.ravel_multi_index(o.outputs[0].token_ids, (CHAIN_VOCAB,) * 4)) for o in cooler])
+    assert chi_square_p(cooler, without) < 1e-6
+
+
+# ---- load ------------------------------------------------------------------------------------
+
+
+def test_disable_by_batch_size_drafts_nothing_for_a_large_batch(tmp_path):
+    successor = chain_checkpoint(tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=16 << 20,
+              speculative_config={**NGRAM, "disable_by_batch_size": 3})
+    prompts = [walk(successor, s) for s in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    token_ids(llm, prompts, params)
+    assert counts(llm).num_draft_tokens == 0
+    token_ids(llm, prompts[:2], params)
+    assert counts(llm).num_draft_tokens > 0
+
+
+# ---- the default model -----------------------------------------------------------------------
+
+COPY_PROMPT = ("Repeat the text exactly.\nText: The committee approved the budget for the new library, which will "
+               "open in the spring with a reading room, a cafe and a garden.\nRepeated text:")
+
+
+@pytest.fixture(scope="module")
+def default_models():
+    args = dict(max_model_len=512, kv_cache_memory_bytes=64 << 20)
+    return LLM(**args), LLM(speculative_config=NGRAM, **args)
+
+
+def test_default_model_greedy_alone_and_in_a_batch(default_models):
+    plain, spec = default_models
+    prompts = [COPY_PROMPT, "Write a haiku about the sea.", "def fibonacci(n):\n    if n < 2:\n        return n\n",
+               "List three colors:"]
+    params = SamplingParams(temperature=0, max_tokens=48)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    before = counts(spec)
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
+    assert spec.generate(prompts[:1], params, use_tqdm=False)[0].outputs[0].token_ids == expected[0]
+    assert counts(spec).num_accepted_tokens - before.num_accepted_tokens > 20
+
+
+def test_default_model_stop_strings_end_where_they_would(default_models):
+    plain, spec = default_models
+    for stop, include in (["garden"], False), (["reading room", "cafe"], True), ([" the "], False):
+        params = SamplingParams(temperature=0, max_tokens=60, stop=stop, include_stop_str_in_output=include)
+        a = plain.generate([COPY_PROMPT], params, use_tqdm=False)[0].outputs[0]
+        b = spec.generate([COPY_PROMPT], params, use_tqdm=False)[0].outputs[0]
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == \
+            (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+
+
+def test_default_model_structured_output(default_models):
+    """Drafts stop before a token the grammar refuses, and each verified row is masked for the
+    grammar after the drafts before it: the constrained outputs are those without speculation."""
+    from octavo.sampling_params import StructuredOutputsParams
+
+    plain, spec = default_models
+    schema = {"type": "object", "properties": {"text": {"type": "string"}, "words": {"type": "integer"}},
+              "required": ["text", "words"]}
+    prompt = COPY_PROMPT + " Answer in JSON with the repeated text and its number of words."
+    regex = r"The [a-z ,]{10,80}\."
+    for constraint in (StructuredOutputsParams(json=schema), StructuredOutputsParams(regex=regex)):
+        params = SamplingParams(temperature=0, max_tokens=80, structured_outputs=constraint)
+        a = plain.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        b = spec.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+        assert b.token_ids == a.token_ids
+        if constraint.json:
+            assert set(json.loads(b.text)) == {"text", "words"}
+        else:
+            assert re.fullmatch(regex, b.text)
+
+
+def test_server_streams_the_same_text_and_counts_acceptance(default_models, tmp_path):
+    """octavo serve --speculative-config: whole and streamed replies are those of an engine
+    without speculation, and /metrics counts drafts and accepted tokens (vLLM's names)."""
+    pytest.importorskip("openai")
+    import openai
+    from live_server import LiveServer
+
+    plain, _ = default_models
+    params = SamplingParams(temperature=0, max_tokens=40)
+    expected = plain.generate([COPY_PROMPT], params, use_tqdm=False)[0].outputs[0].text
+    server = LiveServer("--max-model-len", "512", "--speculative-config", json.dumps(NGRAM), log=tmp_path / "serve.log")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+        whole = client.completions.create(model="SmolLM2-135M-Instruct", prompt=COPY_PROMPT, max_tokens=40,
+                                          temperature=0)
+        assert whole.choices[0].text == expected
+        stream = client.completions.create(model="SmolLM2-135M-Instruct", prompt=COPY_PROMPT, max_tokens=40,
+                                           temperature=0, stream=True)
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+        m = server.wait_idle()
+        drafts, tokens = m["octavo:spec_decode_num_drafts_total"], m["octavo:spec_decode_num_draft_tokens_total"]
+        accepted = m["octavo:spec_decode_num_accepted_tokens_total"]
+        assert 0 < accepted <= tokens and drafts <= tokens
+        assert m["octavo:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
+    finally:
+        server.stop_cleanly()
