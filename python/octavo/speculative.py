@@ -104,20 +104,43 @@ class SpecDecodingCounts:
                                   list(self.accepted_per_position))
 
 
+# Beyond vLLM: drafts only where they pay. A step costs about a + b * rows (a: reading the
+# weights, b: one row's compute), so k draft rows of one request in a batch of B add b * k to
+# a + b * B and pay when their expected accepted tokens E reach k * B / (B + a / b): in a batch,
+# a draft row costs about what a request's own row does. Each request keeps an estimate of its
+# drafts' acceptance E / k (at first the engine's recent rate, then halfway to each of its
+# verifying steps' rates) and drafts while
+# it is at least B / (B + STEP_COST_ROWS). Each step it sits out moves the estimate RECOVERY of
+# the way back to 1, so a request whose text starts repeating itself drafts again (a rare probe).
+# a / b in rows, measured on the default model on 2 CPU cores (bench/RESULTS.md: one step of 1
+# token 25.6 ms, of 64 tokens 118 ms); a GPU reads weights far faster than it runs out of
+# compute, so its value is larger (not measured yet; vLLM's GPU figures put it in the hundreds).
+STEP_COST_ROWS = {"cpu": 16, "cuda": 256}
+RECOVERY = 0.02
+RECENT_WEIGHT = 0.05
+
+
 class Speculator:
     """Proposes each step's drafts (the scheduler keeps them for the next step) and counts how
     many the steps accepted."""
 
-    def __init__(self, config: SpeculativeConfig):
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu"):
         self.config = config
+        self.step_cost_rows = STEP_COST_ROWS.get(device_type, STEP_COST_ROWS["cpu"])
         self.counts = SpecDecodingCounts(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._acceptance: dict[int, float] = {}  # by scheduler handle, while it runs
+        self._recent = 1.0  # every request's verifying steps, a moving average: a new request's estimate
 
     def propose(self, scheduler, handles: list[int], grammars=None) -> None:
-        """Drafts for the requests that just sampled and still run; none while the batch is at
-        disable_by_batch_size or beyond. A constrained request's drafts stop before the first
-        token its grammar refuses, so that every row verified has a mask."""
+        """Drafts for the requests that just sampled and still run, where they pay (see
+        STEP_COST_ROWS); none while the batch is at disable_by_batch_size or beyond. A
+        constrained request's drafts stop before the first token its grammar refuses, so that
+        every row verified has a mask."""
         c = self.config
-        if not handles or (c.disable_by_batch_size and scheduler.num_running >= c.disable_by_batch_size):
+        if c.disable_by_batch_size and scheduler.num_running >= c.disable_by_batch_size:
+            return
+        handles = self._worth_drafting(handles, scheduler.num_running)
+        if not handles:
             return
         offsets, tokens = scheduler.propose_ngram(handles, c.prompt_lookup_min, c.prompt_lookup_max,
                                                   c.num_speculative_tokens)
@@ -125,14 +148,30 @@ class Speculator:
             offsets, tokens = _cut_to_grammars(grammars, handles, offsets, tokens)
         scheduler.set_draft_tokens(handles, offsets, tokens)
 
-    def record(self, num_drafts: np.ndarray, num_new_tokens: np.ndarray) -> None:
+    def _worth_drafting(self, handles: list[int], batch: int) -> list[int]:
+        needed = batch / (batch + self.step_cost_rows)
+        chosen = []
+        for handle in handles:
+            estimate = self._acceptance.setdefault(handle, self._recent)
+            if estimate >= needed:
+                chosen.append(handle)
+            else:
+                self._acceptance[handle] = estimate + (1.0 - estimate) * RECOVERY
+        return chosen
+
+    def forget(self, handle: int) -> None:
+        self._acceptance.pop(handle, None)
+
+    def record(self, handles: list[int], num_drafts: np.ndarray, num_new_tokens: np.ndarray) -> None:
         """One step: each request's drafts verified and tokens it got from the sampler (its
         accepted drafts + 1)."""
         c = self.counts
-        for k, n in zip(num_drafts.tolist(), num_new_tokens.tolist()):
+        for handle, k, n in zip(handles, num_drafts.tolist(), num_new_tokens.tolist()):
             if k == 0:
                 continue
             accepted = min(max(n - 1, 0), k)
+            self._acceptance[handle] = (self._acceptance.get(handle, self._recent) + accepted / k) / 2
+            self._recent += (accepted / k - self._recent) * RECENT_WEIGHT
             c.num_drafts += 1
             c.num_draft_tokens += k
             c.num_accepted_tokens += accepted

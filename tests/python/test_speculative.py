@@ -77,6 +77,19 @@ def counts(llm: LLM):
     return llm.llm_engine.stats.spec_decoding
 
 
+def speculator(llm: LLM):
+    return llm.llm_engine.core.engine_core.speculator
+
+
+@pytest.fixture
+def always_drafting(chain):
+    """The chain's speculative engine with drafts at any batch size (the cost rule off)."""
+    spec = speculator(chain[2])
+    cost, spec.step_cost_rows = spec.step_cost_rows, 10**9
+    yield
+    spec.step_cost_rows = cost
+
+
 # ---- configuration ---------------------------------------------------------------------------
 
 
@@ -220,7 +233,7 @@ def chi_square_p(a: np.ndarray, b: np.ndarray) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
-def test_sampled_first_tokens_follow_the_target_distribution(chain):
+def test_sampled_first_tokens_follow_the_target_distribution(chain, always_drafting):
     """2000 seeded samples of the first 4 tokens with speculation against 2000 others without
     (other seeds): the joint histograms agree (chi-square, p > 0.01) while most steps accept
     drafts."""
@@ -246,6 +259,31 @@ def test_sampled_first_tokens_follow_the_target_distribution(chain):
 
 
 # ---- load ------------------------------------------------------------------------------------
+
+
+def test_requests_whose_drafts_fail_stop_drafting_in_a_batch(chain):
+    """Prompts whose history misleads prompt lookup (each token followed by another than its
+    successor): in a batch, the requests stop drafting after a few rejected drafts; alone, a
+    request keeps drafting (its rows come nearly free)."""
+    successor, plain, spec = chain
+    liar = np.roll(successor, 1).tolist()  # a wrong successor for every token
+    prompts = [walk(liar, s) for s in range(32)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+
+    def draft_tokens(batch):
+        before = counts(spec).num_draft_tokens
+        assert token_ids(spec, batch, params) == token_ids(plain, batch, params)
+        return counts(spec).num_draft_tokens - before
+
+    gated = draft_tokens(prompts)
+    engine = speculator(spec)
+    cost, engine.step_cost_rows = engine.step_cost_rows, 10**9
+    try:
+        ungated = draft_tokens(prompts)
+    finally:
+        engine.step_cost_rows = cost
+    assert gated < ungated / 4
+    assert draft_tokens(prompts[:1]) > 20
 
 
 def test_disable_by_batch_size_drafts_nothing_for_a_large_batch(tmp_path):

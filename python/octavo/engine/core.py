@@ -106,7 +106,8 @@ class EngineCore:
         self._num_wanting_prompt_logprobs = 0
         self._queue: deque[_InFlight] = deque()
         self._depth = config.worker.pipeline_parallel_size  # steps in flight at most
-        self.speculator = Speculator(config.speculative_config) if config.speculative_config else None
+        self.speculator = Speculator(config.speculative_config, config.worker.device.split(":")[0]) \
+            if config.speculative_config else None
         self._tokenizer = config.tokenizer
         self._grammars: StructuredOutputManager | None = None  # made at the first constrained request
         self._compiling: dict[str, tuple[EngineCoreRequest, Future]] = {}  # waiting for their grammar
@@ -190,6 +191,8 @@ class EngineCore:
         live = self._live.pop(handle)
         if self._grammars is not None:
             self._grammars.remove(handle)
+        if self.speculator is not None:
+            self.speculator.forget(handle)
         self._unsent.pop(handle, None)
         self._num_wanting_prompt_logprobs -= live.prompt_logprobs is not None
 
@@ -292,7 +295,7 @@ class EngineCore:
     def _speculate(self, step: _InFlight, update, finish_reasons: np.ndarray, sampled_offsets) -> None:
         """Counts the step's accepted drafts, then drafts for the requests that sampled and run on."""
         if sampled_offsets is not None:
-            self.speculator.record(step.num_draft_tokens, np.diff(sampled_offsets))
+            self.speculator.record(step.handles, step.num_draft_tokens, np.diff(sampled_offsets))
         new = np.diff(update.new_token_offsets)
         handles = [h for h, n, f in zip(step.handles, new.tolist(), finish_reasons.tolist()) if n and not f]
         self.speculator.propose(self.scheduler, handles, self._grammars)
