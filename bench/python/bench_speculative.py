@@ -105,7 +105,7 @@ def main() -> None:
     for batch in args.batches:
         for workload, texts in (("chat", CHAT), ("copying", COPYING)):
             prompts = [texts[i % len(texts)] + f" (request {i})" for i in range(batch)]
-            rates = best_of(llms, prompts, args.max_tokens, 1)
+            rates = best_of(llms, prompts, args.max_tokens, args.repeats)
             print(f"throughput, {batch} concurrent {workload} requests: " + " | ".join(
                 f"{name} {rate:.1f} tok/s ({rate / rates['off']:.2f}x)" for name, rate in rates.items()))
 

@@ -50,6 +50,16 @@ def test_latency_reports_against_the_roofline(tiny_path, capsys, layout):
     assert "of it" in out and ("engine core in its own process" in out) == bool(layout)
 
 
+def test_latency_reports_speculative_acceptance(tiny_path, capsys):
+    """The tiny random model falls into loops, which prompt lookup drafts."""
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}'
+    result = latency.run(parse(["bench", "latency", "--model", str(tiny_path), "--prompt-len", "16",
+                                "--max-tokens", "40", "--repeats", "2", "--speculative-config", config]))
+    assert result["num_draft_tokens"] > 0
+    assert 0 < result["acceptance_rate"] <= 1 and 1 < result["mean_accepted_length"] <= 4
+    assert "mean accepted length" in capsys.readouterr().out
+
+
 def test_latency_stamps_each_token_once_from_a_core_process(tiny_path):
     llm = LLM(model=str(tiny_path), kv_cache_memory_bytes=16 << 20, multiprocess=True)
     try:

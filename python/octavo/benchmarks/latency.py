@@ -23,8 +23,8 @@ def time_one_request(engine, prompt: list[int], max_tokens: int, request_id: str
     engine.add_request(request_id, prompt, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     stamps = []
     while engine.has_unfinished_requests():
-        # In-process a step brings one token; from a core in its own process, as many as it
-        # made since the last call (none or several).
+        # In-process a step brings one token (several with speculative decoding); from a core
+        # in its own process, as many as it made since the last call (none or several).
         for output in engine.step():
             now = time.perf_counter()
             stamps += [now] * (len(output.outputs[0].token_ids) - len(stamps))
