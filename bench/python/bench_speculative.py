@@ -1,9 +1,9 @@
-"""Speculative decoding with prompt lookup (ngram) on the default model: single-stream decode
-tok/s with and without it, on prompts whose answer copies from the prompt (repeat a passage,
-edit code) and on plain chat prompts; and offline throughput with 64 concurrent chat requests
-(where disable_by_batch_size turns speculation off).
+"""Speculative decoding on the default model, by prompt lookup (ngram) and by a draft model (the
+default model's own weights quantized at load, --drafts int4 int8): single-stream decode tok/s
+with and without it, on prompts whose answer copies from the prompt (repeat a passage, edit
+code) and on plain chat prompts; and offline throughput with concurrent requests.
 
-    python bench/python/bench_speculative.py [--k 2 3 4 5] [--repeats 3] [--max-tokens 128]
+    python bench/python/bench_speculative.py [--k 2 3 4 5] [--drafts int4] [--draft-k 3] [--repeats 3]
 
 Every request is greedy, so the runs with and without speculation generate the same tokens
 (asserted); tok/s = generated tokens / wall time of generate(). Runs alternate, best of
@@ -15,6 +15,7 @@ import argparse
 import time
 
 from octavo import LLM, SamplingParams
+from octavo.default_model import default_model_path
 
 from machine import cpu_line
 
@@ -77,7 +78,10 @@ def acceptance(llm: LLM, before) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--k", type=int, nargs="+", default=[2, 4, 6], help="num_speculative_tokens values to run")
+    ap.add_argument("--k", type=int, nargs="*", default=[2, 4, 6], help="ngram's num_speculative_tokens values")
+    ap.add_argument("--drafts", nargs="*", default=[], choices=["int4", "int8", "w4a8", "w8a8", "none"],
+                    help="draft models to run: the default model quantized so ('none': as it is)")
+    ap.add_argument("--draft-k", type=int, default=3, help="the draft models' num_speculative_tokens")
     ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
     ap.add_argument("--lookup-max", type=int, default=3, help="prompt_lookup_max")
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
@@ -93,6 +97,11 @@ def main() -> None:
         config = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": args.lookup_min,
                   "prompt_lookup_max": args.lookup_max, "disable_by_batch_size": args.disable_by_batch_size}
         llms[f"k={k}"] = LLM(speculative_config=config, **common)
+    for quantization in args.drafts:
+        config = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": args.draft_k,
+                  "quantization": None if quantization == "none" else quantization,
+                  "disable_by_batch_size": args.disable_by_batch_size}
+        llms[f"{quantization} draft k={args.draft_k}"] = LLM(speculative_config=config, **common)
     print(f"single stream, greedy, {args.max_tokens} tokens at most, best of {args.repeats}")
     for workload, prompts in () if args.skip_single else (("copying", COPYING), ("chat", CHAT)):
         for prompt in prompts:

@@ -1,8 +1,10 @@
 """Speculative decoding, the engine core's part: vLLM's ``speculative_config``, the drafts each
 step proposes, and the acceptance counters behind /metrics.
 
-A decoding request gets draft tokens after each step (prompt lookup: what followed the longest
-n-gram that ends its tokens, found earlier in them). The scheduler schedules them after the
+A decoding request gets draft tokens after each step: by prompt lookup ("ngram": what followed
+the longest n-gram that ends its tokens, found earlier in them), or from a smaller draft model
+that the driver worker runs after each step ("draft_model", worker/draft_model.py: greedy, so
+its drafts are deterministic as the verification assumes). The scheduler schedules them after the
 request's newest token; the driver worker samples one row per draft plus one and keeps the
 drafts its target draws (ops.rejection_sample), then the token after them; the scheduler takes
 those tokens and computes the rejected drafts' positions again next step. Output is the same
@@ -15,21 +17,26 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # Methods vLLM knows that Octavo does not run yet: a clear error rather than an unknown name.
-NOT_YET = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8")
 
 
 @dataclass
 class SpeculativeConfig:
     """vLLM's ``speculative_config`` fields that Octavo uses. For ngram, prompt_lookup_min and
-    prompt_lookup_max default to each other, or both to 5 (vLLM's defaults)."""
+    prompt_lookup_max default to each other, or both to 5 (vLLM's defaults). A ``model`` without
+    a method is a draft model; ``quantization`` quantizes it at load (the target's own weights
+    in int4 make a self-draft)."""
 
     num_speculative_tokens: int
-    method: str = "ngram"
+    method: str | None = None
     prompt_lookup_min: int | None = None
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None  # no drafts while this many requests or more run
+    model: str | None = None  # the draft model's directory (draft_model)
+    quantization: str | None = None  # the draft model's: int8 / int4 / w4a8 / w8a8, rounded at load
 
     @classmethod
     def from_dict(cls, config: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -52,13 +59,35 @@ class SpeculativeConfig:
         return cls(**config)
 
     def __post_init__(self) -> None:
+        if self.method is None:
+            self.method = "ngram" if self.model is None else "draft_model"
         if self.method == "[ngram]":
             self.method = "ngram"
         if self.method in NOT_YET:
-            raise ValueError(f"speculative method {self.method!r} is not supported by Octavo yet; use 'ngram'")
+            raise ValueError(f"speculative method {self.method!r} is not supported by Octavo yet; "
+                             f"use one of {list(METHODS)}")
         if self.method not in METHODS:
             raise ValueError(f"unknown speculative method {self.method!r}; Octavo supports {list(METHODS)}")
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
+        if self.disable_by_batch_size is not None:
+            _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
+        if self.method == "draft_model":
+            self._check_draft_model()
+        else:
+            self._check_ngram()
+
+    def _check_draft_model(self) -> None:
+        if not self.model:
+            raise ValueError("speculative method 'draft_model' needs the draft model's directory in 'model'")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"speculative_config quantization must be one of {list(QUANTIZATIONS)}, "
+                             f"got {self.quantization!r}")
+        if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
+            raise ValueError("prompt_lookup_min / prompt_lookup_max belong to the 'ngram' method")
+
+    def _check_ngram(self) -> None:
+        if self.model is not None or self.quantization is not None:
+            raise ValueError("the 'ngram' method takes no 'model' or 'quantization'")
         if self.prompt_lookup_min is None and self.prompt_lookup_max is None:
             self.prompt_lookup_min = self.prompt_lookup_max = 5
         elif self.prompt_lookup_min is None:
@@ -70,8 +99,12 @@ class SpeculativeConfig:
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min={self.prompt_lookup_min} must be <= "
                              f"prompt_lookup_max={self.prompt_lookup_max}")
-        if self.disable_by_batch_size is not None:
-            _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV slots a request needs past its verified tokens: a draft model writes its KV for
+        the token after them and its drafts but the last."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -131,22 +164,36 @@ class Speculator:
         self._acceptance: dict[int, float] = {}  # by scheduler handle, while it runs
         self._recent = 1.0  # every request's verifying steps, a moving average: a new request's estimate
 
-    def propose(self, scheduler, handles: list[int], grammars=None) -> None:
+    def propose(self, scheduler, handles: list[int], grammars=None, drafted: dict | None = None) -> None:
         """Drafts for the requests that just sampled and still run, where they pay (see
-        STEP_COST_ROWS); none while the batch is at disable_by_batch_size or beyond. A
-        constrained request's drafts stop before the first token its grammar refuses, so that
-        every row verified has a mask."""
+        STEP_COST_ROWS); none while the batch is at disable_by_batch_size or beyond. ngram
+        drafts them here; a draft model's drafts come in ``drafted`` (by handle). A constrained
+        request's drafts stop before the first token its grammar refuses, so that every row
+        verified has a mask."""
         c = self.config
-        if c.disable_by_batch_size and scheduler.num_running >= c.disable_by_batch_size:
-            return
-        handles = self._worth_drafting(handles, scheduler.num_running)
+        if drafted is None:  # ngram
+            handles = [] if self._off(scheduler.num_running) else self._worth_drafting(handles, scheduler.num_running)
         if not handles:
             return
-        offsets, tokens = scheduler.propose_ngram(handles, c.prompt_lookup_min, c.prompt_lookup_max,
-                                                  c.num_speculative_tokens)
+        if drafted is None:
+            offsets, tokens = scheduler.propose_ngram(handles, c.prompt_lookup_min, c.prompt_lookup_max,
+                                                      c.num_speculative_tokens)
+        else:  # a draft model's, for the rows draft_rows chose before the step
+            lists = [drafted.get(h, []) for h in handles]
+            offsets, tokens = np.cumsum([0] + [len(x) for x in lists]).tolist(), [t for x in lists for t in x]
         if grammars is not None:
             offsets, tokens = _cut_to_grammars(grammars, handles, offsets, tokens)
         scheduler.set_draft_tokens(handles, offsets, tokens)
+
+    def draft_rows(self, handles: list[int], batch: int) -> list[int]:
+        """A draft model's: the rows of a step's batch to draft for after it."""
+        if self._off(batch):
+            return []
+        chosen = set(self._worth_drafting(handles, batch))
+        return [i for i, h in enumerate(handles) if h in chosen]
+
+    def _off(self, batch: int) -> bool:
+        return bool(self.config.disable_by_batch_size) and batch >= self.config.disable_by_batch_size
 
     def _worth_drafting(self, handles: list[int], batch: int) -> list[int]:
         needed = batch / (batch + self.step_cost_rows)

@@ -100,6 +100,8 @@ def test_config_defaults_follow_vllm():
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 4, 4)
     c = SpeculativeConfig.from_dict({"model": "[ngram]", "num_speculative_tokens": 2, "prompt_lookup_min": 2})
     assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 2, 2)
+    c = SpeculativeConfig.from_dict({"model": "/models/draft", "num_speculative_tokens": 3, "quantization": "int4"})
+    assert (c.method, c.num_lookahead_tokens) == ("draft_model", 3)
     assert SpeculativeConfig.from_dict(None) is None
 
 
@@ -113,6 +115,10 @@ def test_config_defaults_follow_vllm():
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
     ({"num_speculative_tokens": 2, "method": "eagle"}, "'eagle' is not supported by Octavo yet"),
+    ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs the draft model's directory"),
+    ({"num_speculative_tokens": 2, "model": "/m", "quantization": "fp8"}, "quantization must be one of"),
+    ({"num_speculative_tokens": 2, "model": "/m", "prompt_lookup_max": 3}, "belong to the 'ngram' method"),
+    ({"num_speculative_tokens": 2, "method": "ngram", "model": "/m"}, "takes no 'model'"),
     ({"num_speculative_tokens": 2, "method": "lookahead"}, "unknown speculative method 'lookahead'"),
     ({"num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "unknown or unsupported field"),
     ("ngram", "must be a dict"),
@@ -379,3 +385,105 @@ def test_server_streams_the_same_text_and_counts_acceptance(default_models, tmp_
         assert m["octavo:spec_decode_num_accepted_tokens_per_pos_total"] == accepted
     finally:
         server.stop_cleanly()
+
+
+# ---- a draft model ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def chain_drafts(chain, tmp_path_factory):
+    """Engines on the chain model drafting with: itself in int8 (it agrees almost always), and
+    another random model of the same vocabulary (it rarely agrees)."""
+    _, plain, _ = chain
+    target = str(plain.llm_engine.model_path)
+    other = tmp_path_factory.mktemp("other-draft")
+    tiny_checkpoint("llama", other, vocab_size=CHAIN_VOCAB)  # 256 positions
+    args = dict(skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=32 << 20)
+    own = LLM(target, speculative_config={"model": target, "quantization": "int8", "num_speculative_tokens": 3},
+              **args)
+    stranger = LLM(target, speculative_config={"model": str(other), "num_speculative_tokens": 2}, **args)
+    return own, stranger
+
+
+def test_draft_model_changes_no_token(chain, chain_drafts):
+    successor, plain, _ = chain
+    prompts = [walk(successor, s, 12) for s in range(5)] + [list(range(2, 31))]
+    for params in (SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+                   SamplingParams(temperature=1.0, seed=4, max_tokens=40, ignore_eos=True, logprobs=2),
+                   SamplingParams(temperature=0.9, top_p=0.8, seed=5, max_tokens=25, stop_token_ids=[7],
+                                  min_tokens=3)):
+        expected = token_ids(plain, prompts, params)
+        for llm in chain_drafts:
+            before = counts(llm)
+            assert token_ids(llm, prompts, params) == expected
+            assert counts(llm).num_draft_tokens > before.num_draft_tokens
+    own, stranger = chain_drafts
+    own_rate = counts(own).num_accepted_tokens / counts(own).num_draft_tokens
+    stranger_rate = counts(stranger).num_accepted_tokens / counts(stranger).num_draft_tokens
+    assert own_rate > 0.5 > stranger_rate
+
+
+def test_the_target_as_its_own_draft_is_always_accepted(default_models):
+    """The default model drafting for itself drafts exactly its greedy tokens, as the kernels give
+    a row the same bits in any batch: every draft is accepted only if the draft's KV cache (the
+    target's block ids, lookahead slots, catch-up after each step) is right. The second round
+    continues the first round's requests, so it finds them in the prefix cache (whole blocks and,
+    copied, their partly filled last blocks), beside a prompt that chunked prefill splits."""
+    from octavo.default_model import default_model_path
+
+    plain, _ = default_models
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
+              speculative_config={"model": str(default_model_path()), "num_speculative_tokens": 3})
+    encode = llm.get_tokenizer().encode
+    prompts = [encode(p) for p in (COPY_PROMPT, "Hi", "Write a poem about the sea and the stars.")]
+    params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
+    for _ in range(2):
+        expected = token_ids(plain, prompts, params)
+        assert token_ids(llm, prompts, params) == expected
+        prompts = [p + out + encode(" Go on.") for p, out in zip(prompts, expected)]  # the next turn
+    c = counts(llm)
+    assert llm.llm_engine.stats.prefix_cache_hits > 80
+    assert c.num_draft_tokens > 60 and c.num_accepted_tokens == c.num_draft_tokens
+
+
+def test_self_draft_survives_preemption(default_models):
+    """A pool too small for the batch preempts requests; a resumed request's draft KV is
+    written again from its start (its blocks went back to the pool: without the prefix cache
+    they come back as other blocks), so every draft is still accepted."""
+    from octavo.default_model import default_model_path
+
+    plain, _ = default_models
+    llm = LLM(max_model_len=512, kv_cache_memory_bytes=40 * 2 * 737280, enable_prefix_caching=False,
+              speculative_config={
+        "model": str(default_model_path()), "num_speculative_tokens": 3})
+    assert llm.llm_engine.info.num_blocks == 40
+    prompts = [f"Item {i}: write a long list of fruits, one per line." for i in range(6)]
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == expected
+    c = counts(llm)
+    assert llm.llm_engine.stats.num_preemptions > 0
+    assert c.num_draft_tokens > 50 and c.num_accepted_tokens == c.num_draft_tokens
+
+
+def test_draft_model_must_share_the_vocabulary(chain, tmp_path):
+    _, plain, _ = chain
+    tiny_checkpoint("llama", tmp_path)  # 300 tokens against the chain's 32
+    with pytest.raises(ValueError, match="must share a tokenizer"):
+        LLM(str(plain.llm_engine.model_path), skip_tokenizer_init=True, kv_cache_memory_bytes=16 << 20,
+            speculative_config={"model": str(tmp_path), "num_speculative_tokens": 2})
+
+
+def test_default_model_with_its_int4_self_draft(default_models):
+    plain, _ = default_models
+    from octavo.default_model import default_model_path
+
+    path = str(default_model_path())
+    spec = LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20,
+               speculative_config={"model": path, "quantization": "int4", "num_speculative_tokens": 3})
+    prompts = [COPY_PROMPT, "Why is the sky blue?"]
+    for params in (SamplingParams(temperature=0, max_tokens=32),
+                   SamplingParams(temperature=0.8, seed=9, max_tokens=32)):
+        expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+        assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == expected
+    assert counts(spec).num_accepted_tokens > 10

@@ -95,7 +95,7 @@ class EngineCore:
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=config.enable_prefix_caching,
-            policy=config.scheduling_policy))
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0, policy=config.scheduling_policy))
         self.executor.initialize_cache(num_blocks, cache)
         self.info = EngineCoreInfo(model_config, str(self.executor.model_dtype).removeprefix("torch."),
                                    config.worker.device, max_model_len, config.max_num_seqs, num_blocks,
@@ -240,6 +240,9 @@ class EngineCore:
                                         prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None)
         if self._grammars is not None:
             step.grammar_bitmask, step.grammar_rows = self._grammars.bitmask(handles, step.drafts()) or (None, None)
+        if self.speculator is not None and self.speculator.config.method == "draft_model":
+            step.draft_rows = self.speculator.draft_rows(handles, self.scheduler.num_running)
+            step.preempted_handles = out.preempted_handles.tolist()
         pending = _InFlight(handles, [self._live[h].request_id for h in handles], chunks,
                             self._cache_hits(out, handles), np.array(out.num_draft_tokens))
         self.executor.submit(step)
@@ -270,7 +273,7 @@ class EngineCore:
             if step.handles[i] in self._live:
                 self._forget(step.handles[i])
         if self.speculator is not None:
-            self._speculate(step, update, finish_reasons, sampled_offsets)
+            self._speculate(step, update, finish_reasons, result)
         sampled = result.sampled if result.sampled.logprobs is not None else None  # else new_token_ids say it all
         return EngineCoreOutputs(
             request_ids, np.array(update.new_token_offsets), np.array(update.new_token_ids), finish_reasons,
@@ -292,13 +295,18 @@ class EngineCore:
             _log_failure("structured output", refused, "the grammar refused a sampled token")
             self.scheduler.abort_requests(refused)
 
-    def _speculate(self, step: _InFlight, update, finish_reasons: np.ndarray, sampled_offsets) -> None:
-        """Counts the step's accepted drafts, then drafts for the requests that sampled and run on."""
-        if sampled_offsets is not None:
-            self.speculator.record(step.handles, step.num_draft_tokens, np.diff(sampled_offsets))
+    def _speculate(self, step: _InFlight, update, finish_reasons: np.ndarray, result) -> None:
+        """Counts the step's accepted drafts, then drafts for the requests that sampled and run on
+        (a draft model's came with the step's result)."""
+        if result.sampled.offsets is not None:
+            self.speculator.record(step.handles, step.num_draft_tokens, np.diff(result.sampled.offsets))
         new = np.diff(update.new_token_offsets)
         handles = [h for h, n, f in zip(step.handles, new.tolist(), finish_reasons.tolist()) if n and not f]
-        self.speculator.propose(self.scheduler, handles, self._grammars)
+        drafted = None
+        if result.draft_offsets is not None:
+            offsets, tokens = result.draft_offsets.tolist(), result.draft_token_ids.tolist()
+            drafted = {h: tokens[offsets[i]:offsets[i + 1]] for i, h in enumerate(step.handles)}
+        self.speculator.propose(self.scheduler, handles, self._grammars, drafted)
 
     def _fail_in_flight(self, error: Exception) -> EngineCoreOutputs:
         """The oldest step's forward pass failed: its KV may be half written, and the steps in

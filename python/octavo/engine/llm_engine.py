@@ -78,7 +78,8 @@ class LLMEngine:
         self.speculative_config = speculative = _speculative_config(speculative_config, pipeline_parallel_size,
                                                                     logits_processors)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
-                              pipeline_parallel_size, enable_expert_parallel, tuple(logits_processors or ()))
+                              pipeline_parallel_size, enable_expert_parallel, tuple(logits_processors or ()),
+                              speculative)
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..speculative import SpeculativeConfig
+
 
 @dataclass
 class WorkerConfig:
@@ -18,6 +20,7 @@ class WorkerConfig:
     pipeline_parallel_size: int = 1  # stages, each holding a contiguous range of the layers
     enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank
     logits_processors: tuple = ()  # LogitsProcessor classes or "module:Class" names (logits_processor.py)
+    speculative: SpeculativeConfig | None = None  # with method "draft_model", the driver loads the draft model
 
     @property
     def world_size(self) -> int:

@@ -57,6 +57,10 @@ class StepInput:
     # logits rows grammar_rows [G] int32, applied to their logits before sampling.
     grammar_bitmask: np.ndarray | None = None
     grammar_rows: np.ndarray | None = None
+    # Speculative decoding with a draft model: the batch rows to draft for after this step, and
+    # the requests this step's schedule preempted (their KV went back to the pool).
+    draft_rows: list[int] = field(default_factory=list)
+    preempted_handles: list[int] = field(default_factory=list)
 
     @classmethod
     def from_scheduler(cls, out, copy: bool = False, **extra) -> StepInput:
@@ -112,6 +116,14 @@ class SamplerOutput:
     offsets: np.ndarray | None = None            # [R + 1] int32, or None: one token per request
     accepted: np.ndarray | None = None           # rejection_sample's flag per row (the worker's own)
 
+    def per_request(self) -> list[list[int]]:
+        """Each request's tokens."""
+        tokens = self.token_ids.tolist()
+        if self.offsets is None:
+            return [[t] for t in tokens]
+        offsets = self.offsets.tolist()
+        return [tokens[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
 
 @dataclass
 class StepOutput:
@@ -120,3 +132,7 @@ class StepOutput:
     sampled: SamplerOutput
     failures: list[RowFailure] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # in StepInput.prompt_logprobs order
+    # A draft model's proposals for the step's requests' next step: request i's drafts are
+    # draft_token_ids[draft_offsets[i]:draft_offsets[i + 1]] (int32; None without a draft model).
+    draft_offsets: np.ndarray | None = None
+    draft_token_ids: np.ndarray | None = None

@@ -18,6 +18,7 @@ from ..loader import load_model
 from ..logits_processor import LogitsProcessors
 from ..logits_processor import resolve as resolve_logits_processors
 from .gpu_memory import GpuMemoryPlan
+from .draft_model import DraftModel, load_draft_model
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampler import SamplingState, join_requests, sample
 from .staging import Staging
@@ -45,6 +46,7 @@ class Worker:
             self.device = torch.device("cuda", rank)
         init_model_parallel(rank, tp, pp, init_method, self.device, shared_memory)
         self.model = self.runner = self.memory = self._staging = self.logits_processors = None
+        self.draft_model = self.drafter = None  # speculative decoding's draft model (the driver's)
         self.states: dict[int, SamplingState] = {}  # by scheduler handle
         self.num_steps = 0
 
@@ -56,6 +58,9 @@ class Worker:
         calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
         if bf16_tiles.worth_packing(self.model):  # AMX: bfloat16 weights packed into tiles once
             bf16_tiles.pack_model(self.model)
+        spec = c.speculative
+        if self.driver and spec is not None and spec.method == "draft_model":
+            self.draft_model = load_draft_model(spec, c, self.device, self.model.config)
 
     def model_summary(self) -> tuple:
         """(ModelConfig, the dtype the weights were loaded as)."""
@@ -69,12 +74,18 @@ class Worker:
                                         cache.max_model_len, cache.block_size, graphs, cache.num_speculative_tokens)
         budget = cache.kv_cache_memory_bytes or (self.memory.kv_cache_bytes(cache.gpu_memory_utilization)
                                                  if self.memory else DEFAULT_KV_CACHE_BYTES)
-        return budget, kv_cache_block_bytes(self.model, cache.block_size)
+        block_bytes = kv_cache_block_bytes(self.model, cache.block_size)
+        if self.draft_model is not None:  # its cache has a block for each of the target's
+            block_bytes += kv_cache_block_bytes(self.draft_model, cache.block_size)
+        return budget, block_bytes
 
     def initialize_cache(self, num_blocks: int, cache: CacheConfig) -> None:
         """Allocates the KV cache, captures the decode graphs and warms up (on a GPU)."""
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size)
         self._staging = Staging(self.runner.device)
+        if self.draft_model is not None:
+            self.drafter = DraftModel(self.draft_model, num_blocks, cache.block_size,
+                                      self.config.speculative.num_speculative_tokens, cache.max_model_len)
         if self.driver and self.config.logits_processors:
             self.logits_processors = LogitsProcessors(resolve_logits_processors(self.config.logits_processors),
                                                       self.model.config.vocab_size, cache.max_num_seqs,
@@ -113,12 +124,19 @@ class Worker:
         prompt = [] if chunks is None else prompt_logprobs(chunks, prompt_logits, step, self.states)
         drafts = step.drafts()
         sampled, failures = self._sample(logits, states, drafts)
-        self._keep_sampled(step, states, sampled)
-        return StepOutput(sampled, failures, prompt)
+        samples = self._keep_sampled(step, states, sampled)
+        out = StepOutput(sampled, failures, prompt)
+        if self.drafter is not None:
+            rows = [i for i in step.draft_rows if samples[i]]
+            tokens = [states[i].prompt_token_ids + states[i].output_token_ids for i in rows]
+            out.draft_offsets, out.draft_token_ids = self.drafter.propose(step, rows, tokens)
+        return out
 
     def _update_states(self, step: StepInput) -> list[SamplingState]:
         for handle in step.finished_handles:
             self.states.pop(handle, None)
+        if self.drafter is not None:
+            self.drafter.forget(step.finished_handles + step.preempted_handles)
         for r in step.new_requests:
             self.states[r.handle] = SamplingState(r.params, r.prompt_token_ids, r.seed, r.stop_token_ids)
         return [self.states[h] for h in step.req_handles.tolist()]
@@ -142,16 +160,17 @@ class Worker:
         return join_requests(alone, drafts is not None), failures
 
     @staticmethod
-    def _keep_sampled(step: StepInput, states: list[SamplingState], sampled) -> None:
+    def _keep_sampled(step: StepInput, states: list[SamplingState], sampled) -> list[bool]:
         """A request's tokens are its next outputs once the step reaches the end of its tokens
         (prompt and outputs so far, then its drafts); a prefill chunk short of it samples
         nothing. The scheduler applies the same rule, so both keep the same outputs (up to a
-        stop, after which the worker forgets the request)."""
-        tokens, offsets = sampled.token_ids.tolist(), sampled.offsets
+        stop, after which the worker forgets the request). Returns which requests sampled."""
         ends = step.seq_lens - step.num_draft_tokens
-        for i, (state, end) in enumerate(zip(states, ends.tolist())):
-            if end == len(state.prompt_token_ids) + len(state.output_token_ids):
-                state.output_token_ids += tokens[offsets[i]:offsets[i + 1]] if offsets is not None else [tokens[i]]
+        samples = [end == len(s.prompt_token_ids) + len(s.output_token_ids) for s, end in zip(states, ends.tolist())]
+        for state, kept, tokens in zip(states, samples, sampled.per_request()):
+            if kept:
+                state.output_token_ids += tokens
+        return samples
 
 
 def prompt_logprobs(chunks: np.ndarray, logits: torch.Tensor, step: StepInput,
