@@ -107,6 +107,14 @@ class SpeculativeConfig:
         return self.num_speculative_tokens if self.method == "draft_model" else 0
 
 
+def matmul_weights(config) -> int:
+    """The weights one token multiplies through in a dense model (a ModelConfig): a row's
+    compute, up to a factor."""
+    h = config.hidden_size
+    attention = h * config.head_dim * 2 * (config.num_attention_heads + config.num_key_value_heads)
+    return config.num_hidden_layers * (attention + 3 * h * config.intermediate_size) + h * config.vocab_size
+
+
 def _check_int(name: str, value, low: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
@@ -140,11 +148,13 @@ class SpecDecodingCounts:
 # Beyond vLLM: drafts only where they pay. A step costs about a + b * rows (a: reading the
 # weights, b: one row's compute), so k draft rows of one request in a batch of B add b * k to
 # a + b * B and pay when their expected accepted tokens E reach k * B / (B + a / b): in a batch,
-# a draft row costs about what a request's own row does. Each request keeps an estimate of its
-# drafts' acceptance E / k (at first the engine's recent rate, then halfway to each of its
-# verifying steps' rates) and drafts while
-# it is at least B / (B + STEP_COST_ROWS). Each step it sits out moves the estimate RECOVERY of
-# the way back to 1, so a request whose text starts repeating itself drafts again (a rare probe).
+# a draft row costs about what a request's own row does. A draft model adds rows of its own,
+# about k per drafting request at draft_cost each (its weights per token / the target's), so
+# its drafts pay when E reaches k * (1 + draft_cost) * B / (B + a / b). Each request keeps an
+# estimate of its drafts' acceptance E / k (at first the engine's recent rate, then halfway to
+# each of its verifying steps' rates) and drafts while it is at least (1 + draft_cost) * B /
+# (B + STEP_COST_ROWS). Each step it sits out moves the estimate RECOVERY of the way back to 1,
+# so a request whose text starts repeating itself drafts again (a rare probe).
 # a / b in rows, measured on the default model on 2 CPU cores (bench/RESULTS.md: one step of 1
 # token 25.6 ms, of 64 tokens 118 ms); a GPU reads weights far faster than it runs out of
 # compute, so its value is larger (not measured yet; vLLM's GPU figures put it in the hundreds).
@@ -157,9 +167,11 @@ class Speculator:
     """Proposes each step's drafts (the scheduler keeps them for the next step) and counts how
     many the steps accepted."""
 
-    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu"):
+    def __init__(self, config: SpeculativeConfig, device_type: str = "cpu", draft_cost: float = 0.0):
+        """draft_cost: a draft model's weights per token over the target's (matmul_weights)."""
         self.config = config
         self.step_cost_rows = STEP_COST_ROWS.get(device_type, STEP_COST_ROWS["cpu"])
+        self.draft_cost = draft_cost
         self.counts = SpecDecodingCounts(accepted_per_position=[0] * config.num_speculative_tokens)
         self._acceptance: dict[int, float] = {}  # by scheduler handle, while it runs
         self._recent = 1.0  # every request's verifying steps, a moving average: a new request's estimate
@@ -196,7 +208,7 @@ class Speculator:
         return bool(self.config.disable_by_batch_size) and batch >= self.config.disable_by_batch_size
 
     def _worth_drafting(self, handles: list[int], batch: int) -> list[int]:
-        needed = batch / (batch + self.step_cost_rows)
+        needed = (1 + self.draft_cost) * batch / (batch + self.step_cost_rows)
         chosen = []
         for handle in handles:
             estimate = self._acceptance.setdefault(handle, self._recent)

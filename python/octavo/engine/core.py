@@ -21,7 +21,8 @@ from .. import Scheduler, SchedulerConfig
 from ..executor import Executor
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import NewRequest, StepInput
-from ..speculative import SpeculativeConfig, Speculator
+from ..config import ModelConfig
+from ..speculative import SpeculativeConfig, Speculator, matmul_weights
 from ..structured_output import StructuredOutputManager
 from .core_messages import ERROR, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, SchedulerStats
 
@@ -106,8 +107,7 @@ class EngineCore:
         self._num_wanting_prompt_logprobs = 0
         self._queue: deque[_InFlight] = deque()
         self._depth = config.worker.pipeline_parallel_size  # steps in flight at most
-        self.speculator = Speculator(config.speculative_config, config.worker.device.split(":")[0]) \
-            if config.speculative_config else None
+        self.speculator = _speculator(config.speculative_config, config.worker.device, model_config)
         self._tokenizer = config.tokenizer
         self._grammars: StructuredOutputManager | None = None  # made at the first constrained request
         self._compiling: dict[str, tuple[EngineCoreRequest, Future]] = {}  # waiting for their grammar
@@ -411,6 +411,13 @@ class EngineCore:
         if self._grammars is not None:
             self._grammars.shutdown()
         self.executor.shutdown()
+
+
+def _speculator(spec: SpeculativeConfig | None, device: str, target: ModelConfig) -> Speculator | None:
+    if spec is None:
+        return None
+    draft = ModelConfig.from_pretrained(spec.model) if spec.method == "draft_model" else None
+    return Speculator(spec, device.split(":")[0], matmul_weights(draft) / matmul_weights(target) if draft else 0.0)
 
 
 def _log_failure(where: str, request_ids: list[str], error: Exception | str) -> None:
