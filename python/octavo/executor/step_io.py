@@ -114,7 +114,6 @@ class SamplerOutput:
     top_token_ids: np.ndarray | None = None      # [R, n] int32
     top_logprobs: np.ndarray | None = None       # [R, n] float32
     offsets: np.ndarray | None = None            # [R + 1] int32, or None: one token per request
-    accepted: np.ndarray | None = None           # rejection_sample's flag per row (the worker's own)
 
     def per_request(self) -> list[list[int]]:
         """Each request's tokens."""

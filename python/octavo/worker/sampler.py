@@ -84,7 +84,7 @@ def sample(logits: torch.Tensor, states: list[SamplingState], staging: Staging |
     token after them (SamplerOutput.offsets)."""
     if drafts is not None:
         return _verify(logits, states, drafts, staging)
-    return _sample_rows(logits, states, staging)
+    return _sample_rows(logits, states, staging)[0]
 
 
 def _verify(logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]],
@@ -94,12 +94,12 @@ def _verify(logits: torch.Tensor, states: list[SamplingState], drafts: list[list
     rows = [state.after(draft[:j]) if j else state for state, draft in zip(states, drafts)
             for j in range(len(draft) + 1)]
     checked = np.array([t for draft in drafts for t in [*draft, -1]], dtype=np.int32)
-    out = _sample_rows(logits, rows, staging, checked)
-    accepted, starts = out.accepted, np.cumsum([0] + [len(d) + 1 for d in drafts])
+    out, accepted = _sample_rows(logits, rows, staging, checked)
+    starts = np.cumsum([0] + [len(d) + 1 for d in drafts])
     kept = [np.arange(start, start + 1 + _leading_ones(accepted[start:end]))
             for start, end in zip(starts[:-1], starts[1:])]
     out = SamplerOutput(**{name: None if (v := getattr(out, name)) is None else v[np.concatenate(kept)]
-                           for name in SamplerOutput.__dataclass_fields__ if name not in ("accepted", "offsets")})
+                           for name in SamplerOutput.__dataclass_fields__ if name != "offsets"})
     out.offsets = np.cumsum([0] + [len(k) for k in kept]).astype(np.int32)
     return out
 
@@ -110,8 +110,9 @@ def _leading_ones(flags: np.ndarray) -> int:
 
 
 def _sample_rows(logits: torch.Tensor, states: list[SamplingState], staging: Staging | None,
-                 drafts: np.ndarray | None = None) -> SamplerOutput:
-    """One row per state: ops.sample, or ops.rejection_sample checking each row's draft."""
+                 drafts: np.ndarray | None = None) -> tuple[SamplerOutput, np.ndarray | None]:
+    """One row per state: ops.sample, or ops.rejection_sample checking each row's draft (then
+    also its accepted flag per row)."""
     n, device = len(states), logits.device
     vocab = logits.shape[-1]
     inputs = dict(temperature=_column(states, "temperature", np.float32, 0.0, _MAX_FACTOR),
@@ -156,7 +157,9 @@ def _sample_rows(logits: torch.Tensor, states: list[SamplingState], staging: Sta
     else:
         _C.ops.rejection_sample(logits, temperature, seeds, counters, out["token_ids"], checked, out["accepted"],
                                 **kwargs)
-    return SamplerOutput(**outputs.to_host())
+    host = outputs.to_host()
+    accepted = host.pop("accepted", None)
+    return SamplerOutput(**host), accepted
 
 
 def join_requests(outputs: list[SamplerOutput | None], with_offsets: bool) -> SamplerOutput:
@@ -177,7 +180,7 @@ def join_requests(outputs: list[SamplerOutput | None], with_offsets: bool) -> Sa
         joined = SamplerOutput(token_ids=np.zeros(len(outputs), dtype=np.int32))
     else:
         joined = SamplerOutput(**{name: join(name) for name in SamplerOutput.__dataclass_fields__
-                                  if name not in ("offsets", "accepted")})
+                                  if name != "offsets"})
     if with_offsets:
         joined.offsets = np.cumsum([0] + counts).astype(np.int32)
     return joined
