@@ -1,9 +1,12 @@
-"""Speculative decoding on the default model, by prompt lookup (ngram) and by a draft model (the
-default model's own weights quantized at load, --drafts int4 int8): single-stream decode tok/s
+"""Speculative decoding on the default model, by prompt lookup (ngram), by a draft model (the
+default model's own weights quantized at load, --drafts int4 int8) and by EAGLE heads (--eagle
+eagle3:DIR; a bare method makes a random head, whose drafts never pay: what its catch-up after
+every step costs when the cost rule has stopped drafting): single-stream decode tok/s
 with and without it, on prompts whose answer copies from the prompt (repeat a passage, edit
 code) and on plain chat prompts; and offline throughput with concurrent requests.
 
-    python bench/python/bench_speculative.py [--k 2 3 4 5] [--drafts int4] [--draft-k 3] [--repeats 3]
+    python bench/python/bench_speculative.py [--k 2 3 4 5] [--drafts int4] [--draft-k 3] [--eagle eagle3]
+        [--repeats 3]
 
 Every request is greedy, so the runs with and without speculation generate the same tokens
 (asserted); tok/s = generated tokens / wall time of generate(). Runs alternate, best of
@@ -12,7 +15,13 @@ Every request is greedy, so the runs with and without speculation generate the s
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
 
 from octavo import LLM, SamplingParams
 from octavo.default_model import default_model_path
@@ -76,12 +85,33 @@ def acceptance(llm: LLM, before) -> str:
     return f"acceptance {accepted / max(tokens, 1):.2f}, mean accepted length {1 + accepted / max(drafts, 1):.2f}"
 
 
+def random_head(method: str, directory: Path) -> str:
+    """A random one-layer EAGLE head of the default model's shape, in EAGLE's layout."""
+    from octavo.config import ModelConfig
+    from octavo.loader import load_model
+    from octavo.models.llama_eagle import EagleHead
+
+    target = load_model(default_model_path(), "float32")
+    hf = {**target.config.hf, "architectures": ["LlamaForCausalLMEagle3" if method == "eagle3" else
+                                                "EagleLlamaForCausalLM"], "num_hidden_layers": 1}
+    head = EagleHead(ModelConfig.from_dict(hf), torch.float32, target, method == "eagle3")
+    tensors = {name: (torch.randn(rows, *dest.shape[1:]) * 0.02 if dest.dtype.is_floating_point else
+                      torch.zeros(rows, dtype=dest.dtype))
+               for name, (dest, _, rows) in head.weight_targets().items()}
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_file(tensors, str(directory / "model.safetensors"))
+    return str(directory)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="*", default=[2, 4, 6], help="ngram's num_speculative_tokens values")
     ap.add_argument("--drafts", nargs="*", default=[], choices=["int4", "int8", "w4a8", "w8a8", "none"],
                     help="draft models to run: the default model quantized so ('none': as it is)")
-    ap.add_argument("--draft-k", type=int, default=3, help="the draft models' num_speculative_tokens")
+    ap.add_argument("--draft-k", type=int, default=3, help="the draft models' and heads' num_speculative_tokens")
+    ap.add_argument("--eagle", nargs="*", default=[], help="EAGLE heads, METHOD:DIR (eagle or eagle3); a bare "
+                    "METHOD makes a random head")
     ap.add_argument("--lookup-min", type=int, default=1, help="prompt_lookup_min")
     ap.add_argument("--lookup-max", type=int, default=3, help="prompt_lookup_max")
     ap.add_argument("--disable-by-batch-size", type=int, default=None)
@@ -102,6 +132,12 @@ def main() -> None:
                   "quantization": None if quantization == "none" else quantization,
                   "disable_by_batch_size": args.disable_by_batch_size}
         llms[f"{quantization} draft k={args.draft_k}"] = LLM(speculative_config=config, **common)
+    scratch = Path(tempfile.mkdtemp(prefix="octavo-eagle-"))
+    for spec in args.eagle:
+        method, _, directory = spec.partition(":")
+        config = {"method": method, "model": directory or random_head(method, scratch / method),
+                  "num_speculative_tokens": args.draft_k, "disable_by_batch_size": args.disable_by_batch_size}
+        llms[f"{method}{'' if directory else ' (random)'} k={args.draft_k}"] = LLM(speculative_config=config, **common)
     print(f"single stream, greedy, {args.max_tokens} tokens at most, best of {args.repeats}")
     for workload, prompts in () if args.skip_single else (("copying", COPYING), ("chat", CHAT)):
         for prompt in prompts:

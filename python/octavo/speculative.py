@@ -3,9 +3,10 @@ step proposes, and the acceptance counters behind /metrics.
 
 A decoding request gets draft tokens after each step: by prompt lookup ("ngram": what followed
 the longest n-gram that ends its tokens, found earlier in them), or from a smaller draft model
-that the driver worker runs after each step ("draft_model", worker/draft_model.py: greedy, so
-its drafts are deterministic as the verification assumes). The scheduler schedules them after the
-request's newest token; the driver worker samples one row per draft plus one and keeps the
+that the driver worker runs after each step ("draft_model", worker/draft_model.py), or from an
+EAGLE head on the target's hidden states ("eagle", "eagle3", worker/eagle.py); both draft
+greedily, so their drafts are deterministic as the verification assumes. The scheduler
+schedules them after the request's newest token; the driver worker samples one row per draft plus one and keeps the
 drafts its target draws (ops.rejection_sample), then the token after them; the scheduler takes
 those tokens and computes the rejected drafts' positions again next step. Output is the same
 as without speculation, token for token.
@@ -17,9 +18,10 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "eagle", "eagle3")
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # a model drafts, run by the driver worker
 # Methods vLLM knows that Octavo does not run yet: a clear error rather than an unknown name.
-NOT_YET = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
+NOT_YET = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8")
 
 
@@ -71,14 +73,17 @@ class SpeculativeConfig:
         _check_int("num_speculative_tokens", self.num_speculative_tokens, 1)
         if self.disable_by_batch_size is not None:
             _check_int("disable_by_batch_size", self.disable_by_batch_size, 2)
-        if self.method == "draft_model":
+        if self.method in MODEL_METHODS:
             self._check_draft_model()
         else:
             self._check_ngram()
 
     def _check_draft_model(self) -> None:
         if not self.model:
-            raise ValueError("speculative method 'draft_model' needs the draft model's directory in 'model'")
+            what = "draft model's" if self.method == "draft_model" else "EAGLE head's"
+            raise ValueError(f"speculative method {self.method!r} needs the {what} directory in 'model'")
+        if self.quantization is not None and self.method != "draft_model":
+            raise ValueError(f"quantization applies to a draft model, not to method {self.method!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"speculative_config quantization must be one of {list(QUANTIZATIONS)}, "
                              f"got {self.quantization!r}")
@@ -103,8 +108,10 @@ class SpeculativeConfig:
     @property
     def num_lookahead_tokens(self) -> int:
         """KV slots a request needs past its verified tokens: a draft model writes its KV for
-        the token after them and its drafts but the last."""
-        return self.num_speculative_tokens if self.method == "draft_model" else 0
+        the token after them and its drafts but the last; an EAGLE head, which reads the token
+        after each position, for its drafts but the last."""
+        return {"draft_model": self.num_speculative_tokens, "eagle": self.num_speculative_tokens - 1,
+                "eagle3": self.num_speculative_tokens - 1}.get(self.method, 0)
 
 
 def matmul_weights(config) -> int:
@@ -113,6 +120,22 @@ def matmul_weights(config) -> int:
     h = config.hidden_size
     attention = h * config.head_dim * 2 * (config.num_attention_heads + config.num_key_value_heads)
     return config.num_hidden_layers * (attention + 3 * h * config.intermediate_size) + h * config.vocab_size
+
+
+def draft_cost(config: SpeculativeConfig, target) -> float:
+    """A draft token's weights over a target token's (ModelConfigs; 0 for ngram). An EAGLE head's
+    own layers plus its fc and LM head (EAGLE-3's over its draft vocabulary)."""
+    from .config import ModelConfig
+
+    if config.method not in MODEL_METHODS:
+        return 0.0
+    draft = ModelConfig.from_pretrained(config.model)
+    weights = matmul_weights(draft)
+    if config.method != "draft_model":
+        h, vocab = draft.hidden_size, draft.vocab_size
+        fc_inputs = 3 * (draft.hf.get("target_hidden_size") or target.hidden_size) if config.method == "eagle3" else 2 * h
+        weights += h * fc_inputs - h * (vocab - (draft.hf.get("draft_vocab_size") or vocab))
+    return weights / matmul_weights(target)
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -154,12 +177,18 @@ class SpecDecodingCounts:
 # estimate of its drafts' acceptance E / k (at first the engine's recent rate, then halfway to
 # each of its verifying steps' rates) and drafts while it is at least (1 + draft_cost) * B /
 # (B + STEP_COST_ROWS). Each step it sits out moves the estimate RECOVERY of the way back to 1,
-# so a request whose text starts repeating itself drafts again (a rare probe).
+# so a request whose text starts repeating itself drafts again (a rare probe). A draft model's
+# probe costs its k passes too, so its estimate recovers slower, at the rate that holds a
+# useless drafter's probes to PROBE_OVERHEAD of a lone request's time: a failed probe leaves the
+# estimate near needed / 2, so probes come every needed / (2 * rate) steps, and one costs
+# k * draft_cost + k / (1 + S) steps of one row (S = STEP_COST_ROWS; needed = (1 + draft_cost) /
+# (1 + S) alone).
 # a / b in rows, measured on the default model on 2 CPU cores (bench/RESULTS.md: one step of 1
 # token 25.6 ms, of 64 tokens 118 ms); a GPU reads weights far faster than it runs out of
 # compute, so its value is larger (not measured yet; vLLM's GPU figures put it in the hundreds).
 STEP_COST_ROWS = {"cpu": 16, "cuda": 256}
 RECOVERY = 0.02
+PROBE_OVERHEAD = 0.03
 RECENT_WEIGHT = 0.05
 
 
@@ -172,6 +201,9 @@ class Speculator:
         self.config = config
         self.step_cost_rows = STEP_COST_ROWS.get(device_type, STEP_COST_ROWS["cpu"])
         self.draft_cost = draft_cost
+        k, rows = config.num_speculative_tokens, 1 + self.step_cost_rows
+        self.recovery = RECOVERY if draft_cost == 0 else \
+            PROBE_OVERHEAD * (1 + draft_cost) / (2 * k * (draft_cost * rows + 1))
         self.counts = SpecDecodingCounts(accepted_per_position=[0] * config.num_speculative_tokens)
         self._acceptance: dict[int, float] = {}  # by scheduler handle, while it runs
         self._recent = 1.0  # every request's verifying steps, a moving average: a new request's estimate
@@ -215,7 +247,7 @@ class Speculator:
             if estimate >= needed:
                 chosen.append(handle)
             else:
-                self._acceptance[handle] = estimate + (1.0 - estimate) * RECOVERY
+                self._acceptance[handle] = estimate + (1.0 - estimate) * self.recovery
         return chosen
 
     def forget(self, handle: int) -> None:

@@ -25,14 +25,14 @@ NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1,
 CHAIN_VOCAB = 32
 
 
-def chain_checkpoint(path, vocab: int = CHAIN_VOCAB, sharpness: float = 0.6) -> list[int]:
+def chain_checkpoint(path, vocab: int = CHAIN_VOCAB, sharpness: float = 0.6, layers: int = 1) -> list[int]:
     """Saves the chain model; returns successor[t], each token's likely next token (a permutation).
     With o_proj and down_proj zero every layer adds nothing, so the logits are lm_head(norm(embed[t])).
     lm_head's row for s points along embed[t] where s = successor[t]: a logit of sharpness *
     sqrt(hidden) for the successor against about N(0, sharpness) for the others."""
     torch.manual_seed(0)
     hidden = 128
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=256, num_hidden_layers=1,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=256, num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                       max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
                                       eos_token_id=1)
@@ -114,7 +114,7 @@ def test_config_defaults_follow_vllm():
      "prompt_lookup_min=4 must be <= prompt_lookup_max=2"),
     ({"num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be an integer >= 1"),
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
-    ({"num_speculative_tokens": 2, "method": "eagle"}, "'eagle' is not supported by Octavo yet"),
+    ({"num_speculative_tokens": 2, "method": "medusa"}, "'medusa' is not supported by Octavo yet"),
     ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs the draft model's directory"),
     ({"num_speculative_tokens": 2, "model": "/m", "quantization": "fp8"}, "quantization must be one of"),
     ({"num_speculative_tokens": 2, "model": "/m", "prompt_lookup_max": 3}, "belong to the 'ngram' method"),

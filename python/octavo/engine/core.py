@@ -22,7 +22,7 @@ from ..executor import Executor
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import NewRequest, StepInput
 from ..config import ModelConfig
-from ..speculative import SpeculativeConfig, Speculator, matmul_weights
+from ..speculative import MODEL_METHODS, SpeculativeConfig, Speculator, draft_cost
 from ..structured_output import StructuredOutputManager
 from .core_messages import ERROR, EngineCoreInfo, EngineCoreOutputs, EngineCoreRequest, EngineDeadError, SchedulerStats
 
@@ -240,7 +240,7 @@ class EngineCore:
                                         prompt_logprobs=np.array(chunks, dtype=np.int32) if chunks else None)
         if self._grammars is not None:
             step.grammar_bitmask, step.grammar_rows = self._grammars.bitmask(handles, step.drafts()) or (None, None)
-        if self.speculator is not None and self.speculator.config.method == "draft_model":
+        if self.speculator is not None and self.speculator.config.method in MODEL_METHODS:
             step.draft_rows = self.speculator.draft_rows(handles, self.scheduler.num_running)
             step.preempted_handles = out.preempted_handles.tolist()
         pending = _InFlight(handles, [self._live[h].request_id for h in handles], chunks,
@@ -416,8 +416,7 @@ class EngineCore:
 def _speculator(spec: SpeculativeConfig | None, device: str, target: ModelConfig) -> Speculator | None:
     if spec is None:
         return None
-    draft = ModelConfig.from_pretrained(spec.model) if spec.method == "draft_model" else None
-    return Speculator(spec, device.split(":")[0], matmul_weights(draft) / matmul_weights(target) if draft else 0.0)
+    return Speculator(spec, device.split(":")[0], draft_cost(spec, target))
 
 
 def _log_failure(where: str, request_ids: list[str], error: Exception | str) -> None:

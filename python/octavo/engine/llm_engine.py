@@ -75,8 +75,8 @@ class LLMEngine:
                               distributed_executor_backend)
         self.structured_outputs_backend = _structured_outputs_backend(structured_outputs_config)
         self.logits_processor_classes = resolve_logits_processors(logits_processors)
-        self.speculative_config = speculative = _speculative_config(speculative_config, pipeline_parallel_size,
-                                                                    logits_processors)
+        self.speculative_config = speculative = _speculative_config(speculative_config, tensor_parallel_size,
+                                                                    pipeline_parallel_size, logits_processors)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
                               pipeline_parallel_size, enable_expert_parallel, tuple(logits_processors or ()),
                               speculative)
@@ -379,8 +379,12 @@ def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int, backe
                          f"ranks, but there are only {have} {what}: each rank needs one")
 
 
-def _speculative_config(config, pipeline_parallel_size: int, logits_processors) -> SpeculativeConfig | None:
+def _speculative_config(config, tensor_parallel_size: int, pipeline_parallel_size: int,
+                        logits_processors) -> SpeculativeConfig | None:
     speculative = SpeculativeConfig.from_dict(config)
+    if speculative is not None and speculative.method in ("eagle", "eagle3") and tensor_parallel_size > 1:
+        raise ValueError("EAGLE heads are not supported with tensor parallelism yet (they share the target's "
+                         "embedding and LM head, which tensor parallelism cuts)")
     if speculative is not None and pipeline_parallel_size > 1:
         raise ValueError("speculative decoding is not supported with pipeline parallelism (pipeline_parallel_size > 1)")
     if speculative is not None and logits_processors:

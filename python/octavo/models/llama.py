@@ -31,10 +31,11 @@ class LlamaAttention(torch.nn.Module):
 
     ``qk_norm``: None, "head" (Qwen3: an RMSNorm over each head of q and k) or "whole" (OLMoE:
     one RMSNorm over all of q and one over all of k, so every rank would need every head).
-    ``clip_qkv`` > 0 clamps q, k and v to [-clip_qkv, clip_qkv] after the norms (OLMoE)."""
+    ``clip_qkv`` > 0 clamps q, k and v to [-clip_qkv, clip_qkv] after the norms (OLMoE).
+    ``input_size``: the width QKV reads, when not the hidden size (an EAGLE-3 head's first layer)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard, qk_norm: str | None = None,
-                 clip_qkv: float = 0.0):
+                 clip_qkv: float = 0.0, input_size: int | None = None):
         super().__init__()
         heads, kv_heads, d = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size, self.kv_size, self.head_dim = heads * d, kv_heads * d, d
@@ -42,7 +43,7 @@ class LlamaAttention(torch.nn.Module):
         if qk_norm == "whole" and shard.world > 1:
             raise ValueError(f"{config.architecture} normalizes q and k over all heads at once; "
                              f"tensor parallel is not supported for it")
-        self.qkv_weight = param(self.q_size + 2 * self.kv_size, config.hidden_size, dtype=dtype)
+        self.qkv_weight = param(self.q_size + 2 * self.kv_size, input_size or config.hidden_size, dtype=dtype)
         self.qkv_bias = param(self.q_size + 2 * self.kv_size, dtype=dtype) if config.attention_bias else None
         self.o_weight = param(config.hidden_size, self.q_size, dtype=dtype)
         norm_sizes = {None: None, "head": (d, d), "whole": (self.q_size, self.kv_size)}[qk_norm]
@@ -126,6 +127,8 @@ class LlamaForCausalLM(torch.nn.Module):
 
     qk_norm: str | None = None
     mlp_prefix = "mlp."
+    # Layers whose input the forward pass keeps in aux_hidden_states (an EAGLE-3 draft head's).
+    aux_hidden_layers: tuple[int, ...] = ()
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard | None = None,
                  stage: PPStage | None = None):
@@ -169,8 +172,12 @@ class LlamaForCausalLM(torch.nn.Module):
             x, residual = self._embed(input_ids), None
         else:
             x, residual = intermediate[0], intermediate[1]
-        for layer in self.layers:
+        streams = {}
+        for i, layer in enumerate(self.layers, self.first_layer):
+            if i in self.aux_hidden_layers:  # the residual stream entering layer i (an EAGLE-3 head reads it)
+                streams[i] = x.clone() if residual is None else x + residual  # the layers add in place
             x, residual = layer(x, residual, positions, (self.cos_sin_cache, self.rope_is_neox), meta)
+        self.aux_hidden_states = [streams[i] for i in self.aux_hidden_layers]
         if not self.stage.is_last:
             return torch.stack([x, residual])
         x, _ = self.norm(x, residual)

@@ -50,10 +50,12 @@ class DraftModel:
         for handle in handles:
             self.computed.pop(handle, None)
 
-    def propose(self, step: StepInput, rows: list[int], tokens: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-        """Drafts for the step's requests at ``rows`` (each sampled in it; tokens[j]: row j's
-        prompt and outputs so far). Returns every request's drafts as (offsets [R + 1], tokens)
-        int32; the others get none."""
+    def propose(self, step: StepInput, states, samples: list[bool], sampled=None) -> tuple[np.ndarray, np.ndarray]:
+        """Drafts for the step's requests at step.draft_rows that sampled in it (states: every
+        request's SamplingState, its outputs updated). Returns every request's drafts as
+        (offsets [R + 1], tokens) int32; the others get none."""
+        rows = [i for i in step.draft_rows if samples[i]]
+        tokens = [states[i].prompt_token_ids + states[i].output_token_ids for i in rows]
         rows = [i for i, t in zip(rows, tokens) if len(t) < self.max_model_len - 1]  # room for a draft
         tokens = [t for t in tokens if len(t) < self.max_model_len - 1]
         drafts = [[] for _ in range(step.num_reqs)]

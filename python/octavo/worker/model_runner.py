@@ -35,6 +35,9 @@ class ModelRunner:
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
+        # An EAGLE head reads each step's hidden states (its final rows: ``hidden``; the model's
+        # aux_hidden_states), so such steps run eagerly.
+        self.keep_hidden, self.hidden = False, None
         self.staging = Staging(self.device)
         use_device(self.device)
         c = model.config
@@ -67,12 +70,28 @@ class ModelRunner:
         logits never sit on the device at once)."""
         use_device(self.device)
         if len(out.block_copies):
-            self._copy_blocks(out.block_copies)
-        if self.cuda_graphs is not None and extra_rows is None:
+            self.copy_blocks(out.block_copies)
+        if self.cuda_graphs is not None and extra_rows is None and not self.keep_hidden:
             logits = self.cuda_graphs.run(out)
             if logits is not None:
                 return logits, None
         indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])
+        input_ids, positions, meta, indices = self.inputs(out, indices)
+        hidden = self._forward(input_ids, positions, meta)
+        if hidden is None:  # a stage before the last
+            return None, None
+        if self.keep_hidden:
+            self.hidden = hidden
+        n = len(out.logits_indices)
+        logits = self.model.compute_logits(hidden, indices[:n])
+        if extra_rows is None:
+            return logits, None
+        extra = indices[n:]
+        return logits, torch.cat([self.model.compute_logits(hidden, extra[i:i + PROMPT_LOGITS_ROWS]).cpu()
+                                  for i in range(0, len(extra), PROMPT_LOGITS_ROWS)])
+
+    def inputs(self, out, indices: np.ndarray):
+        """A step's arrays on the device: (input_ids, positions, AttentionMetadata, indices)."""
         # The scheduler's arrays are read-only views of its buffers, valid until its next step:
         # staging copies them.
         arrays = [out.input_ids, out.positions, out.slot_mapping, out.query_start_loc, out.seq_lens, out.block_table,
@@ -84,18 +103,9 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
                                  block_tables=block_tables, plan=plan[0] if plan else None,
                                  num_decodes=leading_decodes(out.query_start_loc))
-        hidden = self._forward(input_ids, positions, meta)
-        if hidden is None:  # a stage before the last
-            return None, None
-        n = len(out.logits_indices)
-        logits = self.model.compute_logits(hidden, indices[:n])
-        if extra_rows is None:
-            return logits, None
-        extra = indices[n:]
-        return logits, torch.cat([self.model.compute_logits(hidden, extra[i:i + PROMPT_LOGITS_ROWS]).cpu()
-                                  for i in range(0, len(extra), PROMPT_LOGITS_ROWS)])
+        return input_ids, positions, meta, indices
 
-    def _copy_blocks(self, pairs: np.ndarray) -> None:
+    def copy_blocks(self, pairs: np.ndarray) -> None:
         """Partial-block cache hits: each (src, dst) pair's KV, every layer's K and V, before the
         step reads it (the scheduler holds src until the step ends)."""
         pairs = torch.from_numpy(np.asarray(pairs, dtype=np.int64).reshape(-1, 2)).to(self.device)

@@ -3,6 +3,7 @@ state of every request it runs. The executor creates it, sizes its cache and han
 
 from __future__ import annotations
 
+import logging
 import traceback
 
 import numpy as np
@@ -17,11 +18,16 @@ from ..layers.crossover import calibrate as calibrate_linear
 from ..loader import load_model
 from ..logits_processor import LogitsProcessors
 from ..logits_processor import resolve as resolve_logits_processors
+from ..models.llama_eagle import METHODS as EAGLE_METHODS
+from ..models.llama_eagle import load_eagle_head
 from .gpu_memory import GpuMemoryPlan
 from .draft_model import DraftModel, load_draft_model
+from .eagle import EagleDrafter
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampler import SamplingState, join_requests, sample
 from .staging import Staging
+
+logger = logging.getLogger("octavo.worker")
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # CPU default when neither the user nor the model says more
 
@@ -46,7 +52,8 @@ class Worker:
             self.device = torch.device("cuda", rank)
         init_model_parallel(rank, tp, pp, init_method, self.device, shared_memory)
         self.model = self.runner = self.memory = self._staging = self.logits_processors = None
-        self.draft_model = self.drafter = None  # speculative decoding's draft model (the driver's)
+        # Speculative decoding's draft model or EAGLE head, and what runs it (the driver's).
+        self.draft_model = self.drafter = None
         self.states: dict[int, SamplingState] = {}  # by scheduler handle
         self.num_steps = 0
 
@@ -61,6 +68,8 @@ class Worker:
         spec = c.speculative
         if self.driver and spec is not None and spec.method == "draft_model":
             self.draft_model = load_draft_model(spec, c, self.device, self.model.config)
+        elif self.driver and spec is not None and spec.method in EAGLE_METHODS:
+            self.draft_model = load_eagle_head(spec.model, spec.method, self.model)
 
     def model_summary(self) -> tuple:
         """(ModelConfig, the dtype the weights were loaded as)."""
@@ -83,9 +92,11 @@ class Worker:
         """Allocates the KV cache, captures the decode graphs and warms up (on a GPU)."""
         self.runner = ModelRunner(self.model, num_blocks, cache.block_size)
         self._staging = Staging(self.runner.device)
+        spec = self.config.speculative
         if self.draft_model is not None:
-            self.drafter = DraftModel(self.draft_model, num_blocks, cache.block_size,
-                                      self.config.speculative.num_speculative_tokens, cache.max_model_len)
+            sizes = (num_blocks, cache.block_size, spec.num_speculative_tokens, cache.max_model_len)
+            self.drafter = (DraftModel(self.draft_model, *sizes) if spec.method == "draft_model"
+                            else EagleDrafter(self.draft_model, self.runner, *sizes))
         if self.driver and self.config.logits_processors:
             self.logits_processors = LogitsProcessors(resolve_logits_processors(self.config.logits_processors),
                                                       self.model.config.vocab_size, cache.max_num_seqs,
@@ -100,8 +111,10 @@ class Worker:
 
     def _graphs(self, cache: CacheConfig) -> bool:
         """Decode steps replay CUDA graphs on one GPU; tensor- and pipeline-parallel ranks run
-        eagerly (their collectives are not captured)."""
-        return self.device.type == "cuda" and not cache.enforce_eager and self.world_size == 1
+        eagerly (their collectives are not captured), and so do the steps an EAGLE head reads."""
+        spec = self.config.speculative
+        return (self.device.type == "cuda" and not cache.enforce_eager and self.world_size == 1
+                and not (spec is not None and spec.method in EAGLE_METHODS))
 
     @torch.inference_mode()
     def execute_model(self, step: StepInput) -> StepOutput | None:
@@ -127,10 +140,17 @@ class Worker:
         samples = self._keep_sampled(step, states, sampled)
         out = StepOutput(sampled, failures, prompt)
         if self.drafter is not None:
-            rows = [i for i in step.draft_rows if samples[i]]
-            tokens = [states[i].prompt_token_ids + states[i].output_token_ids for i in rows]
-            out.draft_offsets, out.draft_token_ids = self.drafter.propose(step, rows, tokens)
+            out.draft_offsets, out.draft_token_ids = self._draft(step, states, samples, sampled)
         return out
+
+    def _draft(self, step: StepInput, states: list[SamplingState], samples: list[bool], sampled):
+        """The drafter's proposals for the next step. Drafts are optional: when drafting fails,
+        the step's requests get none (the error goes to the log) and their tokens stand."""
+        try:
+            return self.drafter.propose(step, states, samples, sampled)
+        except Exception:  # noqa: BLE001 - a failed proposal must not fail the requests
+            logger.exception("drafting failed; the step's requests get no drafts")
+            return np.zeros(step.num_reqs + 1, dtype=np.int32), np.zeros(0, dtype=np.int32)
 
     def _update_states(self, step: StepInput) -> list[SamplingState]:
         for handle in step.finished_handles:
