@@ -107,7 +107,7 @@ def random_head(method: str, directory: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, nargs="*", default=[2, 4, 6], help="ngram's num_speculative_tokens values")
-    ap.add_argument("--drafts", nargs="*", default=[], choices=["int4", "int8", "w4a8", "w8a8", "none"],
+    ap.add_argument("--drafts", nargs="*", default=[], choices=["int4", "q4_1", "int8", "w4a8", "w8a8", "none"],
                     help="draft models to run: the default model quantized so ('none': as it is)")
     ap.add_argument("--draft-k", type=int, default=3, help="the draft models' and heads' num_speculative_tokens")
     ap.add_argument("--eagle", nargs="*", default=[], help="EAGLE heads, METHOD:DIR (eagle or eagle3); a bare "

@@ -22,7 +22,7 @@ METHODS = ("ngram", "draft_model", "eagle", "eagle3")
 MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # a model drafts, run by the driver worker
 # Methods vLLM knows that Octavo does not run yet: a clear error rather than an unknown name.
 NOT_YET = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
-QUANTIZATIONS = ("int8", "int4", "w4a8", "w8a8")
+QUANTIZATIONS = ("int8", "int4", "q4_1", "w4a8", "w8a8")
 
 
 @dataclass
@@ -38,7 +38,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None  # no drafts while this many requests or more run
     model: str | None = None  # the draft model's directory (draft_model)
-    quantization: str | None = None  # the draft model's: int8 / int4 / w4a8 / w8a8, rounded at load
+    quantization: str | None = None  # the draft model's: int8 / int4 / q4_1 / w4a8 / w8a8, rounded at load
 
     @classmethod
     def from_dict(cls, config: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
@@ -133,7 +133,8 @@ def draft_cost(config: SpeculativeConfig, target) -> float:
     weights = matmul_weights(draft)
     if config.method != "draft_model":
         h, vocab = draft.hidden_size, draft.vocab_size
-        fc_inputs = 3 * (draft.hf.get("target_hidden_size") or target.hidden_size) if config.method == "eagle3" else 2 * h
+        target_h = draft.hf.get("target_hidden_size") or target.hidden_size
+        fc_inputs = 3 * target_h if config.method == "eagle3" else 2 * h
         weights += h * fc_inputs - h * (vocab - (draft.hf.get("draft_vocab_size") or vocab))
     return weights / matmul_weights(target)
 
@@ -186,10 +187,45 @@ class SpecDecodingCounts:
 # a / b in rows, measured on the default model on 2 CPU cores (bench/RESULTS.md: one step of 1
 # token 25.6 ms, of 64 tokens 118 ms); a GPU reads weights far faster than it runs out of
 # compute, so its value is larger (not measured yet; vLLM's GPU figures put it in the hundreds).
+# A model drafter's cost is measured instead (DraftCost): the k drafts of B requests pay when
+# their acceptance reaches (B + D / k) / (B + STEP_COST_ROWS), D being the drafting's time in
+# target rows, fixed costs (weight reads, Python) included; until then draft_cost prices its rows.
 STEP_COST_ROWS = {"cpu": 16, "cuda": 256}
 RECOVERY = 0.02
 PROBE_OVERHEAD = 0.03
 RECENT_WEIGHT = 0.05
+
+
+class DraftCost:
+    """A drafting model's time per step in target rows (one row: a step's time / (STEP_COST_ROWS +
+    its rows)) for n drafting requests, fitted as c0 + c1 * n over the recent steps."""
+
+    DECAY = 0.95  # the weight of a step 14 steps back is half a new one's
+    MIN_STEPS = 3
+
+    def __init__(self):
+        self._sums = np.zeros(5)  # weighted count, n, rows, n^2, n * rows
+
+    def add(self, n: int, rows: float) -> None:
+        self._sums = self._sums * self.DECAY + np.array([1.0, n, rows, n * n, n * rows])
+
+    def age(self) -> None:
+        """A step without drafting: the fit fades, and some 40 steps after the last drafting the
+        rule falls back on the weights' price and measures again (a cost that kept everyone from
+        drafting is not final)."""
+        self._sums *= self.DECAY
+
+    def rows(self, n: int) -> float | None:
+        """The drafting rows for n requests, or None before MIN_STEPS steps."""
+        w, x, y, xx, xy = self._sums
+        if w < self.MIN_STEPS * self.DECAY ** self.MIN_STEPS:
+            return None
+        mean_x, mean_y = x / w, y / w
+        spread = xx / w - mean_x * mean_x
+        if spread < 0.25:  # one batch size seen: proportional
+            return mean_y * n / mean_x
+        slope = (xy / w - mean_x * mean_y) / spread
+        return max(mean_y + slope * (n - mean_x), 0.0)
 
 
 class Speculator:
@@ -205,6 +241,7 @@ class Speculator:
         self.recovery = RECOVERY if draft_cost == 0 else \
             PROBE_OVERHEAD * (1 + draft_cost) / (2 * k * (draft_cost * rows + 1))
         self.counts = SpecDecodingCounts(accepted_per_position=[0] * config.num_speculative_tokens)
+        self.draft_time = DraftCost()
         self._acceptance: dict[int, float] = {}  # by scheduler handle, while it runs
         self._recent = 1.0  # every request's verifying steps, a moving average: a new request's estimate
 
@@ -239,8 +276,23 @@ class Speculator:
     def _off(self, batch: int) -> bool:
         return bool(self.config.disable_by_batch_size) and batch >= self.config.disable_by_batch_size
 
+    def needed(self, batch: int) -> float:
+        """The acceptance a request's drafts need in a batch of this size to pay for themselves."""
+        measured = self.draft_time.rows(batch)
+        if measured is None:
+            return (1 + self.draft_cost) * batch / (batch + self.step_cost_rows)
+        return (batch + measured / self.config.num_speculative_tokens) / (batch + self.step_cost_rows)
+
+    def record_times(self, times) -> None:
+        """A step's StepTimes: its drafting's time, in target rows, for the cost rule."""
+        if not times.drafted:
+            self.draft_time.age()
+            return
+        row = times.model_seconds / (self.step_cost_rows + times.rows)
+        self.draft_time.add(times.drafted, times.draft_seconds / row)
+
     def _worth_drafting(self, handles: list[int], batch: int) -> list[int]:
-        needed = (1 + self.draft_cost) * batch / (batch + self.step_cost_rows)
+        needed = self.needed(batch)
         chosen = []
         for handle in handles:
             estimate = self._acceptance.setdefault(handle, self._recent)

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from octavo import _C
 from octavo.layers.linear import CPU_BF16_GEMM_FROM_ROWS, QuantizedWeight, _on_amx_tiles, linear
-from octavo.layers.quantize import int4_group_size, pack_nibbles, quantize_int4, quantize_int8, quantize_model
+from octavo.layers.quantize import (int4_group_size, pack_nibbles, quantize_int4, quantize_int8, quantize_model,
+                                    quantize_q4_1)
 from test_elementwise_ops import DTYPE_IDS, DTYPES
 from test_linear import assert_close, reference
 
@@ -47,6 +48,21 @@ def test_int4_quantizer_and_dequantize(isa, k, wanted, group):
     expected = ((q.view(24, k // group, group).float() - z[..., None].float()) * s[..., None]).reshape(24, k)
     assert torch.equal(qw.dequantize(), expected)
     assert ((qw.dequantize() - w).abs() <= s.repeat_interleave(group, 1) * (0.5 + 1e-4)).all()
+
+
+def test_q4_1_quantizer_writes_llama_cpps_blocks():
+    """Byte for byte what gguf's reference quantizer writes, flat and zero blocks included, and
+    a model whose weights are Q4_1 values gets them back exactly."""
+    gguf = pytest.importorskip("gguf")
+    from gguf import quants
+
+    w = torch.randn(6, 160)
+    w[1, :32], w[2, 32:64] = 0.25, 0.0
+    ours = quantize_q4_1(w)
+    theirs = quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q4_1)
+    assert ours.weight_format == "q4_1" and torch.equal(ours.qweight, torch.from_numpy(theirs))
+    on_grid = ours.dequantize()
+    assert torch.equal(quantize_q4_1(on_grid).dequantize(), on_grid)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -131,7 +147,7 @@ def test_quantize_model_replaces_the_projections():
     assert isinstance(model.embed_tokens, torch.nn.Parameter)  # lookups stay float
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "q4_1"])
 @pytest.mark.parametrize("dtype,tied", [("float32", True), ("bfloat16", False)])
 def test_quantizing_while_loading_equals_quantizing_the_loaded_model(tmp_path, monkeypatch, method, dtype, tied):
     """load_model(quantization=) quantizes each projection as its parts arrive: the very weights
@@ -174,7 +190,7 @@ def test_quantizing_while_loading_refuses_what_it_cannot_do(tmp_path):
         load_model(tmp_path, device="cuda", quantization="int4")  # refused by load_model itself
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "q4_1"])
 def test_octavo_quantize_writes_a_checkpoint_that_loads_as_it_is(tmp_path, method):
     from octavo import LLM, SamplingParams
     from octavo.entrypoints.cli import main

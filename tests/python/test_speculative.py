@@ -19,7 +19,8 @@ import transformers
 from test_models import ARCHITECTURES, tiny_checkpoint
 
 from octavo import LLM, SamplingParams
-from octavo.speculative import SpeculativeConfig
+from octavo.executor.step_io import StepTimes
+from octavo.speculative import SpeculativeConfig, Speculator
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 CHAIN_VOCAB = 32
@@ -32,7 +33,8 @@ def chain_checkpoint(path, vocab: int = CHAIN_VOCAB, sharpness: float = 0.6, lay
     sqrt(hidden) for the successor against about N(0, sharpness) for the others."""
     torch.manual_seed(0)
     hidden = 128
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=256, num_hidden_layers=layers,
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=256,
+                                      num_hidden_layers=layers,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=32,
                                       max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0,
                                       eos_token_id=1)
@@ -81,13 +83,18 @@ def speculator(llm: LLM):
     return llm.llm_engine.core.engine_core.speculator
 
 
+def draft_always(llm: LLM) -> LLM:
+    """The engine drafting whatever its drafts cost (the cost rule off)."""
+    speculator(llm).needed = lambda batch: 0.0
+    return llm
+
+
 @pytest.fixture
 def always_drafting(chain):
-    """The chain's speculative engine with drafts at any batch size (the cost rule off)."""
-    spec = speculator(chain[2])
-    cost, spec.step_cost_rows = spec.step_cost_rows, 10**9
+    """The chain's speculative engine with drafts at any batch size."""
+    draft_always(chain[2])
     yield
-    spec.step_cost_rows = cost
+    del speculator(chain[2]).needed
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -126,6 +133,23 @@ def test_config_defaults_follow_vllm():
 def test_bad_configs_are_refused_with_vllms_messages(config, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(config)
+
+
+def test_a_drafting_models_measured_time_sets_the_acceptance_that_pays():
+    """Until three steps are timed a draft model's rows are priced by its weights; then by its
+    measured time in target rows, c0 + c1 * n for n drafting requests (fixed costs included)."""
+    spec = Speculator(SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3}), "cpu", 1.0)
+    assert spec.needed(8) == pytest.approx(2 * 8 / 24)
+    for n in (1, 4, 8, 2, 6):  # a target row takes 1 ms; drafting takes 10 ms plus 1 ms per request
+        spec.record_times(StepTimes(rows=4 * n, model_seconds=(16 + 4 * n) * 1e-3, drafted=n,
+                                    draft_seconds=(10 + n) * 1e-3))
+    assert spec.draft_time.rows(8) == pytest.approx(18)
+    assert spec.needed(8) == pytest.approx((8 + 18 / 3) / 24) and spec.needed(1) == pytest.approx((1 + 11 / 3) / 17)
+    spec.record_times(StepTimes(rows=5, model_seconds=0.02))  # a step that drafted nothing: the fit fades
+    assert spec.draft_time.rows(8) == pytest.approx(18)
+    for _ in range(40):
+        spec.record_times(StepTimes(rows=5, model_seconds=0.02))
+    assert spec.draft_time.rows(8) is None and spec.needed(8) == pytest.approx(2 * 8 / 24)
 
 
 def test_engines_refuse_what_speculation_cannot_serve(tiny_path):
@@ -282,12 +306,10 @@ def test_requests_whose_drafts_fail_stop_drafting_in_a_batch(chain):
         return counts(spec).num_draft_tokens - before
 
     gated = draft_tokens(prompts)
-    engine = speculator(spec)
-    cost, engine.step_cost_rows = engine.step_cost_rows, 10**9
     try:
-        ungated = draft_tokens(prompts)
+        ungated = draft_tokens(prompts) if draft_always(spec) else None
     finally:
-        engine.step_cost_rows = cost
+        del speculator(spec).needed
     assert gated < ungated / 4
     assert draft_tokens(prompts[:1]) > 20
 
@@ -399,8 +421,8 @@ def chain_drafts(chain, tmp_path_factory):
     other = tmp_path_factory.mktemp("other-draft")
     tiny_checkpoint("llama", other, vocab_size=CHAIN_VOCAB)  # 256 positions
     args = dict(skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=32 << 20)
-    own = LLM(target, speculative_config={"model": target, "quantization": "int8", "num_speculative_tokens": 3},
-              **args)
+    own = draft_always(LLM(target, speculative_config={"model": target, "quantization": "int8",
+                                                       "num_speculative_tokens": 3}, **args))
     stranger = LLM(target, speculative_config={"model": str(other), "num_speculative_tokens": 2}, **args)
     return own, stranger
 
@@ -432,8 +454,8 @@ def test_the_target_as_its_own_draft_is_always_accepted(default_models):
     from octavo.default_model import default_model_path
 
     plain, _ = default_models
-    llm = LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
-              speculative_config={"model": str(default_model_path()), "num_speculative_tokens": 3})
+    llm = draft_always(LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20, max_num_batched_tokens=64,
+                           speculative_config={"model": str(default_model_path()), "num_speculative_tokens": 3}))
     encode = llm.get_tokenizer().encode
     prompts = [encode(p) for p in (COPY_PROMPT, "Hi", "Write a poem about the sea and the stars.")]
     params = SamplingParams(temperature=0, max_tokens=21, ignore_eos=True)
@@ -453,9 +475,8 @@ def test_self_draft_survives_preemption(default_models):
     from octavo.default_model import default_model_path
 
     plain, _ = default_models
-    llm = LLM(max_model_len=512, kv_cache_memory_bytes=40 * 2 * 737280, enable_prefix_caching=False,
-              speculative_config={
-        "model": str(default_model_path()), "num_speculative_tokens": 3})
+    llm = draft_always(LLM(max_model_len=512, kv_cache_memory_bytes=40 * 2 * 737280, enable_prefix_caching=False,
+                           speculative_config={"model": str(default_model_path()), "num_speculative_tokens": 3}))
     assert llm.llm_engine.info.num_blocks == 40
     prompts = [f"Item {i}: write a long list of fruits, one per line." for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
@@ -479,8 +500,8 @@ def test_default_model_with_its_int4_self_draft(default_models):
     from octavo.default_model import default_model_path
 
     path = str(default_model_path())
-    spec = LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20,
-               speculative_config={"model": path, "quantization": "int4", "num_speculative_tokens": 3})
+    spec = draft_always(LLM(max_model_len=512, kv_cache_memory_bytes=64 << 20,
+                            speculative_config={"model": path, "quantization": "int4", "num_speculative_tokens": 3}))
     prompts = [COPY_PROMPT, "Why is the sky blue?"]
     for params in (SamplingParams(temperature=0, max_tokens=32),
                    SamplingParams(temperature=0.8, seed=9, max_tokens=32)):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 from test_models import ARCHITECTURES, tiny_checkpoint
-from test_speculative import CHAIN_VOCAB, chain_checkpoint, counts, speculator, token_ids, walk
+from test_speculative import CHAIN_VOCAB, chain_checkpoint, counts, draft_always, token_ids, walk
 
 from octavo import LLM, SamplingParams
 from octavo.speculative import SpeculativeConfig
@@ -175,7 +175,7 @@ def chain_eagle(request, tmp_path_factory):
     head = save_head(tmp_path_factory.mktemp("head"), config, tensors)
     llm = LLM(str(path), speculative_config=spec_config(request.param, head), max_num_batched_tokens=24,
               enable_chunked_prefill=True, **ARGS)
-    speculator(llm).step_cost_rows = 10**9
+    draft_always(llm)
     return llm, target, tensors, config, eagle3, successor, str(path), head
 
 
@@ -235,7 +235,7 @@ def test_preempted_requests_draft_as_the_reference_when_they_resume(chain_eagle)
     llm = LLM(path, speculative_config=spec_config("eagle3" if eagle3 else "eagle", head),
               **{**ARGS, "kv_cache_memory_bytes": 6 * block_bytes, "max_model_len": 96, "enable_prefix_caching": False})
     assert llm.llm_engine.info.num_blocks == 6
-    speculator(llm).step_cost_rows = 10**9
+    draft_always(llm)
     engine = llm.llm_engine
     prompts = [walk(successor, s, 20 + 6 * s) for s in range(3)]
     for i, prompt in enumerate(prompts):
@@ -284,7 +284,7 @@ def test_random_eagle3_heads_change_no_token_of_tiny_architectures(kind, tmp_pat
     head = save_head(tmp_path / "head", config, random_head(config, True))
     plain = LLM(str(tmp_path / "target"), **ARGS)
     spec = LLM(str(tmp_path / "target"), speculative_config=spec_config("eagle3", head, 2), **ARGS)
-    speculator(spec).step_cost_rows = 10**9
+    draft_always(spec)
     rng = np.random.default_rng(1)
     prompts = [rng.integers(2, 300, size=n).tolist() for n in (5, 17, 33)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)

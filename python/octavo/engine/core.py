@@ -300,6 +300,8 @@ class EngineCore:
         (a draft model's came with the step's result)."""
         if result.sampled.offsets is not None:
             self.speculator.record(step.handles, step.num_draft_tokens, np.diff(result.sampled.offsets))
+        if result.times is not None:
+            self.speculator.record_times(result.times)
         new = np.diff(update.new_token_offsets)
         handles = [h for h, n, f in zip(step.handles, new.tolist(), finish_reasons.tolist()) if n and not f]
         drafted = None

@@ -101,12 +101,12 @@ def _quantize(args: argparse.Namespace) -> int:
 
 
 def add_quantize(subparsers) -> None:
-    p = subparsers.add_parser("quantize", help="write an int8 / int4 / w4a8 / w8a8 copy of a float checkpoint",
+    p = subparsers.add_parser("quantize", help="write an int8 / int4 / q4_1 / w4a8 / w8a8 copy of a float checkpoint",
                               description="Quantize a Hugging Face checkpoint's projections (round to nearest; "
                               "the LM head in int8) and write a checkpoint that LLM(DST) loads as it is.")
     p.add_argument("src", help="the float checkpoint directory")
     p.add_argument("dst", help="the directory to create (must not exist or be empty)")
-    p.add_argument("--method", "-q", required=True, choices=["int8", "int4", "w4a8", "w8a8"])
+    p.add_argument("--method", "-q", required=True, choices=["int8", "int4", "q4_1", "w4a8", "w8a8"])
     p.set_defaults(func=_quantize)
 
 

@@ -125,6 +125,16 @@ class SamplerOutput:
 
 
 @dataclass
+class StepTimes:
+    """How long the driver's parts of a step took, for the speculative cost rule."""
+
+    rows: int              # token rows of the forward pass
+    model_seconds: float   # the forward pass and sampling
+    drafted: int = 0       # requests the drafter drafted for
+    draft_seconds: float = 0.0  # their drafting (not an EAGLE head's catch-up, which runs anyway)
+
+
+@dataclass
 class StepOutput:
     """What the workers made of a step (rank 0's results)."""
 
@@ -135,3 +145,4 @@ class StepOutput:
     # draft_token_ids[draft_offsets[i]:draft_offsets[i + 1]] (int32; None without a draft model).
     draft_offsets: np.ndarray | None = None
     draft_token_ids: np.ndarray | None = None
+    times: StepTimes | None = None  # with a drafting model, unless the step's times say nothing

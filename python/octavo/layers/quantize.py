@@ -10,6 +10,10 @@
   of activation blocks): about half the arithmetic of int4's float path at decode, at an accuracy
   cost lost in int4's own (bench/RESULTS.md). CPU only; prefill-sized bfloat16 batches still
   multiply dequantized weights where the CPU lacks AMX.
+- "q4_1": llama.cpp's Q4_1 blocks (format "q4_1", as a GGUF file holds them): per row and
+  group of 32 inputs, w = d * q + m with q in [0, 15], d = (max - min) / 15 and m = min in
+  float16. The float minimum fits a grid that int4's integer zero point cannot: a model whose
+  weights came from a Q4_1 file gets them back exactly.
 - "w8a8": int8's weights (format "int8_a8"), and ``linear`` rounds each input row to int8 with
   one scale for the whole row (dynamic per token) and multiplies integers, one scaling per output
   (vLLM's W8A8 int8, as compressed-tensors checkpoints hold it: loader/compressed_tensors.py). On
@@ -28,7 +32,7 @@ import torch
 
 from .linear import QuantizedWeight
 
-METHODS = ("int8", "int4", "w4a8", "w8a8")
+METHODS = ("int8", "int4", "q4_1", "w4a8", "w8a8")
 INT4_FORMATS = ("int4", "int4_a8")  # the same stored weights
 INT8_FORMATS = ("int8", "int8_a8")
 
@@ -68,11 +72,29 @@ def quantize_int4(w: torch.Tensor, group_size: int = 128, weight_format: str = "
                            zeros=zeros.to(torch.uint8), group_size=g)
 
 
+def quantize_q4_1(w: torch.Tensor) -> QuantizedWeight:
+    """GGUF Q4_1 blocks of 20 bytes per 32 inputs (float16 d, float16 m, 16 bytes of nibbles), as
+    llama.cpp's reference quantizer writes them: q = floor((w - min) / d + 0.5)."""
+    n, k = w.shape
+    if k % 32:
+        raise ValueError(f"q4_1 needs rows whose length is a multiple of 32, got {k}")
+    groups = w.float().reshape(n, k // 32, 32)
+    low = groups.amin(dim=-1)
+    d = (groups.amax(dim=-1) - low) / 15
+    inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = torch.floor((groups - low[..., None]) * inverse[..., None] + 0.5).clamp_(0, 15).to(torch.uint8)
+    halves = [t.half().view(torch.uint8).view(n, k // 32, 2) for t in (d, low)]
+    blocks = torch.cat([*halves, pack_nibbles(q.reshape(n, k)).view(n, k // 32, 16)], dim=-1)
+    return QuantizedWeight(blocks.reshape(n, k // 32 * 20), "q4_1", k)
+
+
 def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     if method == "int8":
         return quantize_int8(w)
     if method == "int4":
         return quantize_int4(w)
+    if method == "q4_1":
+        return quantize_q4_1(w)
     if method == "w4a8":
         return quantize_int4(w, weight_format="int4_a8")
     if method == "w8a8":
@@ -81,7 +103,7 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
 
 
 def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight | None:
-    """Inputs [begin, end) of an int8 / int4 weight (a row-parallel rank's part), with the
+    """Inputs [begin, end) of an int8 / int4 / q4_1 weight (a row-parallel rank's part), with the
     whole rows' scales, so that the part is bit for bit the whole weight's; None where the cut
     does not fall on the format's group boundaries."""
     if w.weight_format in INT8_FORMATS and begin % 32 == 0 and end % 32 == 0:
@@ -91,6 +113,8 @@ def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight |
         return QuantizedWeight(w.qweight[:, begin // 2:end // 2], w.weight_format, end - begin,
                                scales=w.scales[:, begin // g:end // g], zeros=w.zeros[:, begin // g:end // g],
                                group_size=g)
+    if w.weight_format == "q4_1" and begin % 32 == 0 and end % 32 == 0:
+        return QuantizedWeight(w.qweight[:, begin // 32 * 20:end // 32 * 20], "q4_1", end - begin)
     return None
 
 
@@ -234,7 +258,8 @@ def quantized_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
 
 # The tensors a saved quantized weight has, by format.
 _SAVED_PARTS = {"int8": ("qweight", "scales"), "int8_a8": ("qweight", "scales"),
-                "int4": ("qweight", "scales", "zeros"), "int4_a8": ("qweight", "scales", "zeros")}
+                "int4": ("qweight", "scales", "zeros"), "int4_a8": ("qweight", "scales", "zeros"),
+                "q4_1": ("qweight",)}
 
 
 def _whole_name(model: torch.nn.Module, local: str) -> str:

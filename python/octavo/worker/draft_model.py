@@ -14,6 +14,7 @@ draft KV of shared blocks again (the same tokens give the same bits).
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -44,6 +45,9 @@ class DraftModel:
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.block_size, self.k, self.max_model_len = block_size, num_speculative_tokens, max_model_len
         self.computed: dict[int, int] = {}  # by handle: tokens whose draft KV the request wrote itself
+        # The last propose's time, or None when it caught a request up over more than the tokens
+        # of one step (a request's first drafting: a cost paid once, not each step).
+        self.seconds: float | None = 0.0
 
     def forget(self, handles: list[int]) -> None:
         """Finished requests, and preempted ones (their blocks went back to the pool)."""
@@ -54,11 +58,13 @@ class DraftModel:
         """Drafts for the step's requests at step.draft_rows that sampled in it (states: every
         request's SamplingState, its outputs updated). Returns every request's drafts as
         (offsets [R + 1], tokens) int32; the others get none."""
+        started = time.perf_counter()
         rows = [i for i in step.draft_rows if samples[i]]
         tokens = [states[i].prompt_token_ids + states[i].output_token_ids for i in rows]
         rows = [i for i, t in zip(rows, tokens) if len(t) < self.max_model_len - 1]  # room for a draft
         tokens = [t for t in tokens if len(t) < self.max_model_len - 1]
         drafts = [[] for _ in range(step.num_reqs)]
+        self._steady = True
         if rows:
             handles = step.req_handles[rows].tolist()
             table = step.block_table[rows]
@@ -66,6 +72,7 @@ class DraftModel:
             for i, t in zip(rows, self._decode(table, np.array([len(t) for t in tokens]), last)):
                 drafts[i] = t
         offsets = np.cumsum([0] + [len(d) for d in drafts]).astype(np.int32)
+        self.seconds = time.perf_counter() - started if self._steady else None
         return offsets, np.array([t for d in drafts for t in d], dtype=np.int32)
 
     def _catch_up(self, handles: list[int], table: np.ndarray, tokens: list[list[int]]) -> torch.Tensor:
@@ -73,6 +80,7 @@ class DraftModel:
         starts = [min(self.computed.get(h, 0), len(t) - 1) for h, t in zip(handles, tokens)]
         inputs = [t[s:] for s, t in zip(starts, tokens)]
         lengths = np.array([len(x) for x in inputs])
+        self._steady = int(lengths.max()) <= self.k + 1
         positions = np.concatenate([np.arange(s, len(t), dtype=np.int32) for s, t in zip(starts, tokens)])
         query_start_loc = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
         for h, t in zip(handles, tokens):

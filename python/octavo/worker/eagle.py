@@ -18,6 +18,7 @@ A block a request found in the prefix cache holds head KV from the request that 
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,6 +35,7 @@ class EagleDrafter:
         self.runner = ModelRunner(head, num_blocks, block_size)
         target_runner.keep_hidden = True
         self.block_size, self.k, self.max_model_len = block_size, num_speculative_tokens, max_model_len
+        self.seconds = 0.0  # the last propose's drafting, after the catch-up
 
     def forget(self, handles: list[int]) -> None:
         """Nothing to forget: the head's KV follows the target's, step by step."""
@@ -42,17 +44,20 @@ class EagleDrafter:
     def propose(self, step: StepInput, states, samples: list[bool], sampled: SamplerOutput):
         """After the step: the head's catch-up, then drafts for step.draft_rows that sampled.
         Returns every request's drafts as (offsets [R + 1], tokens) int32."""
+        self.seconds = 0.0
         if len(step.block_copies):
             self.runner.copy_blocks(step.block_copies)
         drafts = [[] for _ in range(step.num_reqs)]
         if step.num_reqs:
             counts, rows, next_tokens = _catch_up_rows(step, states, samples, sampled.per_request())
             normed, carry, newest = self._catch_up(step, counts, rows, next_tokens)
+            started = time.perf_counter()
             pick = [i for i in step.draft_rows if samples[i] and newest[i] + 2 <= self.max_model_len]
             if pick:
                 last = np.cumsum(counts)[pick] - 1
                 for i, tokens in zip(pick, self._decode(step.block_table[pick], newest[pick], normed, carry, last)):
                     drafts[i] = tokens
+            self.seconds = time.perf_counter() - started
         offsets = np.cumsum([0] + [len(d) for d in drafts]).astype(np.int32)
         return offsets, np.array([t for d in drafts for t in d], dtype=np.int32)
 
@@ -63,8 +68,9 @@ class EagleDrafter:
         query_start_loc = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         seq_lens = (positions[query_start_loc[1:] - 1] + 1).astype(np.int32)
         ids, pos, meta, index = self.runner.inputs(SimpleNamespace(
-            input_ids=np.asarray(next_tokens, dtype=np.int32), positions=positions, slot_mapping=step.slot_mapping[rows],
-            query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=step.block_table), rows)
+            input_ids=np.asarray(next_tokens, dtype=np.int32), positions=positions,
+            slot_mapping=step.slot_mapping[rows], query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table=step.block_table), rows)
         normed, carry = self.head(ids, pos, self._target_hidden(index), meta)
         return normed, carry, seq_lens
 

@@ -4,6 +4,7 @@ state of every request it runs. The executor creates it, sizes its cache and han
 from __future__ import annotations
 
 import logging
+import time
 import traceback
 
 import numpy as np
@@ -12,7 +13,7 @@ import torch
 from .. import _C
 from ..distributed.parallel_state import init_model_parallel
 from ..executor.configs import CacheConfig, WorkerConfig
-from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput
+from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput, StepTimes
 from ..layers import bf16_tiles
 from ..layers.crossover import calibrate as calibrate_linear
 from ..loader import load_model
@@ -122,6 +123,7 @@ class Worker:
         raises (the whole step is lost); a request whose sampling fails alone is reported in
         ``failures``, the others sample."""
         self.num_steps += 1
+        started = time.perf_counter()
         chunks = step.prompt_logprobs
         rows = None if chunks is None else np.concatenate(
             [np.arange(step.query_start_loc[i], step.query_start_loc[i] + last - first) for i, first, last, _ in chunks])
@@ -140,7 +142,12 @@ class Worker:
         samples = self._keep_sampled(step, states, sampled)
         out = StepOutput(sampled, failures, prompt)
         if self.drafter is not None:
+            out.times = StepTimes(step.total_num_scheduled_tokens, time.perf_counter() - started)
             out.draft_offsets, out.draft_token_ids = self._draft(step, states, samples, sampled)
+            out.times.drafted = int(np.count_nonzero(np.diff(out.draft_offsets)))
+            out.times.draft_seconds = self.drafter.seconds
+            if out.times.draft_seconds is None:  # a time that says nothing of later steps
+                out.times = None
         return out
 
     def _draft(self, step: StepInput, states: list[SamplingState], samples: list[bool], sampled):
@@ -150,6 +157,7 @@ class Worker:
             return self.drafter.propose(step, states, samples, sampled)
         except Exception:  # noqa: BLE001 - a failed proposal must not fail the requests
             logger.exception("drafting failed; the step's requests get no drafts")
+            self.drafter.seconds = 0.0
             return np.zeros(step.num_reqs + 1, dtype=np.int32), np.zeros(0, dtype=np.int32)
 
     def _update_states(self, step: StepInput) -> list[SamplingState]:
