@@ -478,6 +478,14 @@ def test_self_draft_survives_preemption(default_models):
     llm = draft_always(LLM(max_model_len=512, kv_cache_memory_bytes=40 * 2 * 737280, enable_prefix_caching=False,
                            speculative_config={"model": str(default_model_path()), "num_speculative_tokens": 3}))
     assert llm.llm_engine.info.num_blocks == 40
+    drafter = llm.llm_engine.core.engine_core.executor.driver_worker.drafter
+    catch_up, starts = drafter._catch_up, []  # (handle, tokens of its draft KV) before each catch-up
+
+    def watched(handles, table, tokens):
+        starts.extend((h, drafter.computed.get(h, 0)) for h in handles)
+        return catch_up(handles, table, tokens)
+
+    drafter._catch_up = watched
     prompts = [f"Item {i}: write a long list of fruits, one per line." for i in range(6)]
     params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
@@ -485,6 +493,12 @@ def test_self_draft_survives_preemption(default_models):
     c = counts(llm)
     assert llm.llm_engine.stats.num_preemptions > 0
     assert c.num_draft_tokens > 50 and c.num_accepted_tokens == c.num_draft_tokens
+    seen, restarted = set(), set()  # a resumed request's draft KV is written again from its start
+    for handle, computed in starts:
+        if computed == 0 and handle in seen:
+            restarted.add(handle)
+        seen.add(handle)
+    assert restarted
 
 
 def test_draft_model_must_share_the_vocabulary(chain, tmp_path):
