@@ -6,8 +6,8 @@ the longest n-gram that ends its tokens, found earlier in them), or from a small
 that the driver worker runs after each step ("draft_model", worker/draft_model.py), or from an
 EAGLE head on the target's hidden states ("eagle", "eagle3", worker/eagle.py); both draft
 greedily, so their drafts are deterministic as the verification assumes. The scheduler
-schedules them after the request's newest token; the driver worker samples one row per draft plus one and keeps the
-drafts its target draws (ops.rejection_sample), then the token after them; the scheduler takes
+schedules them after the request's newest token; the driver worker samples one row per draft
+plus one and keeps the drafts its target draws (ops.rejection_sample), then the token after them; the scheduler takes
 those tokens and computes the rejected drafts' positions again next step. Output is the same
 as without speculation, token for token.
 """
@@ -18,8 +18,9 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
-METHODS = ("ngram", "draft_model", "eagle", "eagle3")
-MODEL_METHODS = ("draft_model", "eagle", "eagle3")  # a model drafts, run by the driver worker
+EAGLE_METHODS = ("eagle", "eagle3")
+METHODS = ("ngram", "draft_model", *EAGLE_METHODS)
+MODEL_METHODS = ("draft_model", *EAGLE_METHODS)  # a model drafts, run by the driver worker
 # Methods vLLM knows that Octavo does not run yet: a clear error rather than an unknown name.
 NOT_YET = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
 QUANTIZATIONS = ("int8", "int4", "q4_1", "w4a8", "w8a8")
@@ -110,8 +111,8 @@ class SpeculativeConfig:
         """KV slots a request needs past its verified tokens: a draft model writes its KV for
         the token after them and its drafts but the last; an EAGLE head, which reads the token
         after each position, for its drafts but the last."""
-        return {"draft_model": self.num_speculative_tokens, "eagle": self.num_speculative_tokens - 1,
-                "eagle3": self.num_speculative_tokens - 1}.get(self.method, 0)
+        k = self.num_speculative_tokens
+        return k if self.method == "draft_model" else k - 1 if self.method in EAGLE_METHODS else 0
 
 
 def matmul_weights(config) -> int:

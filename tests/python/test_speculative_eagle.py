@@ -332,6 +332,7 @@ def test_eagle3_reads_vllms_default_layers_and_eagles_own_bin_files(tiny_target,
     (lambda c, t: c.update(vocab_size=301), "vocabulary .301 tokens. is not the target's"),
     (lambda c, t: c.update(eagle_aux_hidden_state_layer_ids=[0, 6, 1]), "reads the inputs of 3 of the target's 6"),
     (lambda c, t: t.update({"embed_tokens.weight": torch.zeros(3, 3)}), "'embed_tokens.weight' has shape"),
+    (lambda c, t: c.update(max_position_embeddings=64), r"max_position_embeddings \(64\) is below max_model_len"),
 ])
 def test_bad_heads_are_refused(tiny_target, tmp_path, change, match):
     path, target = tiny_target

@@ -23,7 +23,7 @@ from ..generation_config import load_generation_config
 from ..logits_processor import resolve as resolve_logits_processors
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, check_utf8
-from ..speculative import SpeculativeConfig
+from ..speculative import EAGLE_METHODS, SpeculativeConfig
 from .core import EngineCoreConfig
 from .core_client import InprocClient, make_client
 from .core_messages import ERROR, FINISH_REASON_NAMES, EngineCoreOutputs, EngineCoreRequest, SchedulerStats
@@ -382,7 +382,7 @@ def _check_parallel_sizes(device: torch.device, tp: int, pp: int, dp: int, backe
 def _speculative_config(config, tensor_parallel_size: int, pipeline_parallel_size: int,
                         logits_processors) -> SpeculativeConfig | None:
     speculative = SpeculativeConfig.from_dict(config)
-    if speculative is not None and speculative.method in ("eagle", "eagle3") and tensor_parallel_size > 1:
+    if speculative is not None and speculative.method in EAGLE_METHODS and tensor_parallel_size > 1:
         raise ValueError("EAGLE heads are not supported with tensor parallelism yet (they share the target's "
                          "embedding and LM head, which tensor parallelism cuts)")
     if speculative is not None and pipeline_parallel_size > 1:

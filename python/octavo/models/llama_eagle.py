@@ -32,9 +32,6 @@ from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin_cache, rope_is_neox
 from .llama import LlamaAttention, LlamaDecoderLayer
 
-METHODS = ("eagle", "eagle3")
-
-
 def aux_hidden_layers(head: ModelConfig, num_target_layers: int) -> tuple[int, ...]:
     """The target layers whose input an EAGLE-3 head reads: its config's
     ``eagle_aux_hidden_state_layer_ids`` (also under ``eagle_config``), else vLLM's default

@@ -31,6 +31,9 @@ from .model_runner import ModelRunner
 class EagleDrafter:
     def __init__(self, head, target_runner: ModelRunner, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, max_model_len: int):
+        if head.config.max_position_embeddings < max_model_len:  # its rotary table ends there
+            raise ValueError(f"the EAGLE head's max_position_embeddings ({head.config.max_position_embeddings}) is "
+                             f"below max_model_len ({max_model_len})")
         self.head, self.target = head, target_runner
         self.runner = ModelRunner(head, num_blocks, block_size)
         target_runner.keep_hidden = True

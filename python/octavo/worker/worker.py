@@ -19,8 +19,8 @@ from ..layers.crossover import calibrate as calibrate_linear
 from ..loader import load_model
 from ..logits_processor import LogitsProcessors
 from ..logits_processor import resolve as resolve_logits_processors
-from ..models.llama_eagle import METHODS as EAGLE_METHODS
 from ..models.llama_eagle import load_eagle_head
+from ..speculative import EAGLE_METHODS
 from .gpu_memory import GpuMemoryPlan
 from .draft_model import DraftModel, load_draft_model
 from .eagle import EagleDrafter

@@ -120,6 +120,7 @@ def add_arguments(parser) -> None:
                              "llguidance where xgrammar refuses)")
     parser.add_argument("--speculative-config", type=json.loads, default=None,
                         help='JSON, e.g. {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}: '
-                             "speculative decoding (drafts by prompt lookup, a draft model or an EAGLE head, verified exactly)")
+                             "speculative decoding (drafts by prompt lookup, a draft model or an EAGLE head, "
+                             "verified exactly)")
     for options, feature in UNSUPPORTED_VLLM_OPTIONS.items():
         parser.add_argument(*options, action=_Unsupported, feature=feature)
