@@ -178,34 +178,41 @@ class SpecDecodingCounts:
 # its drafts pay when E reaches k * (1 + draft_cost) * B / (B + a / b). Each request keeps an
 # estimate of its drafts' acceptance E / k (at first the engine's recent rate, then halfway to
 # each of its verifying steps' rates) and drafts while it is at least (1 + draft_cost) * B /
-# (B + STEP_COST_ROWS). Each step it sits out moves the estimate RECOVERY of the way back to 1,
-# so a request whose text starts repeating itself drafts again (a rare probe). A draft model's
-# probe costs its k passes too, so its estimate recovers slower, at the rate that holds a
-# useless drafter's probes to PROBE_OVERHEAD of a lone request's time: a failed probe leaves the
-# estimate near needed / 2, so probes come every needed / (2 * rate) steps, and one costs
-# k * draft_cost + k / (1 + S) steps of one row (S = STEP_COST_ROWS; needed = (1 + draft_cost) /
-# (1 + S) alone).
-# a / b in rows, measured on the default model on 2 CPU cores (bench/RESULTS.md: one step of 1
-# token 25.6 ms, of 64 tokens 118 ms); a GPU reads weights far faster than it runs out of
-# compute, so its value is larger (not measured yet; vLLM's GPU figures put it in the hundreds).
-# A model drafter's cost is measured instead (DraftCost): the k drafts of B requests pay when
-# their acceptance reaches (B + D / k) / (B + STEP_COST_ROWS), D being the drafting's time in
-# target rows, fixed costs (weight reads, Python) included; until then draft_cost prices its rows.
+# (B + a / b). Each step it sits out moves its estimate back towards 1, so a request whose text
+# starts repeating itself drafts again (a probe). Probes that fail cost k rows and, with a
+# drafting model, the drafting for one request; the estimate recovers at the rate that holds a
+# useless drafter's probes to PROBE_OVERHEAD of the request's share of the steps (recovery()).
+# a / b is measured at startup (worker/step_costs.py: steps of 1 and of 64 one-token requests,
+# 1024 on a GPU), and so is a drafter's time for 1 and for up to 16 drafting requests.
+# STEP_COST_ROWS holds the values the rule starts from where nothing was measured: the default
+# model's on 2 CPU cores (bench/RESULTS.md: one step of 1 token 25.6 ms, of 64 tokens 118 ms),
+# and for a GPU a guess (it reads weights far faster than it runs out of compute).
+# A model drafter's cost is measured (DraftCost): the k drafts of B requests pay when their
+# acceptance reaches (B + D / k) / (B + a / b), D being the drafting's time in target rows, fixed
+# costs (weight reads, Python) included: from the startup times, then from the steps' own.
 STEP_COST_ROWS = {"cpu": 16, "cuda": 256}
-RECOVERY = 0.02
 PROBE_OVERHEAD = 0.03
 RECENT_WEIGHT = 0.05
 
 
 class DraftCost:
-    """A drafting model's time per step in target rows (one row: a step's time / (STEP_COST_ROWS +
-    its rows)) for n drafting requests, fitted as c0 + c1 * n over the recent steps."""
+    """A drafting model's time per step in target rows (one row: a step's time / (a / b + its
+    rows)) for n drafting requests, fitted as c0 + c1 * n over the recent steps and the startup
+    times."""
 
     DECAY = 0.95  # the weight of a step 14 steps back is half a new one's
     MIN_STEPS = 3
 
     def __init__(self):
         self._sums = np.zeros(5)  # weighted count, n, rows, n^2, n * rows
+        self._prior = np.zeros(5)  # the same sums of the startup times
+
+    def prior(self, points: list[tuple[int, float]]) -> None:
+        """Times measured at startup, (n, rows): they weigh as MIN_STEPS steps and never fade, so
+        the rule knows the drafting's price from the first step and returns to it when the
+        steps' own times have faded."""
+        self._prior = sum((np.array([1.0, n, rows, n * n, n * rows]) for n, rows in points), np.zeros(5))
+        self._prior *= self.MIN_STEPS / max(len(points), 1)
 
     def add(self, n: int, rows: float) -> None:
         self._sums = self._sums * self.DECAY + np.array([1.0, n, rows, n * n, n * rows])
@@ -218,7 +225,7 @@ class DraftCost:
 
     def rows(self, n: int) -> float | None:
         """The drafting rows for n requests, or None before MIN_STEPS steps."""
-        w, x, y, xx, xy = self._sums
+        w, x, y, xx, xy = self._sums + self._prior
         if w < self.MIN_STEPS * self.DECAY ** self.MIN_STEPS:
             return None
         mean_x, mean_y = x / w, y / w
@@ -238,17 +245,20 @@ class Speculator:
         self.config = config
         self.step_cost_rows = STEP_COST_ROWS.get(device_type, STEP_COST_ROWS["cpu"])
         self.draft_cost = draft_cost
-        k, rows = config.num_speculative_tokens, 1 + self.step_cost_rows
-        self.recovery = RECOVERY if draft_cost == 0 else \
-            PROBE_OVERHEAD * (1 + draft_cost) / (2 * k * (draft_cost * rows + 1))
         self.counts = SpecDecodingCounts(accepted_per_position=[0] * config.num_speculative_tokens)
         self.draft_time = DraftCost()
         self._acceptance: dict[int, float] = {}  # by scheduler handle, while it runs
         self._recent = 1.0  # every request's verifying steps, a moving average: a new request's estimate
 
+    def calibrate(self, step_cost_rows: float, drafting: list[tuple[int, float]]) -> None:
+        """This machine's prices, measured at startup (worker/step_costs.py): a step's fixed cost
+        in rows, and the drafter's time in rows for some numbers of drafting requests."""
+        self.step_cost_rows = step_cost_rows
+        self.draft_time.prior(drafting)
+
     def propose(self, scheduler, handles: list[int], grammars=None, drafted: dict | None = None) -> None:
-        """Drafts for the requests that just sampled and still run, where they pay (see
-        STEP_COST_ROWS); none while the batch is at disable_by_batch_size or beyond. ngram
+        """Drafts for the requests that just sampled and still run, where they pay (the comment
+        above STEP_COST_ROWS); none while the batch is at disable_by_batch_size or beyond. ngram
         drafts them here; a draft model's drafts come in ``drafted`` (by handle). A constrained
         request's drafts stop before the first token its grammar refuses, so that every row
         verified has a mask."""
@@ -292,15 +302,30 @@ class Speculator:
         row = times.model_seconds / (self.step_cost_rows + times.rows)
         self.draft_time.add(times.drafted, times.draft_seconds / row)
 
+    def recovery(self, batch: int, needed: float) -> float:
+        """The fraction of the way back to 1 a request's estimate moves per step it sits out: the
+        rate at which a useless drafter's probes (each a drafting for one request and its k rows,
+        leaving the estimate near needed / 2) cost PROBE_OVERHEAD of a request's share of the
+        batch's steps ((B + a / b) / B rows)."""
+        if not 0 < needed < 1:
+            return 0.0
+        k, drafting = self.config.num_speculative_tokens, self.draft_time.rows(1)
+        if drafting is None:  # unmeasured: k passes of the draft at draft_cost of a target step
+            drafting = self.draft_cost * k * (1 + self.step_cost_rows)
+        share = (batch + self.step_cost_rows) / batch
+        steps = max((k + drafting) / (PROBE_OVERHEAD * share), 1.0)  # between probes
+        return 1.0 - ((1.0 - needed) / (1.0 - needed / 2)) ** (1.0 / steps)
+
     def _worth_drafting(self, handles: list[int], batch: int) -> list[int]:
         needed = self.needed(batch)
+        recovery = self.recovery(batch, needed)
         chosen = []
         for handle in handles:
             estimate = self._acceptance.setdefault(handle, self._recent)
             if estimate >= needed:
                 chosen.append(handle)
             else:
-                self._acceptance[handle] = estimate + (1.0 - estimate) * self.recovery
+                self._acceptance[handle] = estimate + (1.0 - estimate) * recovery
         return chosen
 
     def forget(self, handle: int) -> None:

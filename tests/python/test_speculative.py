@@ -20,7 +20,7 @@ from test_models import ARCHITECTURES, tiny_checkpoint
 
 from octavo import LLM, SamplingParams
 from octavo.executor.step_io import StepTimes
-from octavo.speculative import SpeculativeConfig, Speculator
+from octavo.speculative import PROBE_OVERHEAD, STEP_COST_ROWS, SpeculativeConfig, Speculator
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 CHAIN_VOCAB = 32
@@ -150,6 +150,49 @@ def test_a_drafting_models_measured_time_sets_the_acceptance_that_pays():
     for _ in range(40):
         spec.record_times(StepTimes(rows=5, model_seconds=0.02))
     assert spec.draft_time.rows(8) is None and spec.needed(8) == pytest.approx(2 * 8 / 24)
+
+
+def test_startup_times_set_the_prices_until_the_steps_own_replace_them():
+    spec = Speculator(SpeculativeConfig.from_dict({"model": "/m", "num_speculative_tokens": 3}), "cpu", 1.0)
+    spec.calibrate(20.0, [(1, 12.0), (16, 42.0)])  # drafting: 10 rows + 2 per request
+    assert spec.step_cost_rows == 20.0 and spec.draft_time.rows(8) == pytest.approx(26)
+    assert spec.needed(8) == pytest.approx((8 + 26 / 3) / 28)
+    for _ in range(60):  # the steps find it dearer: 30 rows + 2 per request
+        spec.record_times(StepTimes(rows=32, model_seconds=52e-3, drafted=8, draft_seconds=46e-3))
+    assert 42 < spec.draft_time.rows(8) < 46  # the steps outweigh the startup times 6 to 1
+    for _ in range(200):  # no drafting: the steps' times fade and the startup prices are left
+        spec.record_times(StepTimes(rows=8, model_seconds=28e-3))
+    assert spec.draft_time.rows(8) == pytest.approx(26, rel=1e-3)
+
+
+@pytest.mark.parametrize("config,drafting", [({"method": "ngram", "num_speculative_tokens": 3}, []),
+                                             ({"model": "/m", "num_speculative_tokens": 3}, [(1, 36.0), (16, 150.0)])])
+@pytest.mark.parametrize("batch", [1, 8, 64])
+def test_a_useless_drafters_probes_cost_probe_overhead(config, drafting, batch):
+    """Requests whose drafts are all rejected probe again now and then; their probes (k rows and,
+    with a draft model, one request's drafting) cost PROBE_OVERHEAD of their share of the steps."""
+    spec = Speculator(SpeculativeConfig.from_dict(config), "cpu", 0.0 if not drafting else 1.0)
+    spec.calibrate(24.0, drafting)
+    k, handles, steps, probes = 3, list(range(batch)), 4000, 0
+    for _ in range(steps):
+        chosen = [handles[i] for i in spec.draft_rows(handles, batch)]
+        probes += len(chosen)
+        spec.record(chosen, np.full(len(chosen), k), np.ones(len(chosen), dtype=int))  # every draft rejected
+    probe_rows = k + (spec.draft_time.rows(1) if drafting else 0)
+    share = (batch + 24.0) / batch
+    if spec.needed(batch) >= 1:  # the draft model in a batch of 8 or 64: drafting cannot pay
+        assert probes == 0
+        return
+    assert probes * probe_rows / (steps * batch) / share == pytest.approx(PROBE_OVERHEAD, rel=0.35)
+
+
+def test_an_engine_prices_its_drafter_before_the_first_request(tmp_path):
+    chain_checkpoint(tmp_path)
+    llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=16 << 20,
+              speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3})
+    rule = speculator(llm)
+    assert 0 < rule.step_cost_rows <= 1000 and rule.step_cost_rows != STEP_COST_ROWS["cpu"]
+    assert rule.draft_time.rows(1) > 0 and rule.draft_time.rows(16) > 0  # timed before any step
 
 
 def test_engines_refuse_what_speculation_cannot_serve(tiny_path):
@@ -305,11 +348,14 @@ def test_requests_whose_drafts_fail_stop_drafting_in_a_batch(chain):
         assert token_ids(spec, batch, params) == token_ids(plain, batch, params)
         return counts(spec).num_draft_tokens - before
 
-    gated = draft_tokens(prompts)
+    rule, measured = speculator(spec), speculator(spec).step_cost_rows
+    rule.calibrate(STEP_COST_ROWS["cpu"], [])  # this tiny model's rows are all but free: price the default model's
     try:
+        gated = draft_tokens(prompts)
         ungated = draft_tokens(prompts) if draft_always(spec) else None
     finally:
-        del speculator(spec).needed
+        rule.calibrate(measured, [])
+        del rule.needed
     assert gated < ungated / 4
     assert draft_tokens(prompts[:1]) > 20
 
@@ -423,8 +469,26 @@ def chain_drafts(chain, tmp_path_factory):
     args = dict(skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=32 << 20)
     own = draft_always(LLM(target, speculative_config={"model": target, "quantization": "int8",
                                                        "num_speculative_tokens": 3}, **args))
-    stranger = LLM(target, speculative_config={"model": str(other), "num_speculative_tokens": 2}, **args)
+    stranger = draft_always(LLM(target, speculative_config={"model": str(other), "num_speculative_tokens": 2},
+                                **args))  # the rule would not let it draft: its startup time says none pays
     return own, stranger
+
+
+def test_a_tensor_parallel_target_prices_and_verifies_a_draft_models_drafts(chain):
+    """The target's timed startup steps run on both ranks (they are collective), the draft on the
+    driver alone."""
+    pytest.importorskip("zmq")
+    successor, plain, _ = chain
+    target = str(plain.llm_engine.model_path)
+    llm = draft_always(LLM(target, skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=16 << 20,
+                           tensor_parallel_size=2, speculative_config={"model": target, "quantization": "int8",
+                                                                       "num_speculative_tokens": 3}))
+    assert speculator(llm).draft_time.rows(1) > 0
+    prompts = [walk(successor, s, 12) for s in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    assert token_ids(llm, prompts, params) == token_ids(plain, prompts, params)
+    assert counts(llm).num_accepted_tokens > 30
+    llm.llm_engine.shutdown()
 
 
 def test_draft_model_changes_no_token(chain, chain_drafts):
@@ -439,7 +503,7 @@ def test_draft_model_changes_no_token(chain, chain_drafts):
         before = counts(own)
         assert token_ids(own, prompts, params) == expected
         assert counts(own).num_draft_tokens > before.num_draft_tokens
-        assert token_ids(stranger, prompts, params) == expected  # it soon stops drafting: none pays
+        assert token_ids(stranger, prompts, params) == expected
     own_rate = counts(own).num_accepted_tokens / counts(own).num_draft_tokens
     stranger_rate = counts(stranger).num_accepted_tokens / counts(stranger).num_draft_tokens
     assert own_rate > 0.5 > stranger_rate

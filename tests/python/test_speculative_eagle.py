@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import save_file
 from test_models import ARCHITECTURES, tiny_checkpoint
-from test_speculative import CHAIN_VOCAB, chain_checkpoint, counts, draft_always, token_ids, walk
+from test_speculative import CHAIN_VOCAB, chain_checkpoint, counts, draft_always, speculator, token_ids, walk
 
 from octavo import LLM, SamplingParams
 from octavo.speculative import SpeculativeConfig
@@ -322,6 +322,7 @@ def test_eagle3_reads_vllms_default_layers_and_eagles_own_bin_files(tiny_target,
     llm = LLM(str(path), speculative_config=spec_config("eagle3", str(tmp_path)), **ARGS)
     worker = llm.llm_engine.core.engine_core.executor.driver_worker
     assert worker.model.aux_hidden_layers == (2, 3, 3)
+    assert speculator(llm).draft_time.rows(1) > 0  # timed at startup, before any step
     assert len(token_ids(llm, [[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0))[0]) == 8
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from contextlib import contextmanager
 from datetime import timedelta
 
 import torch
@@ -60,6 +61,18 @@ def init_model_parallel(rank: int, tp: int, pp: int, init_method: str | None, de
         dist.barrier()  # every rank has mapped the file: its name can go, the memory stays
         if rank % tp == 0:
             os.unlink(path)
+
+
+@contextmanager
+def alone():
+    """Work of this rank that no other rank joins (the driver's draft model, whole on it): its
+    collectives are no-ops. The rank runs it between steps, on the thread that runs its steps."""
+    global _tp
+    saved, _tp = _tp, 1
+    try:
+        yield
+    finally:
+        _tp = saved
 
 
 def comm_seconds() -> float:

@@ -108,10 +108,21 @@ class EngineCore:
         self._queue: deque[_InFlight] = deque()
         self._depth = config.worker.pipeline_parallel_size  # steps in flight at most
         self.speculator = _speculator(config.speculative_config, config.worker.device, model_config)
+        if self.speculator is not None:
+            self._price_speculation(cache)
         self._tokenizer = config.tokenizer
         self._grammars: StructuredOutputManager | None = None  # made at the first constrained request
         self._compiling: dict[str, tuple[EngineCoreRequest, Future]] = {}  # waiting for their grammar
         self._refused: list[str] = []  # their grammar failed to compile: reported by the next step
+
+    def _price_speculation(self, cache: CacheConfig) -> None:
+        """The cost rule's prices on this machine and model, measured before any request."""
+        costs = self.executor.collective_rpc("measure_step_costs", (cache,))[self.executor.driver_rank]
+        if costs is None:
+            return
+        self.speculator.calibrate(*costs)
+        drafting = "".join(f"; drafting for {n} request(s) = {rows:.1f} rows" for n, rows in costs[1])
+        print(f"octavo: speculative decoding prices: a step's fixed cost = {costs[0]:.1f} rows{drafting}")
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..executor.step_io import StepInput
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, dummy_batch
 
 
 def load_draft_model(spec, config, device: torch.device, target):
@@ -38,6 +38,8 @@ def load_draft_model(spec, config, device: torch.device, target):
 
 
 class DraftModel:
+    times_itself = False  # whether time_step returns its own seconds (step_costs.drafting_rows)
+
     def __init__(self, model, num_blocks: int, block_size: int, num_speculative_tokens: int, max_model_len: int):
         if model.config.max_position_embeddings < max_model_len:
             raise ValueError(f"the draft model's max_position_embeddings ({model.config.max_position_embeddings}) is "
@@ -74,6 +76,17 @@ class DraftModel:
         offsets = np.cumsum([0] + [len(d) for d in drafts]).astype(np.int32)
         self.seconds = time.perf_counter() - started if self._steady else None
         return offsets, np.array([t for d in drafts for t in d], dtype=np.int32)
+
+    @property
+    def blocks_each(self) -> int:
+        """The blocks a request of time_step spans: k + 1 tokens caught up, k - 1 drafts' KV."""
+        return -(-(2 * self.k) // self.block_size)
+
+    def time_step(self, n: int) -> None:
+        """A steady step's drafting for n requests whose k drafts were all accepted (a catch-up of
+        k + 1 tokens each, then the passes), over blocks 1.. at startup: for step_costs.py."""
+        step = dummy_batch(n, self.k + 1, self.block_size, self.blocks_each)
+        self._decode(step.block_table, step.seq_lens, self.runner.execute(step)[0])
 
     def _catch_up(self, handles: list[int], table: np.ndarray, tokens: list[list[int]]) -> torch.Tensor:
         """One pass over each request's tokens the draft has no KV of; their last rows' logits."""

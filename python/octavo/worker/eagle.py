@@ -25,10 +25,12 @@ import numpy as np
 import torch
 
 from ..executor.step_io import SamplerOutput, StepInput
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, dummy_batch
 
 
 class EagleDrafter:
+    times_itself = True  # whether time_step returns its own seconds (step_costs.drafting_rows)
+
     def __init__(self, head, target_runner: ModelRunner, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, max_model_len: int):
         if head.config.max_position_embeddings < max_model_len:  # its rotary table ends there
@@ -65,6 +67,26 @@ class EagleDrafter:
             self.seconds = time.perf_counter() - started
         offsets = np.cumsum([0] + [len(d) for d in drafts]).astype(np.int32)
         return offsets, np.array([t for d in drafts for t in d], dtype=np.int32)
+
+    @property
+    def blocks_each(self) -> int:
+        """The blocks a request of time_step spans: one token caught up, k - 1 drafts' KV."""
+        return -(-self.k // self.block_size)
+
+    @torch.inference_mode()
+    def time_step(self, n: int) -> float:
+        """The seconds of one step's drafting for n requests (after a catch-up of one token each
+        over a zero hidden state, which is not timed: it runs anyway), over blocks 1.. at
+        startup: for step_costs.py."""
+        step = dummy_batch(n, 1, self.block_size, self.blocks_each)
+        ids, pos, meta, _ = self.runner.inputs(step, np.zeros(0, dtype=np.int64))
+        hidden = torch.zeros(n, self.head.config.hidden_size, dtype=self.head.dtype, device=self.runner.device)
+        normed, carry = self.head(ids, pos, hidden, meta)
+        if normed.is_cuda:
+            torch.cuda.synchronize(normed.device)
+        started = time.perf_counter()
+        self._decode(step.block_table, step.seq_lens, normed, carry, np.arange(n))
+        return time.perf_counter() - started
 
     def _catch_up(self, step: StepInput, counts: list[int], rows: np.ndarray, next_tokens: list[int]):
         """One head pass over the step's rows ``rows`` (``counts`` per request) -> (normed, carry,

@@ -174,6 +174,21 @@ def dummy_step(num_tokens: int, num_logits: int, block_size: int) -> SimpleNames
         logits_indices=np.full(num_logits, num_tokens - 1, dtype=np.int32), block_copies=np.zeros(0, dtype=np.int32))
 
 
+def dummy_batch(num_reqs: int, num_tokens: int, block_size: int, blocks_each: int) -> SimpleNamespace:
+    """A step of ``num_reqs`` requests of ``num_tokens`` tokens each at positions 0.., request i in
+    blocks 1 + i * blocks_each.., sampling each one's last row: for timing steps at startup."""
+    starts = np.arange(num_reqs + 1, dtype=np.int32) * num_tokens
+    positions = np.tile(np.arange(num_tokens, dtype=np.int32), num_reqs)
+    table = 1 + np.arange(num_reqs * blocks_each, dtype=np.int32).reshape(num_reqs, blocks_each)
+    owner = np.repeat(np.arange(num_reqs), num_tokens)
+    return SimpleNamespace(
+        num_reqs=num_reqs, total_num_scheduled_tokens=len(positions), input_ids=np.zeros(len(positions), np.int32),
+        positions=positions, slot_mapping=(table[owner, positions // block_size] * block_size
+                                           + positions % block_size).astype(np.int32),
+        query_start_loc=starts, seq_lens=np.full(num_reqs, num_tokens, dtype=np.int32), block_table=table,
+        logits_indices=starts[1:] - 1, block_copies=np.zeros(0, dtype=np.int32))
+
+
 def reserve_workspaces(model, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int) -> int:
     """Allocates every CUDA kernel workspace that a step of at most ``max_tokens`` tokens over at
     most ``max_seqs`` requests can need, at its largest size, on the model's device (so that the

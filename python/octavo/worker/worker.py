@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from .. import _C
-from ..distributed.parallel_state import init_model_parallel
+from ..distributed.parallel_state import alone, init_model_parallel
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput, StepTimes
 from ..layers import bf16_tiles
@@ -27,6 +27,7 @@ from .eagle import EagleDrafter
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampler import SamplingState, join_requests, sample
 from .staging import Staging
+from .step_costs import drafting_rows, row_costs
 
 logger = logging.getLogger("octavo.worker")
 
@@ -110,6 +111,22 @@ class Worker:
             self.memory.warm_up(self.runner)
             print(f"octavo: {self.memory.report()}")
 
+    @torch.inference_mode()
+    def measure_step_costs(self, cache: CacheConfig) -> tuple[float, list[tuple[int, float]]] | None:
+        """Speculative decoding's prices here (step_costs.py), before any request: a step's fixed
+        cost in rows, and the drafter's time in rows for some numbers of drafting requests (the
+        driver's; none without a drafter). Every rank runs the target's steps (they are
+        collective); None when the cache is too small to time them."""
+        most = min(cache.max_num_batched_tokens, cache.max_num_seqs * (1 + cache.num_speculative_tokens))
+        costs = row_costs(self.runner, most)  # no more rows of logits than the memory plan holds
+        if costs is None:
+            return None
+        fixed_rows, row_seconds = costs
+        if self.drafter is None:
+            return fixed_rows, []
+        with alone():
+            return fixed_rows, drafting_rows(self.drafter, cache.max_num_seqs, row_seconds)
+
     def _graphs(self, cache: CacheConfig) -> bool:
         """Decode steps replay CUDA graphs on one GPU; tensor- and pipeline-parallel ranks run
         eagerly (their collectives are not captured), and so do the steps an EAGLE head reads."""
@@ -154,7 +171,8 @@ class Worker:
         """The drafter's proposals for the next step. Drafts are optional: when drafting fails,
         the step's requests get none (the error goes to the log) and their tokens stand."""
         try:
-            return self.drafter.propose(step, states, samples, sampled)
+            with alone():  # the draft model is whole on the driver
+                return self.drafter.propose(step, states, samples, sampled)
         except Exception:  # noqa: BLE001 - a failed proposal must not fail the requests
             logger.exception("drafting failed; the step's requests get no drafts")
             self.drafter.seconds = 0.0
