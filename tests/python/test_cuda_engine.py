@@ -310,3 +310,43 @@ def test_a_failed_step_ends_its_requests_and_the_engine_runs_on(device, enforce_
         dict(temperature=1e300), dict(seed=2**63 - 1, n=2), dict(min_p=1.0, seed=-2**63))]
     for out in llm.generate([prompts[1]] * len(extremes), extremes, use_tqdm=False):
         assert all(o.finish_reason == "length" and len(o.token_ids) == 4 for o in out.outputs)
+
+
+@pytest.mark.cuda
+@needs_cuda_build
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "eagle3"])
+def test_speculative_decoding_changes_no_token_on_the_gpu(method, tmp_path):
+    """Verification steps (several rows of a request sampled by the CUDA rejection sampler), the
+    startup's timed steps, a draft model's own KV cache and passes, an EAGLE-3 head reading the
+    target's hidden states (those steps run eagerly): greedy and seeded tokens equal the same GPU
+    engine's without drafts."""
+    import json
+
+    from test_speculative import counts, draft_always, token_ids
+    from test_speculative_eagle import head_config, random_head, save_head
+
+    tiny_model_dir(tmp_path / "target")
+    target = str(tmp_path / "target")
+    if method == "ngram":
+        config = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    elif method == "draft_model":
+        config = {"model": target, "num_speculative_tokens": 3}  # itself: its greedy drafts are the target's
+    else:
+        head = head_config(json.loads((tmp_path / "target" / "config.json").read_text()), True,
+                           eagle_aux_hidden_state_layer_ids=[0, 1, 1])
+        config = {"method": "eagle3", "model": save_head(tmp_path / "head", head, random_head(head, True)),
+                  "num_speculative_tokens": 3}
+    args = dict(dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20, max_num_seqs=8, max_model_len=256)
+    plain = LLM(target, **args)
+    spec = draft_always(LLM(target, speculative_config=config, **args))
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, size=n).tolist() for n in (5, 17, 40)] + [[7, 8, 9] * 6]
+    greedy, seeded = (SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                      SamplingParams(temperature=0.8, seed=3, max_tokens=24, ignore_eos=True))
+    assert token_ids(spec, prompts, greedy) == token_ids(plain, prompts, greedy)
+    drafted = counts(spec)
+    assert drafted.num_draft_tokens > 0
+    if method == "draft_model":  # up to the kernels' rounding in other batch shapes
+        assert drafted.num_accepted_tokens > 0.8 * drafted.num_draft_tokens
+    assert token_ids(spec, prompts, seeded) == token_ids(plain, prompts, seeded)
+    assert spec.llm_engine.scheduler.block_pool.num_used_blocks == 0
