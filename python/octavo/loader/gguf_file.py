@@ -1,4 +1,4 @@
-"""Llama-architecture GGUF files run as they are: the model's projections keep the file's Q8_0 /
+"""Llama, Qwen2 and Qwen3 GGUF files run as they are: the model's projections keep the file's Q8_0 /
 Q4_0 / Q4_1 blocks (``QuantizedWeight``), everything else is read as floats. A llama file with
 experts (``llama.expert_count``: Mixtral) runs as MixtralForCausalLM, each 3-D expert tensor
 (``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``) read as its experts' matrices, whose
@@ -7,9 +7,9 @@ blocks are stacked into the MoE layer's expert stacks as they are.
 The config is read from the file's metadata (as transformers' GGUF loader names it), the tokenizer
 through transformers' GGUF support. The header and tensors are read by ``gguf_reader.py`` (the
 ``gguf`` package gives the tensor types' names and dequantizes types Octavo does not keep):
-llama.cpp's names are mapped to Hugging Face's, and the rows of attn_q / attn_k are put back in
-Hugging Face's order (llama.cpp's converter interleaves the two rotary halves of every head;
-this is the inverse, as transformers applies it).
+llama.cpp's names are mapped to Hugging Face's, and in Llama files the rows of attn_q / attn_k are
+put back in Hugging Face's order (llama.cpp's converter interleaves the two rotary halves of every
+head of Llama's, not of Qwen's; this is the inverse, as transformers applies it).
 """
 
 from __future__ import annotations
@@ -29,13 +29,15 @@ from .gguf_reader import GgufReader
 
 KEPT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> weight format
 FLOAT_TYPES = {"F32", "F16", "BF16"}
-ARCHITECTURES = {"llama": "LlamaForCausalLM"}
+# llama.cpp's architecture name -> Hugging Face's (Mistral's files are "llama" ones).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-          "ffn_gate_inp": "block_sparse_moe.gate"}
+          "ffn_gate_inp": "block_sparse_moe.gate", "attn_q_norm": "self_attn.q_norm",
+          "attn_k_norm": "self_attn.k_norm"}
 # A layer's 3-D expert tensor -> the Mixtral name of each expert's matrix in it.
 _EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 
@@ -51,7 +53,7 @@ def hf_name(name: str) -> str:
         return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
-    raise ValueError(f"GGUF tensor {name!r} has no place in a Llama model")
+    raise ValueError(f"GGUF tensor {name!r} has no place in the model")
 
 
 def expert_names(name: str, count: int) -> list[str] | None:
@@ -72,7 +74,8 @@ def open_reader(path: Path) -> GgufReader:
         raise ValueError(f"cannot read the GGUF metadata of {path}: {e}") from e
 
 
-# Hugging Face config name -> the llama GGUF metadata key after "llama."
+# Hugging Face config name -> the GGUF metadata key after the architecture's name and a dot;
+# head_dim is attention.key_length where the file has it (Qwen3 writes it).
 _CONFIG_KEYS = {"max_position_embeddings": "context_length", "hidden_size": "embedding_length",
                 "intermediate_size": "feed_forward_length", "num_hidden_layers": "block_count",
                 "num_attention_heads": "attention.head_count", "num_key_value_heads": "attention.head_count_kv",
@@ -98,6 +101,8 @@ def gguf_config(path: Path, reader=None) -> ModelConfig:
         hf.update(architectures=["MixtralForCausalLM"], num_local_experts=fields[f"{arch}.expert_count"],
                   num_experts_per_tok=fields[f"{arch}.expert_used_count"])
     hf.update((name, fields[f"{arch}.{key}"]) for name, key in _CONFIG_KEYS.items() if f"{arch}.{key}" in fields)
+    if f"{arch}.attention.key_length" in fields:
+        hf["head_dim"] = fields[f"{arch}.attention.key_length"]
     hf.update((name, fields[f"tokenizer.ggml.{key}"]) for name, key in _TOKEN_IDS.items()
               if f"tokenizer.ggml.{key}" in fields)
     if "vocab_size" not in hf:
@@ -115,6 +120,7 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
     """HF name -> (weight format or None for floats, array in HF row order)."""
     import gguf
 
+    permuted = config.hf["model_type"] == "llama"  # llama.cpp's converter permutes only Llama's q / k
     tensors = {}
     for t in reader.tensors:
         experts = expert_names(t.name, t.data.shape[0]) if t.data.ndim == 3 else None
@@ -129,7 +135,7 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
                 raise ValueError(f"GGUF tensor {t.name!r} is of type {kind}, which Octavo cannot read "
                                  f"(supported: {', '.join(sorted(KEPT_FORMATS) + sorted(FLOAT_TYPES))})") from None
             kind = "F32"
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _unpermute_rows(data, heads)
         for j, expert in enumerate(experts or [name]):
@@ -187,7 +193,7 @@ def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> s
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", tp_rank: int = 0, tp_size: int = 1,
                     pp_rank: int = 0, pp_size: int = 1, expert_parallel: bool = False):
-    """The model of a Llama GGUF file, with its quantized projections kept quantized. Float
+    """The model of a GGUF file (ARCHITECTURES), with its quantized projections kept quantized. Float
     parts (norms, the embedding table for lookups) are in ``dtype`` ("auto": float32).
     ``tp_rank`` of ``tp_size``: that tensor-parallel rank's part of every tensor (quantized ones
     cut in their blocks); ``pp_rank`` of ``pp_size``: that pipeline stage's layers only."""
