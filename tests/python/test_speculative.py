@@ -186,6 +186,14 @@ def test_a_useless_drafters_probes_cost_probe_overhead(config, drafting, batch):
     assert probes * probe_rows / (steps * batch) / share == pytest.approx(PROBE_OVERHEAD, rel=0.35)
 
 
+def test_drafting_is_timed_only_where_a_request_fits():
+    from octavo.worker.step_costs import drafting_sizes
+
+    assert drafting_sizes(256, 100, 2) == [1, 16] and drafting_sizes(4, 100, 1) == [1, 4]
+    assert drafting_sizes(1, 100, 1) == [1] and drafting_sizes(256, 7, 2) == [1, 3]
+    assert drafting_sizes(256, 3, 3) == []  # k drafts' blocks exceed the cache: nothing is timed
+
+
 def test_an_engine_prices_its_drafter_before_the_first_request(tmp_path):
     chain_checkpoint(tmp_path)
     llm = LLM(str(tmp_path), skip_tokenizer_init=True, max_model_len=256, kv_cache_memory_bytes=16 << 20,

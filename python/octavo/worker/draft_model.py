@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 from ..executor.step_io import StepInput
-from .model_runner import ModelRunner, dummy_batch
+from .model_runner import ModelRunner, check_max_positions, dummy_batch, slot_mapping
 
 
 def load_draft_model(spec, config, device: torch.device, target):
@@ -38,12 +38,8 @@ def load_draft_model(spec, config, device: torch.device, target):
 
 
 class DraftModel:
-    times_itself = False  # whether time_step returns its own seconds (step_costs.drafting_rows)
-
     def __init__(self, model, num_blocks: int, block_size: int, num_speculative_tokens: int, max_model_len: int):
-        if model.config.max_position_embeddings < max_model_len:
-            raise ValueError(f"the draft model's max_position_embeddings ({model.config.max_position_embeddings}) is "
-                             f"below max_model_len ({max_model_len})")
+        check_max_positions("the draft model", model.config, max_model_len)
         self.runner = ModelRunner(model, num_blocks, block_size)
         self.block_size, self.k, self.max_model_len = block_size, num_speculative_tokens, max_model_len
         self.computed: dict[int, int] = {}  # by handle: tokens whose draft KV the request wrote itself
@@ -82,11 +78,14 @@ class DraftModel:
         """The blocks a request of time_step spans: k + 1 tokens caught up, k - 1 drafts' KV."""
         return -(-(2 * self.k) // self.block_size)
 
-    def time_step(self, n: int) -> None:
-        """A steady step's drafting for n requests whose k drafts were all accepted (a catch-up of
-        k + 1 tokens each, then the passes), over blocks 1.. at startup: for step_costs.py."""
+    def time_step(self, n: int) -> float:
+        """The seconds of a steady step's drafting for n requests whose k drafts were all accepted
+        (a catch-up of k + 1 tokens each, then the passes; the last draft's copy to the host
+        waits for the device), over blocks 1.. at startup: for step_costs.py."""
         step = dummy_batch(n, self.k + 1, self.block_size, self.blocks_each)
+        started = time.perf_counter()
         self._decode(step.block_table, step.seq_lens, self.runner.execute(step)[0])
+        return time.perf_counter() - started
 
     def _catch_up(self, handles: list[int], table: np.ndarray, tokens: list[list[int]]) -> torch.Tensor:
         """One pass over each request's tokens the draft has no KV of; their last rows' logits."""
@@ -100,9 +99,9 @@ class DraftModel:
             self.computed[h] = len(t)
         return self.runner.execute(SimpleNamespace(
             input_ids=np.array([x for i in inputs for x in i], dtype=np.int32), positions=positions,
-            slot_mapping=self._slots(np.repeat(table, lengths, axis=0), positions), query_start_loc=query_start_loc,
-            seq_lens=np.array([len(t) for t in tokens], dtype=np.int32), block_table=table,
-            logits_indices=query_start_loc[1:] - 1, block_copies=np.zeros(0, dtype=np.int32)))[0]
+            slot_mapping=slot_mapping(np.repeat(table, lengths, axis=0), positions, self.block_size),
+            query_start_loc=query_start_loc, seq_lens=np.array([len(t) for t in tokens], dtype=np.int32),
+            block_table=table, logits_indices=query_start_loc[1:] - 1, block_copies=np.zeros(0, dtype=np.int32)))[0]
 
     def _decode(self, table: np.ndarray, lengths: np.ndarray, logits: torch.Tensor) -> list[list[int]]:
         """Greedy drafts from the catch-up's logits: k per request, fewer near max_model_len."""
@@ -119,13 +118,9 @@ class DraftModel:
                 break
             n = len(live)
             logits = self.runner.execute(SimpleNamespace(
-                input_ids=tokens, positions=positions, slot_mapping=self._slots(table[live], positions),
+                input_ids=tokens, positions=positions,
+                slot_mapping=slot_mapping(table[live], positions, self.block_size),
                 query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=positions + 1, block_table=table[live],
                 logits_indices=np.arange(n, dtype=np.int32), block_copies=np.zeros(0, dtype=np.int32)))[0]
             positions = positions + 1
         return drafts
-
-    def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Each position's KV slot in its request's block table row (table: one row per position)."""
-        bs = self.block_size
-        return (table[np.arange(len(positions)), positions // bs] * bs + positions % bs).astype(np.int32)

@@ -25,17 +25,13 @@ import numpy as np
 import torch
 
 from ..executor.step_io import SamplerOutput, StepInput
-from .model_runner import ModelRunner, dummy_batch
+from .model_runner import ModelRunner, check_max_positions, dummy_batch, slot_mapping
 
 
 class EagleDrafter:
-    times_itself = True  # whether time_step returns its own seconds (step_costs.drafting_rows)
-
     def __init__(self, head, target_runner: ModelRunner, num_blocks: int, block_size: int,
                  num_speculative_tokens: int, max_model_len: int):
-        if head.config.max_position_embeddings < max_model_len:  # its rotary table ends there
-            raise ValueError(f"the EAGLE head's max_position_embeddings ({head.config.max_position_embeddings}) is "
-                             f"below max_model_len ({max_model_len})")
+        check_max_positions("the EAGLE head", head.config, max_model_len)
         self.head, self.target = head, target_runner
         self.runner = ModelRunner(head, num_blocks, block_size)
         target_runner.keep_hidden = True
@@ -126,17 +122,14 @@ class EagleDrafter:
             n = len(live)
             ids, pos, meta, _ = self.runner.inputs(SimpleNamespace(
                 input_ids=tokens.to(torch.int32).cpu().numpy(), positions=positions,
-                slot_mapping=self._slots(table[live], positions), query_start_loc=np.arange(n + 1, dtype=np.int32),
-                seq_lens=positions + 1, block_table=table[live]), np.zeros(0, dtype=np.int64))
+                slot_mapping=slot_mapping(table[live], positions, self.block_size),
+                query_start_loc=np.arange(n + 1, dtype=np.int32), seq_lens=positions + 1, block_table=table[live]),
+                np.zeros(0, dtype=np.int64))
             normed, hidden = self.head(ids, pos, hidden, meta)
             tokens = self.head.greedy(normed, torch.arange(n, device=device))
             for row, token in zip(live.tolist(), tokens.tolist()):
                 drafts[row].append(token)
         return drafts
-
-    def _slots(self, table: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        bs = self.block_size
-        return (table[np.arange(len(positions)), positions // bs] * bs + positions % bs).astype(np.int32)
 
 
 def _catch_up_rows(step: StepInput, states, samples: list[bool], sampled: list[list[int]]):

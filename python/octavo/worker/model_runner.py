@@ -174,17 +174,28 @@ def dummy_step(num_tokens: int, num_logits: int, block_size: int) -> SimpleNames
         logits_indices=np.full(num_logits, num_tokens - 1, dtype=np.int32), block_copies=np.zeros(0, dtype=np.int32))
 
 
+def slot_mapping(table: np.ndarray, positions: np.ndarray, block_size: int) -> np.ndarray:
+    """Each position's KV slot in its request's block table row (table: one row per position)."""
+    return (table[np.arange(len(positions)), positions // block_size] * block_size
+            + positions % block_size).astype(np.int32)
+
+
+def check_max_positions(what: str, config, max_model_len: int) -> None:
+    """A drafter runs to max_model_len: its rotary table must reach it."""
+    if config.max_position_embeddings < max_model_len:
+        raise ValueError(f"{what}'s max_position_embeddings ({config.max_position_embeddings}) is below "
+                         f"max_model_len ({max_model_len})")
+
+
 def dummy_batch(num_reqs: int, num_tokens: int, block_size: int, blocks_each: int) -> SimpleNamespace:
     """A step of ``num_reqs`` requests of ``num_tokens`` tokens each at positions 0.., request i in
     blocks 1 + i * blocks_each.., sampling each one's last row: for timing steps at startup."""
     starts = np.arange(num_reqs + 1, dtype=np.int32) * num_tokens
     positions = np.tile(np.arange(num_tokens, dtype=np.int32), num_reqs)
     table = 1 + np.arange(num_reqs * blocks_each, dtype=np.int32).reshape(num_reqs, blocks_each)
-    owner = np.repeat(np.arange(num_reqs), num_tokens)
     return SimpleNamespace(
         num_reqs=num_reqs, total_num_scheduled_tokens=len(positions), input_ids=np.zeros(len(positions), np.int32),
-        positions=positions, slot_mapping=(table[owner, positions // block_size] * block_size
-                                           + positions % block_size).astype(np.int32),
+        positions=positions, slot_mapping=slot_mapping(np.repeat(table, num_tokens, axis=0), positions, block_size),
         query_start_loc=starts, seq_lens=np.full(num_reqs, num_tokens, dtype=np.int32), block_table=table,
         logits_indices=starts[1:] - 1, block_copies=np.zeros(0, dtype=np.int32))
 
