@@ -1,7 +1,7 @@
 """Octavo's `linear` kernel against torch's F.linear at the default model's projection shapes.
 
     python bench/python/bench_linear.py [--rows 1 4 16 32 64 512] [--dtypes float32 bfloat16 float16]
-                                        [--formats q8_0 q4_0 q4_1 int8 int4]
+                                        [--formats q8_0 q4_0 q4_1 int8 int4 q4_k q6_k ...]
     python bench/python/bench_linear.py --levels avx512_bf16 amx [--repeats 15] [--rows ...] [--dtypes ...]
 
 --levels compares Octavo's kernel levels (octavo.cpu_isa() names) and torch on the dense dtypes:
@@ -101,11 +101,23 @@ def levels_rows(args, shapes) -> None:
 
 
 def quantized(w: torch.Tensor, fmt: str) -> QuantizedWeight:
+    """w in fmt: Octavo's quantizer, else the gguf package's, else (the K-quants and IQ4_NL, which
+    the package only dequantizes) random blocks with float16 scales of about w's size."""
     if fmt in METHODS:
         return quantize(w, fmt)
     import gguf  # only for the GGUF rows
+    import numpy as np
 
-    blocks = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt.upper()))
+    try:
+        blocks = gguf.quants.quantize(w.numpy(), getattr(gguf.GGMLQuantizationType, fmt.upper()))
+    except NotImplementedError:
+        weights, size = _C.ops.weight_block_weights(fmt), _C.ops.weight_block_bytes(fmt)
+        rng = np.random.default_rng(0)
+        blocks = rng.integers(0, 256, (w.numel() // weights, size), dtype=np.uint8)
+        half = np.array([1e-3], dtype=np.float16).view(np.uint8)
+        for at in range(0, size - 1, 2):  # every aligned pair a small float16: never inf or NaN
+            blocks[:, at:at + 2] = half
+        blocks = blocks.reshape(w.shape[0], -1)
     return QuantizedWeight(torch.from_numpy(blocks), fmt, w.shape[1])
 
 

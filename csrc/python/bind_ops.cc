@@ -158,7 +158,8 @@ void bind_kernels(py::module_& ops) {
       py::arg("weight_format") = "dense", py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
       py::arg("group_size") = 0,
       "out = input @ weight.T (+ bias), for small row counts (decode). weight_format 'dense': weight [N, K] "
-      "contiguous in input's dtype; 'q8_0', 'q4_0', 'q4_1': uint8 [N, K / 32 * block bytes], GGUF blocks; "
+      "contiguous in input's dtype; GGUF blocks ('q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'iq4_nl': of 32 "
+      "weights; 'q3_k', 'q4_k', 'q5_k', 'q6_k': of 256): uint8 [N, K / block weights * block bytes]; "
       "'int8': int8 [N, K] with float32 scales [N]; 'int4': uint8 [N, K / 2] with float32 scales and uint8 zeros "
       "[N, K / group_size]; 'bf16_tiles': uint8 [N, K * 2] from pack_bf16_tiles (CPU).");
   ops.def(
@@ -243,7 +244,11 @@ void bind_kernels(py::module_& ops) {
       "w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I], dense or in a linear weight format with "
       "scales / zeros stacked per expert.");
   ops.def("weight_block_bytes", [](const std::string& f) { return weight_block_bytes(parse_weight_format(f.c_str())); },
-          py::arg("weight_format"), "Bytes per block of 32 weights in weight_format (0 for 'dense').");
+          py::arg("weight_format"),
+          "Bytes per block of weight_block_weights weights in weight_format (0 for 'dense').");
+  ops.def("weight_block_weights",
+          [](const std::string& f) { return weight_block_weights(parse_weight_format(f.c_str())); },
+          py::arg("weight_format"), "Weights per block in weight_format: 256 for the K-quants, else 32.");
   ops.def(
       "reshape_and_cache",
       [](py::handle key, py::handle value, py::handle key_cache, py::handle value_cache, py::handle slot_mapping) {

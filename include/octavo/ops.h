@@ -90,11 +90,20 @@ void plan_paged_attention(const TensorView& plan, const TensorView& query_start_
 // kInt8's weights, and each input row rounded to int8 with one scale for the whole row (dynamic
 // per-token, as vLLM's W8A8): out = s * d * (exact integer sum); CPU only, dequantize reads it as
 // kInt8.
-enum class WeightFormat : uint8_t { kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4, kBf16Tiles, kInt4A8, kInt8A8 };
-// "dense", "q8_0", "q4_0", "q4_1", "int8", "int4", "bf16_tiles", "int4_a8", "int8_a8"
+//
+// More GGUF formats (CPU and CUDA): kQ5_0, kQ5_1 and kIQ4_NL in blocks of 32 weights, and the
+// K-quants kQ3_K, kQ4_K, kQ5_K, kQ6_K in super-blocks of 256 (ggml's block_q5_0 ... block_q6_K):
+// weight uint8 [N, K / block_weights * block_bytes], K a multiple of the block's weights.
+enum class WeightFormat : uint8_t {
+  kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4, kBf16Tiles, kInt4A8, kInt8A8,
+  kQ5_0, kQ5_1, kIQ4_NL, kQ3_K, kQ4_K, kQ5_K, kQ6_K
+};
+// "dense", "q8_0", "q4_0", "q4_1", "int8", "int4", "bf16_tiles", "int4_a8", "int8_a8", "q5_0",
+// "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k"
 const char* weight_format_name(WeightFormat format);
 WeightFormat parse_weight_format(const char* name);   // the inverse; throws for an unknown name
-int64_t weight_block_bytes(WeightFormat format);      // weight bytes per 32 weights; 0 for kDense
+int64_t weight_block_weights(WeightFormat format);    // weights per block: 256 for K-quants, else 32
+int64_t weight_block_bytes(WeightFormat format);      // weight bytes per block; 0 for kDense
 
 // The scale / zero-point tensors of kInt8 and kInt4 weights (null members for other formats).
 struct WeightQuant {

@@ -135,28 +135,56 @@ inline void expect_matches_cpu(const Tensor& gpu, const Tensor& cpu) {
   }
 }
 
-inline const WeightFormat kQuantized[] = {WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
-                                          WeightFormat::kInt8, WeightFormat::kInt4};
+// Formats in blocks of 32 weights, then GGUF's K-quants (super-blocks of 256).
+inline const WeightFormat kBlocksOf32[] = {WeightFormat::kQ8_0, WeightFormat::kQ4_0,  WeightFormat::kQ4_1,
+                                           WeightFormat::kQ5_0, WeightFormat::kQ5_1,  WeightFormat::kIQ4_NL,
+                                           WeightFormat::kInt8, WeightFormat::kInt4};
+inline const WeightFormat kQuantized[] = {WeightFormat::kQ8_0,   WeightFormat::kQ4_0, WeightFormat::kQ4_1,
+                                          WeightFormat::kQ5_0,   WeightFormat::kQ5_1, WeightFormat::kIQ4_NL,
+                                          WeightFormat::kQ3_K,   WeightFormat::kQ4_K, WeightFormat::kQ5_K,
+                                          WeightFormat::kQ6_K,   WeightFormat::kInt8, WeightFormat::kInt4};
+
+// k rounded up to whole blocks of format f (test shapes are written for blocks of 32).
+inline int64_t whole_blocks(WeightFormat f, int64_t k) {
+  const int64_t b = octavo::weight_block_weights(f);
+  return (k + b - 1) / b * b;
+}
+
+// Byte offsets of the float16 fields (d, then a minimum) in a block of each GGUF format.
+inline std::vector<int> gguf_halves(WeightFormat f) {
+  switch (f) {
+    case WeightFormat::kQ4_1:
+    case WeightFormat::kQ5_1:
+    case WeightFormat::kQ4_K:
+    case WeightFormat::kQ5_K: return {0, 2};
+    case WeightFormat::kQ3_K: return {108};
+    case WeightFormat::kQ6_K: return {208};
+    case WeightFormat::kInt8:
+    case WeightFormat::kInt4:
+    case WeightFormat::kInt4A8:
+    case WeightFormat::kInt8A8: return {};
+    default: return {0};
+  }
+}
 
 // A quantized weight of n rows standing for k inputs, with random quants and scales: GGUF blocks
-// get float16 scales (and Q4_1 minimums) of either sign written into the bytes.
+// get float16 scales (and minimums) of either sign written into the bytes.
 struct Weight {
   WeightFormat format;
   Tensor data, scales, zeros;
   int64_t group_size = 0;
 
   Weight(WeightFormat f, int64_t n, int64_t k, std::mt19937& gen) : format(f) {
-    const int64_t block_bytes = octavo::weight_block_bytes(f);
-    data = Tensor({n, k / 32 * block_bytes}, f == WeightFormat::kInt8 ? DType::kInt8 : DType::kUInt8);
+    const int64_t block_bytes = octavo::weight_block_bytes(f), blocks = k / octavo::weight_block_weights(f);
+    data = Tensor({n, blocks * block_bytes}, f == WeightFormat::kInt8 ? DType::kInt8 : DType::kUInt8);
     uint8_t* bytes = data.as<uint8_t>();
     for (int64_t i = 0; i < data.numel(); ++i) bytes[i] = static_cast<uint8_t>(gen());
     std::normal_distribution<float> normal(0.0f, 0.05f);
-    if (f == WeightFormat::kQ8_0 || f == WeightFormat::kQ4_0 || f == WeightFormat::kQ4_1) {
-      const int halves = f == WeightFormat::kQ4_1 ? 2 : 1;  // scale, then the minimum
-      for (int64_t b = 0; b < n * k / 32; ++b)
-        for (int h = 0; h < halves; ++h) {
-          const __half v = __float2half_rn(normal(gen));
-          std::memcpy(bytes + b * block_bytes + 2 * h, &v, 2);
+    if (!gguf_halves(f).empty()) {
+      for (int64_t b = 0; b < n * blocks; ++b)
+        for (int at : gguf_halves(f)) {
+          const __half v = __float2half_rn(normal(gen) / (block_bytes > 34 ? 32 : 1));  // K-quants: d * 6-bit scale
+          std::memcpy(bytes + b * block_bytes + at, &v, 2);
         }
     } else if (f == WeightFormat::kInt8) {
       scales = Tensor({n}, DType::kFloat32);

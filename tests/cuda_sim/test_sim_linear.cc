@@ -41,8 +41,9 @@ std::string name(WeightFormat f, DType dtype) {
 TEST(SimLinear, DequantizeGivesTheCpuFloatsBitForBit) {
   std::mt19937 gen(31);
   for (WeightFormat f : kQuantized)
-    for (auto [n, k] : std::vector<std::pair<int64_t, int64_t>>{{1, 32}, {7, 96}, {64, 576}, {33, 1536}})
+    for (auto [n, k32] : std::vector<std::pair<int64_t, int64_t>>{{1, 32}, {7, 96}, {64, 576}, {33, 1536}})
       for (DType dtype : sim_test::kFloatDTypes) {
+        const int64_t k = sim_test::whole_blocks(f, k32);
         SCOPED_TRACE(name(f, dtype) + " " + std::to_string(n) + "x" + std::to_string(k));
         const Weight w(f, n, k, gen);
         Tensor cpu({n, k}, dtype), gpu({n, k}, dtype);
@@ -58,8 +59,9 @@ TEST(SimLinear, QuantizedWeightsMatchTheCpu) {
                                                      {4, 9, 1536}, {5, 130, 32}, {9, 17, 256}};
   for (WeightFormat f : kQuantized)
     for (DType dtype : sim_test::kFloatDTypes)
-      for (auto [m, n, k] : cases)
+      for (auto [m, n, k32] : cases)
         for (bool with_bias : {false, true}) {
+          const int64_t k = sim_test::whole_blocks(f, k32);
           SCOPED_TRACE(name(f, dtype) + " m,n,k " + std::to_string(m) + "," + std::to_string(n) + "," +
                        std::to_string(k) + (with_bias ? " bias" : ""));
           const Weight w(f, n, k, gen);
@@ -92,7 +94,7 @@ TEST(SimLinear, QuantizedEqualsDenseOnTheDequantizedWeights) {
   std::mt19937 gen(34);
   for (WeightFormat f : kQuantized) {
     SCOPED_TRACE(octavo::weight_format_name(f));
-    const int64_t m = 3, n = 21, k = 576;
+    const int64_t m = 3, n = 21, k = sim_test::whole_blocks(f, 576);
     const Weight w(f, n, k, gen);
     const Tensor x = sim_test::randn({m, k}, DType::kFloat32, gen);
     Tensor floats({n, k}, DType::kFloat32), dense({m, n}, DType::kFloat32), quantized({m, n}, DType::kFloat32);
@@ -107,7 +109,7 @@ TEST(SimLinear, QuantizedEqualsDenseOnTheDequantizedWeights) {
 // size the kernel splits differently (1, 2 and 4 input rows per CUDA block, and a remainder).
 TEST(SimLinear, RowsDoNotDependOnTheBatch) {
   std::mt19937 gen(35);
-  for (WeightFormat f : {WeightFormat::kQ4_0, WeightFormat::kInt4, WeightFormat::kDense})
+  for (WeightFormat f : {WeightFormat::kQ4_0, WeightFormat::kQ6_K, WeightFormat::kInt4, WeightFormat::kDense})
     for (DType dtype : sim_test::kFloatDTypes) {
       SCOPED_TRACE(name(f, dtype));
       const int64_t n = 10, k = 1536, batch = 11;

@@ -171,14 +171,16 @@ TEST(SimMoe, FusedMoeMatchesTheReference) {
   };
   std::vector<Case> cases;
   for (DType dtype : sim_test::kFloatDTypes) cases.push_back({WeightFormat::kDense, WeightFormat::kDense, dtype});
-  for (WeightFormat f : sim_test::kQuantized)
+  for (WeightFormat f : sim_test::kBlocksOf32)
     for (DType dtype : {DType::kFloat32, DType::kBFloat16}) cases.push_back({f, f, dtype});
   cases.push_back({WeightFormat::kInt4, WeightFormat::kQ8_0, DType::kFloat16});
+  cases.push_back({WeightFormat::kQ4_K, WeightFormat::kQ6_K, DType::kFloat32});  // as a Q4_K_M file mixes them
   const int64_t E = 6, k = 2;
   for (const Case& c : cases) {
     std::vector<std::array<int64_t, 3>> sizes = {{1, 64, 64}, {5, 96, 160}};  // T, H, I
     // 19 tokens give experts several GEMV blocks each; in 16 bits they would take the tensor cores.
     if (c.dtype == DType::kFloat32) sizes.push_back({19, 64, 32});
+    if (c.w13 == WeightFormat::kQ4_K) sizes = {{3, 256, 256}};  // whole super-blocks
     // A hidden size past one combine block's columns (kCombineColumns).
     if (c.w13 == WeightFormat::kDense) sizes.push_back({3, 1056, 32});
     for (auto [T, H, I] : sizes) {

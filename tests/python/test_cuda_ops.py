@@ -146,23 +146,21 @@ def test_reshape_and_cache_skips_slots_outside_the_cache():
 
 # ----------------------------------------------------------------------------- linear and dequantize
 
-QUANTIZED = ["q8_0", "q4_0", "q4_1", "int8", "int4"]
+QUANTIZED = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k", "int8", "int4"]
 
 
 def random_quantized(fmt: str, n: int, k: int):
-    """A QuantizedWeight on the CPU: int8 / int4 from Octavo's quantizer, GGUF blocks as random
-    bytes with float16 scales (and Q4_1 minimums) of either sign written in."""
+    """A QuantizedWeight on the CPU: int8 / int4 from Octavo's quantizer, GGUF blocks as
+    test_linear_gguf makes them (k rounded up to whole blocks of the format)."""
     from octavo.layers.linear import QuantizedWeight
     from octavo.layers.quantize import quantize_int4, quantize_int8
+    from test_linear_gguf import inputs, quantized
 
     if fmt in ("int8", "int4"):
         w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
         return quantize_int8(w) if fmt == "int8" else quantize_int4(w, 64)
-    block = _C.ops.weight_block_bytes(fmt)
-    data = torch.randint(0, 256, (n, k // 32, block), dtype=torch.uint8)
-    halves = 2 if fmt == "q4_1" else 1
-    data[:, :, :2 * halves] = (torch.randn(n, k // 32, halves) * 0.05).half().view(torch.uint8)
-    return QuantizedWeight(data.reshape(n, -1), fmt, k)
+    k = inputs(k, fmt)
+    return QuantizedWeight(quantized(n, k, fmt), fmt, k)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
@@ -179,8 +177,9 @@ def test_dequantize_gives_the_cpu_floats_bit_for_bit(fmt, dtype):
 @pytest.mark.parametrize("fmt", QUANTIZED + ["dense"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_linear_matches_the_cpu(dtype, fmt, m, n, k, bias):
-    x, b = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype) if bias else None
     weight = torch.randn(n, k).to(dtype) if fmt == "dense" else random_quantized(fmt, n, k)
+    k = weight.shape[1]  # whole blocks of the format
+    x, b = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype) if bias else None
 
     def run(device: str) -> torch.Tensor:
         w = weight.to(device)  # a QuantizedWeight moves itself

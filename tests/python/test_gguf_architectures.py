@@ -40,10 +40,8 @@ def interleave(data: np.ndarray, heads: int) -> np.ndarray:
     return data.reshape(heads, 2, data.shape[0] // heads // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
 
 
-def write_gguf(model, arch: str, path, q8_0: bool = False) -> None:
-    """``model``'s weights as llama.cpp's converter lays them out for ``arch``; matrices in Q8_0
-    blocks with ``q8_0`` (the embedding stays float32)."""
-    c = model.config
+def gguf_writer(c, arch: str, path) -> "gguf.GGUFWriter":
+    """A writer of ``arch`` with the metadata of Hugging Face config ``c``."""
     writer = gguf.GGUFWriter(str(path), arch)
     for add, value in ((writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 256),
                        (writer.add_embedding_length, c.hidden_size),
@@ -54,6 +52,21 @@ def write_gguf(model, arch: str, path, q8_0: bool = False) -> None:
                        (writer.add_rope_freq_base, c.rope_parameters["rope_theta"]),
                        (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim)):
         add(value)
+    return writer
+
+
+def finish(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_gguf(model, arch: str, path, q8_0: bool = False) -> None:
+    """``model``'s weights as llama.cpp's converter lays them out for ``arch``; matrices in Q8_0
+    blocks with ``q8_0`` (the embedding stays float32)."""
+    c = model.config
+    writer = gguf_writer(c, arch, path)
     for name, tensor in model.state_dict().items():
         data = tensor.float().numpy()
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -63,10 +76,7 @@ def write_gguf(model, arch: str, path, q8_0: bool = False) -> None:
                               raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
             writer.add_tensor(gguf_name(name), data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    finish(writer)
 
 
 # kind (test_models.ARCHITECTURES) -> llama.cpp's architecture name; Qwen3 with a head size that

@@ -35,7 +35,7 @@ def test_projections_stay_quantized_and_dequantize_to_the_converted_floats(gguf_
     assert torch.equal(layer.self_attn.qkv_weight.dequantize(), qkv.float())
     assert torch.equal(layer.mlp.down_weight.dequantize(), converted["model.layers.3.mlp.down_proj.weight"].float())
     assert torch.equal(model.lm_head.dequantize(), converted["model.embed_tokens.weight"].float())
-    assert torch.equal(model.embed_tokens, converted["model.embed_tokens.weight"].float())
+    assert model.embed_tokens is model.lm_head  # tied: lookups decode the head's rows; no float table
     # The file's blocks are a quarter to a sixth of the float32 bytes they stand for.
     blocks = sum(m.qweight.numel() for m in quantized.values())
     assert blocks < sum(m.shape[0] * m.shape[1] for m in quantized.values()) * 4 / 3.5
@@ -163,12 +163,27 @@ def test_quantized_weight_checks_its_blocks():
 
 
 def test_kept_blocks_are_placed_without_a_float_copy(monkeypatch):
-    """The projections' blocks go into the model before any float is loaded: nothing but the
-    embedding (a float table for lookups, its blocks also the tied LM head) is dequantized, so
-    loading never holds the projections' float32 size (4-7x the file's) in memory."""
+    """The blocks go into the model before any float is loaded: nothing is dequantized, not even
+    the embedding (its blocks are the tied LM head's, and lookups decode the rows they read), so
+    loading never holds the float32 size (4-7x the file's) in memory."""
     dequantized = []
     original = QuantizedWeight.dequantize
     monkeypatch.setattr(QuantizedWeight, "dequantize", lambda self: dequantized.append(self.shape) or original(self))
     model = load_model(default_gguf_path())
-    assert dequantized == [(model.config.vocab_size, model.config.hidden_size)]
-    assert isinstance(model.lm_head, QuantizedWeight) and model.embed_tokens.dtype == torch.float32
+    assert dequantized == []
+    assert isinstance(model.lm_head, QuantizedWeight) and model.embed_tokens is model.lm_head
+    floats = sum(p.numel() for p in model.parameters())
+    assert floats < model.config.num_hidden_layers * 4 * model.config.hidden_size  # norms only
+
+
+def test_a_quantized_embedding_decodes_the_rows_it_reads():
+    """Lookups in a quantized table equal the dequantized table's rows, in the model's dtype, for
+    any shape of ids (repeats included), and decode only those rows."""
+    from octavo.layers.linear import embedding
+
+    table = load_model(default_gguf_path()).embed_tokens
+    ids = torch.tensor([[0, 5, 5], [49151, 17, 0]])
+    floats = table.dequantize()
+    assert torch.equal(embedding(ids, table, torch.float32), floats[ids])
+    assert torch.equal(embedding(ids[0], table, torch.bfloat16), floats[ids[0]].bfloat16())
+    assert embedding(ids[:0, 0], table, torch.float32).shape == (0, table.shape[1])

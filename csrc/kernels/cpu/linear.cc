@@ -11,7 +11,10 @@
 // CPU has them (linear_amx.h); each is batch invariant on its side of its threshold. W4A8 weights
 // (int4_a8) multiply int8 inputs: linear_int8_inputs.h, and from 4 rows on AMX int8 tiles
 // (linear_int8_tiles.h); so do W8A8 weights (int8_a8): linear_int8_a8.h, and the same tiles.
+#include <type_traits>
+
 #include "bf16_tiles.h"
+#include "gguf_blocks.h"
 #include "isa_kernels.h"
 #include "linear_int8_a8.h"
 #include "linear_int8_inputs.h"
@@ -38,13 +41,6 @@ constexpr int64_t kPrefetchRows = 2 * kRows;
 // Below this many weight bytes the job runs on the calling thread (waking the pool costs more
 // than it saves for the tiny matrices of tests).
 constexpr int64_t kSerialWeightBytes = 1 << 18;
-
-// A float16 stored at p (GGUF scales are unaligned in their blocks).
-inline float half_at(const uint8_t* p) {
-  f16 h;
-  std::memcpy(&h.bits, p, 2);
-  return to_float(h);
-}
 
 // acc[r][c] = dot(w[r], x[c]) over K, for nr <= kRows weight rows and NC input rows. The
 // weights are float32 when they are a quantized tile decoded once for many input rows.
@@ -126,81 +122,10 @@ void dot_tile_any(int nc, const TW* w, int64_t K, int nr, const T* x, int64_t x_
   }
 }
 
-// ---- GGUF block formats ------------------------------------------------------------------
-// A block holds 32 weights: a float16 scale d (Q4_1 also a float16 minimum m) and the quants.
-// Q8_0: w = d * q, q int8. Q4_0: w = d * (q - 8), Q4_1: w = d * q + m, q a nibble: byte j holds
-// weight j in its low nibble and weight j + 16 in its high one. The float arithmetic is the gguf
-// package's (one product, then for Q4_1 a separate sum: this file is built without FMA
-// contraction), so a decoded weight is the float `dequantize` writes, bit for bit.
-//
-// Each format has scale(block) -> BlockScale, computed once per block and row, and
-// decode(block, j, scale) -> weights [j, j + kW) of the block as floats.
-constexpr int kBlock = 32;
-
-struct BlockScale {
-  VecF a, b;
-};
-
-template <WeightFormat F>
-struct Gguf;
-template <>
-struct Gguf<WeightFormat::kQ8_0> {
-  static constexpr int kBytes = 34;
-  static BlockScale scale_values(float d, float) { return {VecF::set1(d), VecF::zero()}; }
-  static BlockScale scale(const uint8_t* b) { return scale_values(half_at(b), 0.0f); }
-  static VecF decode(const uint8_t* b, int j, const BlockScale& s) {
-    return VecF::load_i8(reinterpret_cast<const int8_t*>(b + 2) + j) * s.a;
-  }
-};
-
-#if defined(__AVX512F__)
-// 4-bit formats on AVX-512: a nibble has 16 values, so the block's 16 possible weights are
-// computed once (the same product / sum as below, hence the same floats) and one vpermps per 16
-// weights looks them up: vpermps reads only an index's low 4 bits, so low nibbles need no mask.
-inline VecF nibble_values(float offset) {
-  return {_mm512_sub_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_ps(offset))};
-}
-inline VecF lookup_nibbles(const uint8_t* q, int j, const BlockScale& s) {
-  __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
-  if (j >= 16) idx = _mm512_srli_epi32(idx, 4);
-  return {_mm512_permutexvar_ps(idx, s.a.v)};
-}
-template <>
-struct Gguf<WeightFormat::kQ4_0> {
-  static constexpr int kBytes = 18;
-  static BlockScale scale_values(float d, float) { return {nibble_values(8.0f) * VecF::set1(d), VecF::zero()}; }
-  static BlockScale scale(const uint8_t* b) { return scale_values(half_at(b), 0.0f); }
-  static VecF decode(const uint8_t* b, int j, const BlockScale& s) { return lookup_nibbles(b + 2, j, s); }
-};
-template <>
-struct Gguf<WeightFormat::kQ4_1> {
-  static constexpr int kBytes = 20;
-  static BlockScale scale_values(float d, float m) {
-    return {nibble_values(0.0f) * VecF::set1(d) + VecF::set1(m), VecF::zero()};
-  }
-  static BlockScale scale(const uint8_t* b) { return scale_values(half_at(b), half_at(b + 2)); }
-  static VecF decode(const uint8_t* b, int j, const BlockScale& s) { return lookup_nibbles(b + 4, j, s); }
-};
-#else
-template <>
-struct Gguf<WeightFormat::kQ4_0> {
-  static constexpr int kBytes = 18;
-  static BlockScale scale_values(float d, float) { return {VecF::set1(d), VecF::zero()}; }
-  static BlockScale scale(const uint8_t* b) { return scale_values(half_at(b), 0.0f); }
-  static VecF decode(const uint8_t* b, int j, const BlockScale& s) {
-    return (VecF::load_u4(b + 2 + (j & 15), j < 16 ? 0 : 4) - VecF::set1(8.0f)) * s.a;
-  }
-};
-template <>
-struct Gguf<WeightFormat::kQ4_1> {
-  static constexpr int kBytes = 20;
-  static BlockScale scale_values(float d, float m) { return {VecF::set1(d), VecF::set1(m)}; }
-  static BlockScale scale(const uint8_t* b) { return scale_values(half_at(b), half_at(b + 2)); }
-  static VecF decode(const uint8_t* b, int j, const BlockScale& s) {
-    return VecF::load_u4(b + 4 + (j & 15), j < 16 ? 0 : 4) * s.a + s.b;
-  }
-};
-#endif
+// ---- GGUF block formats: gguf_blocks.h ----------------------------------------------------
+using gguf::BlockScale;
+using gguf::Gguf;
+using gguf::kBlock;
 
 // ---- Octavo's own quantized formats (weights quantized at load time) -----------------------
 // kInt8: w = q * s, q int8 [N, K], s float32 per output row. kInt4: w = (q - z) * s, q a nibble
@@ -209,8 +134,10 @@ struct Gguf<WeightFormat::kQ4_1> {
 // decoded weight is again exactly what `dequantize` writes.
 
 #if defined(__AVX512F__)
-inline BlockScale int4_scale(float s, float z) { return {nibble_values(z) * VecF::set1(s), VecF::zero()}; }
-inline VecF int4_decode(const uint8_t* q, int j, const BlockScale& s) { return lookup_nibbles(q, j, s); }
+inline BlockScale int4_scale(float s, float z) { return {gguf::affine_values(0, z, s, 0, false), VecF::zero()}; }
+inline VecF int4_decode(const uint8_t* q, int j, const BlockScale& s) {
+  return gguf::lookup(s, gguf::VecU::bytes(q + (j & 15)) >> (j < 16 ? 0 : 4));
+}
 #else
 inline BlockScale int4_scale(float s, float z) { return {VecF::set1(s), VecF::set1(z)}; }
 inline VecF int4_decode(const uint8_t* q, int j, const BlockScale& s) {
@@ -222,42 +149,59 @@ inline VecF int4_decode(const uint8_t* q, int j, const BlockScale& s) {
 // scale(r, blk) for the first of each blocks_per_scale() blocks that share a scale, and
 // decode(r, blk, j, scale) for weights [j, j + kW).
 // Rows past nr repeat row n (their results are dropped).
+constexpr int kScaleBatch = 16;  // blocks of 32 whose scales GGUF rows read at once
+
 template <WeightFormat F>
 struct GgufRows {
+  using Format = Gguf<F>;
+  static constexpr bool kSuperBlocks = Format::kWeights > kBlock;
+  static constexpr int kSubBlocks = Format::kWeights / kBlock;
   const uint8_t* row[kRows];
   int64_t row_bytes;
-  GgufRows(const LinearParams& p, int64_t n, int nr) : row_bytes(p.in_features / kBlock * Gguf<F>::kBytes) {
+  GgufRows(const LinearParams& p, int64_t n, int nr) : row_bytes(p.in_features / Format::kWeights * Format::kBytes) {
     for (int r = 0; r < kRows; ++r) row[r] = static_cast<const uint8_t*>(p.weight) + (n + (r < nr ? r : 0)) * row_bytes;
   }
-  const uint8_t* block(int r, int64_t blk) const { return row[r] + blk * Gguf<F>::kBytes; }
-  BlockScale scale(int r, int64_t blk) const { return Gguf<F>::scale(block(r, blk)); }
+  // The (super-)block holding block blk of 32 weights, and for prefetches, its part's bytes.
+  const uint8_t* container(int r, int64_t blk) const { return row[r] + blk / kSubBlocks * Format::kBytes; }
+  const uint8_t* block(int r, int64_t blk) const {
+    return container(r, blk) + blk % kSubBlocks * (Format::kBytes / kSubBlocks);
+  }
   int64_t blocks_per_scale() const { return 1; }
-  VecF decode(int r, int64_t blk, int j, const BlockScale& s) const { return Gguf<F>::decode(block(r, blk), j, s); }
-  // Every block has its own float16 scale d (Q4_1 also a minimum m) in its first dword, so the
-  // kernels read them kScaleBatch blocks at a time: scales(r, blk, count, d, m) writes those of
-  // blocks [blk, blk + count) of row r as floats (m is meaningless for Q8_0 / Q4_0), and
-  // scale_values(d, m) builds what scale() does from them. On AVX-512 that is one gather and two
-  // conversions per 16 blocks instead of two scalar conversions and broadcasts per block: 1.4-1.6x
-  // the Q4_1 bytes per second at M = 1 (bench_linear.py, 2 threads; same bits).
+  VecF decode(int r, int64_t blk, int j, const BlockScale& s) const {
+    if constexpr (kSuperBlocks) return Format::decode(container(r, blk), static_cast<int>(blk % kSubBlocks), j, s);
+    else return Format::decode(block(r, blk), j, s);
+  }
+  // The kernels read the scales of kScaleBatch blocks at a time: scales(r, blk, count, d, m)
+  // writes the two scale values of blocks [blk, blk + count) of row r (count and blk multiples
+  // of the sub-blocks per super-block), and scale_values(d, m) builds what decode needs from them.
+  // Blocks of 32 have their float16 d (and m) in their first dword (m is meaningless for the
+  // formats without one): on AVX-512 one gather and two conversions per 16 blocks instead of
+  // two scalar conversions and broadcasts per block, 1.4-1.6x the Q4_1 bytes per second at M = 1
+  // (bench_linear.py, 2 threads; same bits).
   static constexpr bool kBlockScales = true;
   void scales(int r, int64_t blk, int count, float* d, float* m) const {
+    if constexpr (kSuperBlocks) {
+      for (int i = 0; i < count; i += kSubBlocks) Format::sub_scales(container(r, blk + i), d + i, m + i);
+    } else {
 #if defined(__AVX512F__)
-    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                               _mm512_set1_epi32(Gguf<F>::kBytes));
-    const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
-    const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, offsets, block(r, blk), 1);
-    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-    _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+      const __m512i offsets =
+          _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                             _mm512_set1_epi32(Format::kBytes));
+      const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, offsets, block(r, blk), 1);
+      _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+      _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
 #else
-    for (int i = 0; i < count; ++i) {
-      d[i] = half_at(block(r, blk + i));
-      m[i] = half_at(block(r, blk + i) + 2);
-    }
+      for (int i = 0; i < count; ++i) {
+        d[i] = gguf::half_at(block(r, blk + i));
+        m[i] = gguf::half_at(block(r, blk + i) + 2);
+      }
 #endif
+    }
   }
-  static BlockScale scale_values(float d, float m) { return Gguf<F>::scale_values(d, m); }
+  static BlockScale scale_values(float d, float m) { return Format::scale_values(d, m); }
 };
-constexpr int kScaleBatch = 16;
+
 
 struct Int8Rows {
   const int8_t* row[kRows];
@@ -528,19 +472,34 @@ struct QuantPanel {
   }
 };
 
-void run_panels(const LinearParams& p) {
+// Calls fn(static_cast<Rows*>(nullptr)) with the row decoder of p's quantized format.
+template <typename Fn>
+void dispatch_rows(const LinearParams& p, Fn&& fn) {
   switch (p.weight_format) {
-    case WeightFormat::kDense:
-      return panels::linear(p, panels::DensePanel{static_cast<const float*>(p.weight), p.in_features});
-    case WeightFormat::kQ8_0: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ8_0>>{p});
-    case WeightFormat::kQ4_0: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_0>>{p});
-    case WeightFormat::kQ4_1: return panels::linear(p, QuantPanel<GgufRows<WeightFormat::kQ4_1>>{p});
+    case WeightFormat::kQ8_0: return fn(static_cast<GgufRows<WeightFormat::kQ8_0>*>(nullptr));
+    case WeightFormat::kQ4_0: return fn(static_cast<GgufRows<WeightFormat::kQ4_0>*>(nullptr));
+    case WeightFormat::kQ4_1: return fn(static_cast<GgufRows<WeightFormat::kQ4_1>*>(nullptr));
+    case WeightFormat::kQ5_0: return fn(static_cast<GgufRows<WeightFormat::kQ5_0>*>(nullptr));
+    case WeightFormat::kQ5_1: return fn(static_cast<GgufRows<WeightFormat::kQ5_1>*>(nullptr));
+    case WeightFormat::kIQ4_NL: return fn(static_cast<GgufRows<WeightFormat::kIQ4_NL>*>(nullptr));
+    case WeightFormat::kQ3_K: return fn(static_cast<GgufRows<WeightFormat::kQ3_K>*>(nullptr));
+    case WeightFormat::kQ4_K: return fn(static_cast<GgufRows<WeightFormat::kQ4_K>*>(nullptr));
+    case WeightFormat::kQ5_K: return fn(static_cast<GgufRows<WeightFormat::kQ5_K>*>(nullptr));
+    case WeightFormat::kQ6_K: return fn(static_cast<GgufRows<WeightFormat::kQ6_K>*>(nullptr));
     case WeightFormat::kInt8:
-    case WeightFormat::kInt8A8: return panels::linear(p, QuantPanel<Int8Rows>{p});
+    case WeightFormat::kInt8A8: return fn(static_cast<Int8Rows*>(nullptr));
     case WeightFormat::kInt4:
-    case WeightFormat::kInt4A8: return panels::linear(p, QuantPanel<Int4Rows>{p});
-    case WeightFormat::kBf16Tiles: return panels::linear(p, QuantPanel<Bf16TileRows>{p});
+    case WeightFormat::kInt4A8: return fn(static_cast<Int4Rows*>(nullptr));
+    case WeightFormat::kBf16Tiles: return fn(static_cast<Bf16TileRows*>(nullptr));
+    case WeightFormat::kDense: break;
   }
+  OCTAVO_CHECK(false, "not a quantized weight format: " << weight_format_name(p.weight_format));
+}
+
+void run_panels(const LinearParams& p) {
+  if (p.weight_format == WeightFormat::kDense)
+    return panels::linear(p, panels::DensePanel{static_cast<const float*>(p.weight), p.in_features});
+  dispatch_rows(p, [&](auto* rows) { panels::linear(p, QuantPanel<std::remove_pointer_t<decltype(rows)>>{p}); });
 }
 
 template <typename T>
@@ -555,17 +514,8 @@ void run_quant(const LinearParams& p) {
 
 template <typename T>
 void run_typed(const LinearParams& p) {
-  switch (p.weight_format) {
-    case WeightFormat::kDense: return run_dense<T>(p);
-    case WeightFormat::kQ8_0: return run_quant<GgufRows<WeightFormat::kQ8_0>, T>(p);
-    case WeightFormat::kQ4_0: return run_quant<GgufRows<WeightFormat::kQ4_0>, T>(p);
-    case WeightFormat::kQ4_1: return run_quant<GgufRows<WeightFormat::kQ4_1>, T>(p);
-    case WeightFormat::kInt8:
-    case WeightFormat::kInt8A8: return run_quant<Int8Rows, T>(p);
-    case WeightFormat::kInt4:
-    case WeightFormat::kInt4A8: return run_quant<Int4Rows, T>(p);
-    case WeightFormat::kBf16Tiles: return run_quant<Bf16TileRows, T>(p);
-  }
+  if (p.weight_format == WeightFormat::kDense) return run_dense<T>(p);
+  dispatch_rows(p, [&](auto* rows) { run_quant<std::remove_pointer_t<decltype(rows)>, T>(p); });
 }
 
 // Each row decoded to float32 and stored as out's dtype (16-bit types rounded to nearest even
@@ -635,17 +585,7 @@ bool linear_keeps_bf16(const LinearParams&) { return false; }
 #endif
 
 void dequantize(const LinearParams& p) {
-  switch (p.weight_format) {
-    case WeightFormat::kQ8_0: return dequantize_typed<GgufRows<WeightFormat::kQ8_0>>(p);
-    case WeightFormat::kQ4_0: return dequantize_typed<GgufRows<WeightFormat::kQ4_0>>(p);
-    case WeightFormat::kQ4_1: return dequantize_typed<GgufRows<WeightFormat::kQ4_1>>(p);
-    case WeightFormat::kInt8:
-    case WeightFormat::kInt8A8: return dequantize_typed<Int8Rows>(p);
-    case WeightFormat::kInt4:
-    case WeightFormat::kInt4A8: return dequantize_typed<Int4Rows>(p);
-    case WeightFormat::kBf16Tiles: return dequantize_typed<Bf16TileRows>(p);
-    default: OCTAVO_CHECK(false, "dequantize: not a quantized format");
-  }
+  dispatch_rows(p, [&](auto* rows) { dequantize_typed<std::remove_pointer_t<decltype(rows)>>(p); });
 }
 
 }  // namespace octavo::cpu::OCTAVO_ISA

@@ -157,16 +157,14 @@ void launch_linear(const LinearParams& p) {
 // Calls fn(Row{}) with the row decoder of p's quantized format.
 template <typename Fn>
 void dispatch_quantized(const LinearParams& p, Fn&& fn) {
+  if (dispatch_gguf(p.weight_format, fn)) return;
   switch (p.weight_format) {
-    case WeightFormat::kQ8_0: return fn(static_cast<Q8_0Row*>(nullptr));
-    case WeightFormat::kQ4_0: return fn(static_cast<Q4_0Row*>(nullptr));
-    case WeightFormat::kQ4_1: return fn(static_cast<Q4_1Row*>(nullptr));
     case WeightFormat::kInt8:
     case WeightFormat::kInt8A8: return fn(static_cast<Int8Row*>(nullptr));  // int8_a8: dequantize only
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return fn(static_cast<Int4Row*>(nullptr));  // int4_a8: dequantize only
-    case WeightFormat::kDense: break;
     case WeightFormat::kBf16Tiles: break;  // refused before launch (ops/linear.cc): CPU only
+    default: break;                        // dense
   }
   OCTAVO_CHECK(false, "not a quantized weight format on CUDA");
 }

@@ -651,16 +651,12 @@ void launch_pass(const ExpertPass& pass) {
 // Calls fn(Row*) with the row decoder of a stack's format (dense: of T).
 template <typename T, typename Fn>
 void dispatch_rows(const ExpertStack& w, Fn&& fn) {
+  if (dispatch_gguf(w.format, fn)) return;
   switch (w.format) {
     case WeightFormat::kDense: return fn(static_cast<DenseRow<T>*>(nullptr));
-    case WeightFormat::kQ8_0: return fn(static_cast<Q8_0Row*>(nullptr));
-    case WeightFormat::kQ4_0: return fn(static_cast<Q4_0Row*>(nullptr));
-    case WeightFormat::kQ4_1: return fn(static_cast<Q4_1Row*>(nullptr));
     case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
     case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
-    case WeightFormat::kInt4A8:  // refused before launch (ops/moe.cc): CPU only
-    case WeightFormat::kInt8A8:
-    case WeightFormat::kBf16Tiles: break;
+    default: break;  // int4_a8, int8_a8, bf16_tiles: refused before launch (ops/moe.cc), CPU only
   }
   OCTAVO_CHECK(false, "fused_moe on CUDA: experts in " << weight_format_name(w.format)
                                                        << " (a CPU layout) are not read on CUDA");

@@ -10,6 +10,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "gguf_scales.h"
 #include "params.h"
 
 namespace octavo::cuda {
@@ -129,6 +130,132 @@ struct Q4_1Row : GgufRow<20> {
   }
 };
 
+// Q5_0 / Q5_1 (kMin): Q4_0's / Q4_1's nibbles, and weight i's fifth bit in bit i of a uint32
+// after d (and m); Q5_0: w = d * (q - 16), Q5_1: w = d * q + m.
+template <int kBytes, bool kMin>
+struct Q5Row : GgufRow<kBytes> {
+  static constexpr int kAlign = kMin ? 4 : 2;
+  static constexpr int kHigh = kMin ? 4 : 2;  // offset of the fifth bits; the nibbles follow
+  using GgufRow<kBytes>::GgufRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = this->block(blk);
+    const uint32_t high = load_u32_2aligned(b + kHigh), bytes = load_u32_2aligned(b + kHigh + 4 + 4 * q);
+    const float d = half_at(b), m = kMin ? half_at(b + 2) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int weight = i < 4 ? 4 * q + i : 16 + 4 * q + i - 4;
+      const uint32_t v = ((bytes >> (i < 4 ? 8 * i : 8 * (i - 4) + 4)) & 15u) | (((high >> weight) & 1u) << 4);
+      const float w = __fmul_rn(minus(v, kMin ? 0.0f : 16.0f), d);
+      out[i] = kMin ? __fadd_rn(w, m) : w;
+    }
+  }
+};
+using Q5_0Row = Q5Row<22, false>;
+using Q5_1Row = Q5Row<24, true>;
+
+// IQ4_NL: Q4_0's nibbles index a grid of 16 int8 values; w = d * value.
+__constant__ const float kIq4NlValues[16] = {OCTAVO_IQ4_NL_VALUES};
+struct IQ4_NLRow : GgufRow<18> {
+  static constexpr int kAlign = 2;
+  using GgufRow::GgufRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = block(blk);
+    const uint32_t bytes = load_u32_2aligned(b + 2 + 4 * q);
+    const float d = half_at(b);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) out[i] = __fmul_rn(kIq4NlValues[(bytes >> (i < 4 ? 8 * i : 8 * (i - 4) + 4)) & 15u], d);
+  }
+};
+
+// ---- K-quants: super-blocks of 256 weights, decoded per sub-block of 32 (blk counts those) ----
+// Each thread unpacks its sub-block's scales itself: a few integer operations per 8 weights.
+template <int kBytes>
+struct SuperRow {
+  const uint8_t* w;
+  __device__ SuperRow(const LinearParams& p, int64_t n)
+      : w(static_cast<const uint8_t*>(p.weight) + n * (p.in_features / 256 * kBytes)) {}
+  __device__ const uint8_t* super_block(int64_t blk) const { return w + (blk >> 3) * kBytes; }
+};
+
+// Bits [shift, shift + width) of byte i of word.
+__device__ __forceinline__ uint32_t field(uint32_t word, int i, int shift, uint32_t mask) {
+  return (word >> (8 * i + shift)) & mask;
+}
+
+// Q4_K / Q5_K (kFifth): d, dmin, packed 6-bit scales and minimums, [32 bytes of fifth bits,] 128
+// bytes of nibbles; sub-block s: w = (d * sc) * q - dmin * mn, q the low (s even) or high nibbles
+// of bytes 32 (s / 2).., plus 16 for bit s of the fifth-bit bytes.
+template <bool kFifth>
+struct QK4Row : SuperRow<kFifth ? 176 : 144> {
+  static constexpr int kAlign = 4;
+  static constexpr int kQuants = kFifth ? 48 : 16;
+  using SuperRow<kFifth ? 176 : 144>::SuperRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = this->super_block(blk);
+    const int s = static_cast<int>(blk & 7);
+    int sc, mn;
+    gguf_scales::k4(b + 4, s, sc, mn);
+    const float a = __fmul_rn(half_at(b), static_cast<float>(sc));
+    const float m = __fmul_rn(half_at(b + 2), static_cast<float>(mn));
+    const uint8_t* quants = b + kQuants + 32 * (s >> 1);
+    const uint32_t words[2] = {load_u32(quants + 4 * q), load_u32(quants + 16 + 4 * q)};
+    const uint32_t high[2] = {kFifth ? load_u32(b + 16 + 4 * q) : 0u, kFifth ? load_u32(b + 32 + 4 * q) : 0u};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = field(words[i / 4], i % 4, 4 * (s & 1), 15u) | (field(high[i / 4], i % 4, s, 1u) << 4);
+      out[i] = __fsub_rn(__fmul_rn(minus(v, 0.0f), a), m);
+    }
+  }
+};
+using Q4_KRow = QK4Row<false>;
+using Q5_KRow = QK4Row<true>;
+
+// Q6_K: 128 bytes of low nibbles, 64 of high 2 bits, 16 int8 scales (one per 16 weights), d.
+// Sub-block s = 4h + c: nibbles of bytes 64h + 32 (c % 2).. shifted by 4 (c / 2), high bits of
+// bytes 128 + 32h.. shifted by 2c; w = (d * scale) * (q - 32).
+struct Q6_KRow : SuperRow<210> {
+  static constexpr int kAlign = 2;
+  using SuperRow::SuperRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = super_block(blk);
+    const int s = static_cast<int>(blk & 7), h = s >> 2, c = s & 3;
+    const float d = half_at(b + 208);
+    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192) + 2 * s;
+    const float scale[2] = {__fmul_rn(d, static_cast<float>(sc[0])), __fmul_rn(d, static_cast<float>(sc[1]))};
+    const uint8_t *low = b + 64 * h + 32 * (c & 1), *high = b + 128 + 32 * h;
+    const uint32_t lows[2] = {load_u32_2aligned(low + 4 * q), load_u32_2aligned(low + 16 + 4 * q)};
+    const uint32_t highs[2] = {load_u32_2aligned(high + 4 * q), load_u32_2aligned(high + 16 + 4 * q)};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = field(lows[i / 4], i % 4, 4 * (c >> 1), 15u) | (field(highs[i / 4], i % 4, 2 * c, 3u) << 4);
+      out[i] = __fmul_rn(minus(v, 32.0f), scale[i / 4]);
+    }
+  }
+};
+
+// Q3_K: 32 bytes of high bits, 64 of 2-bit quants, 12 of 6-bit scales (one per 16 weights), d.
+// Sub-block s = 4h + c: 2-bit quants of bytes 32 + 32h.. shifted by 2c, high bit s of bytes
+// 0..; w = (d * scale) * q, q = low - 4 where the high bit is clear.
+struct Q3_KRow : SuperRow<110> {
+  static constexpr int kAlign = 2;
+  using SuperRow::SuperRow;
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = super_block(blk);
+    const int s = static_cast<int>(blk & 7), h = s >> 2, c = s & 3;
+    const float d = half_at(b + 108);
+    const float scale[2] = {__fmul_rn(d, static_cast<float>(gguf_scales::k3(b + 96, 2 * s))),
+                            __fmul_rn(d, static_cast<float>(gguf_scales::k3(b + 96, 2 * s + 1)))};
+    const uint8_t* low = b + 32 + 32 * h;
+    const uint32_t lows[2] = {load_u32_2aligned(low + 4 * q), load_u32_2aligned(low + 16 + 4 * q)};
+    const uint32_t highs[2] = {load_u32_2aligned(b + 4 * q), load_u32_2aligned(b + 16 + 4 * q)};
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t v = field(lows[i / 4], i % 4, 2 * c, 3u) | (field(highs[i / 4], i % 4, s, 1u) << 2);
+      out[i] = __fmul_rn(minus(v, 4.0f), scale[i / 4]);
+    }
+  }
+};
+
 // Octavo's load-time formats (ops.h): int8, w = q * s per row; int4, w = (q - z) * s per row and
 // group of group_size inputs, nibbles ordered as GGUF's.
 struct Int8Row {
@@ -159,6 +286,25 @@ struct Int4Row {
                    out);
   }
 };
+
+// Calls fn(static_cast<Row*>(nullptr)) with the row decoder of a GGUF format and returns true;
+// false for the other formats.
+template <typename Fn>
+bool dispatch_gguf(WeightFormat format, Fn&& fn) {
+  switch (format) {
+    case WeightFormat::kQ8_0: return fn(static_cast<Q8_0Row*>(nullptr)), true;
+    case WeightFormat::kQ4_0: return fn(static_cast<Q4_0Row*>(nullptr)), true;
+    case WeightFormat::kQ4_1: return fn(static_cast<Q4_1Row*>(nullptr)), true;
+    case WeightFormat::kQ5_0: return fn(static_cast<Q5_0Row*>(nullptr)), true;
+    case WeightFormat::kQ5_1: return fn(static_cast<Q5_1Row*>(nullptr)), true;
+    case WeightFormat::kIQ4_NL: return fn(static_cast<IQ4_NLRow*>(nullptr)), true;
+    case WeightFormat::kQ3_K: return fn(static_cast<Q3_KRow*>(nullptr)), true;
+    case WeightFormat::kQ4_K: return fn(static_cast<Q4_KRow*>(nullptr)), true;
+    case WeightFormat::kQ5_K: return fn(static_cast<Q5_KRow*>(nullptr)), true;
+    case WeightFormat::kQ6_K: return fn(static_cast<Q6_KRow*>(nullptr)), true;
+    default: return false;
+  }
+}
 
 // The kR x kC dot products of weight rows w with input rows x over in_features, as linear_kernel
 // and fused_moe's expert_gemv_kernel compute them: the block's kThreads threads walk the blocks

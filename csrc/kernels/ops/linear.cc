@@ -10,10 +10,6 @@
 
 namespace octavo {
 
-namespace {
-constexpr int64_t kBlockWeights = 32;  // weights per GGUF block, in every format here
-}  // namespace
-
 namespace ops {
 
 int64_t check_weight(const TensorView& weight, WeightFormat format, const WeightQuant& quant, const TensorView& ref,
@@ -33,9 +29,10 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   const DType stored = int8 ? DType::kInt8 : DType::kUInt8;
   OCTAVO_CHECK(weight.dtype == stored, "argument 'weight' in format " << weight_format_name(format) << " must be "
                                            << dtype_name(stored) << ", got " << dtype_name(weight.dtype));
-  OCTAVO_CHECK(k % kBlockWeights == 0, "weight format " << weight_format_name(format) << " needs in_features "
-                                           << "divisible by 32, got " << k);
-  check_size(weight, "weight", 1, k / kBlockWeights * weight_block_bytes(format));
+  const int64_t block_weights = weight_block_weights(format);
+  OCTAVO_CHECK(k % block_weights == 0, "weight format " << weight_format_name(format) << " needs in_features "
+                                           << "divisible by " << block_weights << ", got " << k);
+  check_size(weight, "weight", 1, k / block_weights * weight_block_bytes(format));
   OCTAVO_CHECK(format != WeightFormat::kBf16Tiles || n % bf16_tiles::kPanelRows == 0,
                "weight format bf16_tiles needs out_features divisible by 32, got " << n);
   if (int8) {
@@ -48,13 +45,13 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   } else if (format == WeightFormat::kInt4 || format == WeightFormat::kInt4A8) {
     const int64_t g = quant.group_size;
     const char* name = weight_format_name(format);
-    OCTAVO_CHECK(g > 0 && g % kBlockWeights == 0 && k % g == 0,
+    OCTAVO_CHECK(g > 0 && g % block_weights == 0 && k % g == 0,
                  "weight format " << name << " needs a group_size that is a multiple of 32 and divides " << k
                                   << ", got " << g);
     OCTAVO_CHECK(quant.scales != nullptr && quant.zeros != nullptr, "weight format " << name << " needs scales and zeros");
     // The kernel finds a block's group by multiplying (cpu/linear.cc, Int4Rows): exact below this.
-    const int64_t blocks_per_group = g / kBlockWeights;
-    OCTAVO_CHECK(k / kBlockWeights < (int64_t{1} << 32) / (blocks_per_group * blocks_per_group),
+    const int64_t blocks_per_group = g / block_weights;
+    OCTAVO_CHECK(k / block_weights < (int64_t{1} << 32) / (blocks_per_group * blocks_per_group),
                  "weight format " << name << ": " << k << " inputs in groups of " << g
                                   << " is more than the kernel indexes");
     for (const auto& [t, name, dtype] : {std::tuple{quant.scales, "scales", DType::kFloat32},
@@ -87,18 +84,34 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::kBf16Tiles: return "bf16_tiles";
     case WeightFormat::kInt4A8: return "int4_a8";
     case WeightFormat::kInt8A8: return "int8_a8";
+    case WeightFormat::kQ5_0: return "q5_0";
+    case WeightFormat::kQ5_1: return "q5_1";
+    case WeightFormat::kIQ4_NL: return "iq4_nl";
+    case WeightFormat::kQ3_K: return "q3_k";
+    case WeightFormat::kQ4_K: return "q4_k";
+    case WeightFormat::kQ5_K: return "q5_k";
+    case WeightFormat::kQ6_K: return "q6_k";
   }
   return "?";
 }
 
 WeightFormat parse_weight_format(const char* name) {
-  for (WeightFormat f : {WeightFormat::kDense, WeightFormat::kQ8_0, WeightFormat::kQ4_0, WeightFormat::kQ4_1,
-                         WeightFormat::kInt8, WeightFormat::kInt4, WeightFormat::kBf16Tiles, WeightFormat::kInt4A8,
-                         WeightFormat::kInt8A8})
-    if (std::strcmp(name, weight_format_name(f)) == 0) return f;
-  OCTAVO_CHECK(false, "unknown weight format '"
-                          << name << "' (expected dense, q8_0, q4_0, q4_1, int8, int4, int4_a8, int8_a8 or bf16_tiles)");
+  for (int i = 0; i <= static_cast<int>(WeightFormat::kQ6_K); ++i)
+    if (std::strcmp(name, weight_format_name(static_cast<WeightFormat>(i))) == 0) return static_cast<WeightFormat>(i);
+  OCTAVO_CHECK(false, "unknown weight format '" << name << "' (expected dense, q8_0, q4_0, q4_1, q5_0, q5_1, "
+                                                << "iq4_nl, q3_k, q4_k, q5_k, q6_k, int8, int4, int4_a8, int8_a8 "
+                                                << "or bf16_tiles)");
   return WeightFormat::kDense;
+}
+
+int64_t weight_block_weights(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kQ3_K:
+    case WeightFormat::kQ4_K:
+    case WeightFormat::kQ5_K:
+    case WeightFormat::kQ6_K: return 256;
+    default: return 32;
+  }
 }
 
 int64_t weight_block_bytes(WeightFormat format) {
@@ -111,6 +124,14 @@ int64_t weight_block_bytes(WeightFormat format) {
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return 16;        // scales and zero points kept apart
     case WeightFormat::kBf16Tiles: return 64;     // 32 bfloat16, reordered
+    case WeightFormat::kQ5_0: return 2 + 4 + 16;  // float16 scale, 32 fifth bits, 32 nibbles
+    case WeightFormat::kQ5_1: return 2 + 2 + 4 + 16;
+    case WeightFormat::kIQ4_NL: return 2 + 16;    // float16 scale, 32 indices into a table of 16
+    // Super-blocks of 256 weights in 8 (Q3_K, Q6_K: 16) parts with their own scales.
+    case WeightFormat::kQ3_K: return 32 + 64 + 12 + 2;      // high bits, 2-bit quants, 6-bit scales, d
+    case WeightFormat::kQ4_K: return 2 + 2 + 12 + 128;      // d, dmin, 6-bit scales and minimums, nibbles
+    case WeightFormat::kQ5_K: return 2 + 2 + 12 + 32 + 128; // as Q4_K, plus the fifth bits
+    case WeightFormat::kQ6_K: return 128 + 64 + 16 + 2;     // low nibbles, high 2 bits, int8 scales, d
     default: return 0;
   }
 }

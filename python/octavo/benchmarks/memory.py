@@ -36,8 +36,8 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     embed, head = getattr(model, "embed_tokens", None), getattr(model, "lm_head", None)
-    if embed is not None and embed is not head:
-        total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+    if embed is not None and embed is not head and embed.shape[0]:
+        total -= _bytes(embed) * (embed.shape[0] - 1) // embed.shape[0]
     for module in model.modules():
         moe = getattr(module, "moe", None)
         if moe is not None:

@@ -94,8 +94,9 @@ class QuantizedWeight(torch.nn.Module):
     registers below 8 input rows, once per weight tile from 8 rows on; on CUDA in registers up to
     CUDA_KERNEL_MAX_ROWS rows, into dequantized slabs for torch's GEMM above.
 
-    GGUF blocks as a file stores them ("q8_0", "q4_0", "q4_1": ``qweight`` uint8 [N, K / 32 *
-    block bytes]), or Octavo's own load-time formats ("int8": ``qweight`` int8 [N, K] and
+    GGUF blocks as a file stores them ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl" in blocks
+    of 32 weights, "q3_k", "q4_k", "q5_k", "q6_k" in super-blocks of 256: ``qweight`` uint8 [N,
+    K / block weights * block bytes]), or Octavo's own load-time formats ("int8": ``qweight`` int8 [N, K] and
     ``scales`` [N]; "int4": ``qweight`` uint8 [N, K / 2], ``scales`` float32 and ``zeros`` uint8
     [N, K / group_size]; "int4_a8" / "int8_a8": int4's / int8's data, multiplied with int8-rounded
     inputs on the CPU; see ``octavo.layers.quantize``)."""
@@ -109,7 +110,7 @@ class QuantizedWeight(torch.nn.Module):
         # Act-order GPTQ: the stored inputs are the activations' columns in this order.
         self.register_buffer("input_order", input_order)
         self.weight_format, self.in_features, self.group_size = weight_format, in_features, group_size
-        expected = in_features // 32 * _C.ops.weight_block_bytes(weight_format)
+        expected = in_features // _C.ops.weight_block_weights(weight_format) * _C.ops.weight_block_bytes(weight_format)
         if data.dim() != 2 or data.shape[1] != expected or data.element_size() != 1:
             raise ValueError(f"{weight_format} data for {in_features} inputs must be [N, {expected}] bytes, "
                              f"got {data.dtype} {list(data.shape)}")
@@ -129,6 +130,10 @@ class QuantizedWeight(torch.nn.Module):
     @property
     def shape(self) -> tuple[int, int]:
         return self.qweight.shape[0], self.in_features
+
+    @property
+    def device(self) -> torch.device:
+        return self.qweight.device
 
     def kernel_args(self) -> dict:
         return {"weight_format": self.weight_format, "scales": self.scales, "zeros": self.zeros,
@@ -156,8 +161,65 @@ class QuantizedWeight(torch.nn.Module):
         return f"{self.weight_format}, shape={list(self.shape)}{group}"
 
 
+class MixedWeight(QuantizedWeight):
+    """A fused projection whose parts a file stores in different quantized formats (a Q4_K_M GGUF
+    file's attn_q and attn_k in Q4_K beside attn_v in Q6_K): each part, a run of output rows,
+    keeps its own blocks, and ``linear`` gives each part's outputs their columns of the result."""
+
+    def __init__(self, parts: list[QuantizedWeight]):
+        torch.nn.Module.__init__(self)
+        if len({p.in_features for p in parts}) != 1 or any(p.input_order is not None for p in parts):
+            raise ValueError("the parts of a mixed-format weight need the same inputs in the same order")
+        self.parts = torch.nn.ModuleList(parts)
+        self.weight_format = "+".join(p.weight_format for p in parts)
+        self.in_features, self.group_size, self.input_order = parts[0].in_features, 0, None
+        self.scales = self.zeros = None
+
+    def _bind(self) -> None:
+        pass
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.in_features
+
+    def dequantize_rows(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        pieces, first = [], 0
+        for part in self.parts:
+            rows = part.shape[0]
+            if start < first + rows and stop > first:
+                pieces.append(part.dequantize_rows(max(start - first, 0), min(stop - first, rows), dtype))
+            first += rows
+        return torch.cat(pieces)
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        outs, first = [], 0
+        for part in self.parts:
+            rows = part.shape[0]
+            outs.append(linear(x, part, None if bias is None else bias[first:first + rows]))
+            first += rows
+        return torch.cat(outs, dim=-1)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight_format}, shape={list(self.shape)}"
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight, dtype: torch.dtype) -> torch.Tensor:
+    """Rows ``ids`` of an embedding table in ``dtype``. A quantized table (a GGUF file's token
+    embedding, kept in its blocks) decodes only the rows it reads, so it never needs its float
+    size in memory (Gemma 3 270M's 262144 x 640 table: 671 MB in float32, 170 MB in its Q8_0 blocks)."""
+    if not isinstance(table, QuantizedWeight):
+        return F.embedding(ids, table)
+    index = ids.reshape(-1).long()
+    scales, zeros = (None if t is None else t.index_select(0, index) for t in (table.scales, table.zeros))
+    out = torch.empty(index.shape[0], table.in_features, dtype=dtype, device=table.device)
+    _C.ops.dequantize(out, table.qweight.index_select(0, index), table.weight_format, scales, zeros, table.group_size)
+    return out.view(*ids.shape, table.in_features)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N]."""
+    if isinstance(weight, MixedWeight):
+        return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):
         qweight, weight_format, scales, zeros, group_size, n, input_order = weight.bound
         if input_order is not None:

@@ -113,7 +113,7 @@ def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight |
         return QuantizedWeight(w.qweight[:, begin // 2:end // 2], w.weight_format, end - begin,
                                scales=w.scales[:, begin // g:end // g], zeros=w.zeros[:, begin // g:end // g],
                                group_size=g)
-    if w.weight_format == "q4_1" and begin % 32 == 0 and end % 32 == 0:
+    if w.weight_format == "q4_1" and begin % 32 == 0 and end % 32 == 0:  # the one GGUF format saved here
         return QuantizedWeight(w.qweight[:, begin // 32 * 20:end // 32 * 20], "q4_1", end - begin)
     return None
 

@@ -1,8 +1,12 @@
-"""Llama, Qwen2 and Qwen3 GGUF files run as they are: the model's projections keep the file's Q8_0 /
-Q4_0 / Q4_1 blocks (``QuantizedWeight``), everything else is read as floats. A llama file with
-experts (``llama.expert_count``: Mixtral) runs as MixtralForCausalLM, each 3-D expert tensor
-(``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``) read as its experts' matrices, whose
-blocks are stacked into the MoE layer's expert stacks as they are.
+"""Llama, Qwen2 and Qwen3 GGUF files run as they are: the model's projections keep the file's blocks
+(``QuantizedWeight``; KEPT_FORMATS: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and the K-quants Q3_K to
+Q6_K), and so does the token embedding, whose lookups decode only the rows they read; everything
+else is read as floats. Each tensor keeps its own format: a fused projection whose parts differ (a
+Q4_K_M file's attn_v in Q6_K beside attn_q / attn_k in Q4_K) keeps a run of blocks per format
+(``MixedWeight``). A llama file with experts (``llama.expert_count``: Mixtral) runs as
+MixtralForCausalLM, each 3-D expert tensor (``ffn_gate_exps`` / ``ffn_up_exps`` /
+``ffn_down_exps``) read as its experts' matrices, whose blocks are stacked into the MoE layer's
+expert stacks as they are.
 
 The config is read from the file's metadata (as transformers' GGUF loader names it), the tokenizer
 through transformers' GGUF support. The header and tensors are read by ``gguf_reader.py`` (the
@@ -14,6 +18,7 @@ head of Llama's, not of Qwen's; this is the inverse, as transformers applies it)
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -22,12 +27,14 @@ import torch
 from .. import _C
 from ..config import ModelConfig
 from ..distributed.shards import PPStage, TPShard
-from ..layers.linear import QuantizedWeight
-from ..layers.quantize import place_quantized
+from ..layers.linear import MixedWeight, QuantizedWeight
+from ..layers.quantize import place_quantized, replace_weight
 from ..models import model_class
 from .gguf_reader import GgufReader
 
-KEPT_FORMATS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name -> weight format
+# GGUF type name -> the weight format that keeps its blocks
+KEPT_FORMATS = {name: name.lower() for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q3_K", "Q4_K",
+                                                "Q5_K", "Q6_K")}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 # llama.cpp's architecture name -> Hugging Face's (Mistral's files are "llama" ones).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -144,7 +151,7 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
 
 
 def _in_features(weight_format: str, data: np.ndarray) -> int:
-    return data.shape[1] // _C.ops.weight_block_bytes(weight_format) * 32
+    return data.shape[1] // _C.ops.weight_block_bytes(weight_format) * _C.ops.weight_block_weights(weight_format)
 
 
 def _as_float(weight_format: str | None, data: np.ndarray) -> torch.Tensor:
@@ -156,16 +163,16 @@ def _as_float(weight_format: str | None, data: np.ndarray) -> torch.Tensor:
 
 def _cut_blocks(weight_format: str, data: np.ndarray, cut: tuple[int, int, int, int] | None) -> np.ndarray | None:
     """A tensor-parallel rank's part of a block-quantized tensor: rows (outputs) as they are,
-    inputs in whole 32-input blocks; None where an input cut falls inside a block."""
+    inputs in whole blocks; None where an input cut falls inside a block."""
     if cut is None:
         return data
     dim, begin, end, _ = cut
     if dim == 0:
         return data[begin:end]
-    if begin % 32 or end % 32:
+    weights, block = _C.ops.weight_block_weights(weight_format), _C.ops.weight_block_bytes(weight_format)
+    if begin % weights or end % weights:
         return None
-    block = _C.ops.weight_block_bytes(weight_format)
-    return data[:, begin // 32 * block:end // 32 * block]
+    return data[:, begin // weights * block:end // weights * block]
 
 
 def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> set[str]:
@@ -180,15 +187,35 @@ def _place_blocks(model, tensors: dict[str, tuple[str | None, np.ndarray]]) -> s
         if part is not None:
             kept[name] = (fmt, part)
 
-    def blocks(names: list[str]) -> QuantizedWeight | None:
-        formats = {kept[name][0] for name in names}
-        if len(formats) != 1:
-            return None
-        fmt, data = formats.pop(), np.concatenate([kept[name][1] for name in names])
+    def stacked(names: list[str]) -> QuantizedWeight:
+        fmt, data = kept[names[0]][0], np.concatenate([kept[name][1] for name in names])
         return QuantizedWeight(torch.from_numpy(data), fmt, _in_features(fmt, data))
 
+    def blocks(names: list[str]) -> QuantizedWeight | None:
+        # Runs of parts in one format share blocks; a fused weight of several runs keeps each in
+        # its own format (MixedWeight), except experts, whose stacks fused_moe reads in one.
+        runs = [list(run) for _, run in itertools.groupby(names, key=lambda name: kept[name][0])]
+        if len(runs) == 1:
+            return stacked(names)
+        if any(".experts." in name for name in names):
+            return None
+        return MixedWeight([stacked(run) for run in runs])
+
     shapes = {name: (data.shape[0], _in_features(fmt, data)) for name, (fmt, data) in kept.items()}
-    return place_quantized(model, shapes, blocks)
+    placed = place_quantized(model, shapes, blocks)
+    return placed | _place_embedding(model, kept, stacked)
+
+
+def _place_embedding(model, kept: dict, stacked) -> set[str]:
+    """The token embedding in its blocks too (lookups decode the rows they read): the LM head's
+    own blocks where the two are tied, else the embedding tensor's."""
+    name, table = "model.embed_tokens.weight", getattr(model, "embed_tokens", None)
+    if name not in kept or table is None or not table.shape[0]:
+        return set()
+    head = getattr(model, "lm_head", None)
+    tied = model.config.tie_word_embeddings and isinstance(head, QuantizedWeight)
+    replace_weight(model, "embed_tokens", head if tied else stacked([name]))
+    return {name}
 
 
 def load_gguf_model(path: str | Path, dtype: torch.dtype | str = "auto", tp_rank: int = 0, tp_size: int = 1,

@@ -13,14 +13,13 @@ from __future__ import annotations
 from typing import Iterable
 
 import torch
-import torch.nn.functional as F
 
 from .. import _C
 from ..config import ModelConfig
 from ..distributed.parallel_state import all_reduce, gather_vocab
 from ..distributed.shards import PPStage, TPShard, split
 from ..layers.attention import Attention, AttentionMetadata
-from ..layers.linear import QuantizedWeight, linear, param
+from ..layers.linear import QuantizedWeight, embedding, linear, param
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin_cache, rope_is_neox
@@ -185,11 +184,11 @@ class LlamaForCausalLM(torch.nn.Module):
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.world == 1:
-            return F.embedding(input_ids, self.embed_tokens)
+            return embedding(input_ids, self.embed_tokens, self.dtype)
         first, end = self.shard.vocab  # rows of other ranks' tokens are zeros here, their rank's there
         local = input_ids.long() - first
         outside = (local < 0) | (local >= end - first)
-        x = F.embedding(local.masked_fill(outside, 0), self.embed_tokens)
+        x = embedding(local.masked_fill(outside, 0), self.embed_tokens, self.dtype)
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..distributed.shards import TPShard
-from ..layers.linear import linear, param
+from ..layers.linear import embedding, linear, param
 from ..layers.mlp import GatedMLP
 from ..layers.norm import RMSNorm
 from ..layers.rotary import rope_cos_sin_cache, rope_is_neox
@@ -89,7 +88,7 @@ class EagleHead(torch.nn.Module):
         return linear(target_hidden, self.fc_weight) if self.eagle3 else target_hidden
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor, meta):
-        embeds = F.embedding(input_ids, self.embed_tokens)
+        embeds = embedding(input_ids, self.embed_tokens, self.dtype)
         first, rope = self.layers[0], (self.cos_sin_cache, self.rope_is_neox)
         if self.eagle3:
             normed = self.hidden_norm(hidden)

@@ -41,6 +41,7 @@
 #define __align__(n) alignas(n)
 // Blocks run one at a time, so a function's static storage is the running block's own.
 #define __shared__ static
+#define __constant__
 
 struct uint3 {
   unsigned x, y, z;
@@ -57,6 +58,7 @@ inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return
 // -ffp-contract=off, as nvcc leaves these alone).
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
 
 // ---- bfloat16 and float16 --------------------------------------------------------------------
 inline unsigned __float_as_uint(float f) {
