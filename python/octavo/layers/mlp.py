@@ -10,12 +10,23 @@ from ..distributed.shards import TPShard, split
 from .linear import linear, param
 
 
-class GatedMLP(torch.nn.Module):
-    """silu(gate(x)) * up(x) -> down, column-parallel gate_up, row-parallel down (the rank's
-    part of ``intermediate_size``). ``partial`` leaves the sum over ranks to the caller."""
+# Hugging Face's hidden_act / hidden_activation names -> the gated kernel and its argument.
+ACTIVATIONS = {"silu": ("silu_and_mul", ()), "gelu": ("gelu_and_mul", ("none",)),
+               "gelu_pytorch_tanh": ("gelu_and_mul", ("tanh",))}
 
-    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, shard: TPShard):
+
+class GatedMLP(torch.nn.Module):
+    """act(gate(x)) * up(x) -> down, column-parallel gate_up, row-parallel down (the rank's
+    part of ``intermediate_size``); act is SiLU (Llama) or a GELU (Gemma's tanh approximation).
+    ``partial`` leaves the sum over ranks to the caller."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, dtype: torch.dtype, shard: TPShard,
+                 activation: str = "silu"):
         super().__init__()
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        kernel, self.act_args = ACTIVATIONS[activation]
+        self.act = getattr(_C.ops, kernel)
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.cut = split(intermediate_size, shard.world, shard.rank)
         rows = self.cut[1] - self.cut[0]
@@ -25,7 +36,7 @@ class GatedMLP(torch.nn.Module):
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = linear(x, self.gate_up_weight)
         out = torch.empty(gate_up.shape[0], gate_up.shape[1] // 2, dtype=x.dtype, device=x.device)
-        _C.ops.silu_and_mul(out, gate_up)
+        self.act(out, gate_up, *self.act_args)
         return linear(out, self.down_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Llama, Qwen2 and Qwen3 GGUF files run as they are: the model's projections keep the file's blocks
+"""Llama, Qwen2, Qwen3 and Gemma 3 GGUF files run as they are: the model's projections keep the file's blocks
 (``QuantizedWeight``; KEPT_FORMATS: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and the K-quants Q3_K to
 Q6_K), and so does the token embedding, whose lookups decode only the rows they read; everything
 else is read as floats. Each tensor keeps its own format: a fused projection whose parts differ (a
@@ -37,7 +37,8 @@ KEPT_FORMATS = {name: name.lower() for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", 
                                                 "Q5_K", "Q6_K")}
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 # llama.cpp's architecture name -> Hugging Face's (Mistral's files are "llama" ones).
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "gemma3": "Gemma3ForCausalLM"}
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
@@ -45,6 +46,11 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
           "ffn_gate_inp": "block_sparse_moe.gate", "attn_q_norm": "self_attn.q_norm",
           "attn_k_norm": "self_attn.k_norm"}
+# Where an architecture names a layer's tensors otherwise: Gemma 3's ffn_norm is the MLP's input
+# norm, and its attention and MLP outputs have norms of their own.
+_LAYER_BY_ARCH = {"gemma3": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm",
+                             "post_attention_norm": "post_attention_layernorm",
+                             "post_ffw_norm": "post_feedforward_layernorm"}}
 # A layer's 3-D expert tensor -> the Mixtral name of each expert's matrix in it.
 _EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
 
@@ -53,11 +59,11 @@ def is_gguf(path: str | Path) -> bool:
     return str(path).endswith(".gguf") and Path(path).is_file()
 
 
-def hf_name(name: str) -> str:
+def hf_name(name: str, arch: str = "llama") -> str:
     """llama.cpp's tensor name -> Hugging Face's ("blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj.weight")."""
-    parts = name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER:
-        return f"model.layers.{parts[1]}.{_LAYER[parts[2]]}.{parts[3]}"
+    parts, layer = name.split("."), _LAYER_BY_ARCH.get(arch, _LAYER)
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in layer:
+        return f"model.layers.{parts[1]}.{layer[parts[2]]}.{parts[3]}"
     if len(parts) == 2 and parts[0] in _TOP:
         return f"{_TOP[parts[0]]}.{parts[1]}"
     raise ValueError(f"GGUF tensor {name!r} has no place in the model")
@@ -112,9 +118,25 @@ def gguf_config(path: Path, reader=None) -> ModelConfig:
         hf["head_dim"] = fields[f"{arch}.attention.key_length"]
     hf.update((name, fields[f"tokenizer.ggml.{key}"]) for name, key in _TOKEN_IDS.items()
               if f"tokenizer.ggml.{key}" in fields)
+    if arch == "gemma3":
+        hf.update(_gemma3_config(hf, fields))
     if "vocab_size" not in hf:
         hf["vocab_size"] = len(fields["tokenizer.ggml.tokens"])
     return ModelConfig.from_dict(hf)
+
+
+def _gemma3_config(hf: dict, fields) -> dict:
+    """What a Gemma 3 file leaves to the architecture, as llama.cpp and transformers fill it in: every
+    6th layer full attention, the others sliding over ``attention.sliding_window`` positions with
+    RoPE base 10000 (rope.freq_base is the full layers'), GELU (tanh), and attention scaled by
+    head_dim ** -0.5, except Gemma 3 27B's by (hidden / heads) ** -0.5 (llama.cpp's rule)."""
+    layers, theta = hf["num_hidden_layers"], hf.pop("rope_theta", 1e6)
+    scalar = hf["hidden_size"] // hf["num_attention_heads"] if layers == 62 else hf["head_dim"]
+    return {"hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+            "sliding_window": fields.get("gemma3.attention.sliding_window"), "query_pre_attn_scalar": scalar,
+            "layer_types": ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)],
+            "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": theta},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}}
 
 
 def _unpermute_rows(rows: np.ndarray, heads: int) -> np.ndarray:
@@ -127,11 +149,12 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
     """HF name -> (weight format or None for floats, array in HF row order)."""
     import gguf
 
-    permuted = config.hf["model_type"] == "llama"  # llama.cpp's converter permutes only Llama's q / k
+    arch = config.hf["model_type"]
+    permuted = arch == "llama"  # llama.cpp's converter permutes only Llama's q / k
     tensors = {}
     for t in reader.tensors:
         experts = expert_names(t.name, t.data.shape[0]) if t.data.ndim == 3 else None
-        name, kind = experts[0] if experts else hf_name(t.name), t.tensor_type.name
+        name, kind = experts[0] if experts else hf_name(t.name, arch), t.tensor_type.name
         data = t.data
         if kind == "BF16":  # its bytes: the upper halves of float32s
             data, kind = (data.view("<u2").astype(np.uint32) << 16).view(np.float32), "F32"
@@ -142,6 +165,8 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
                 raise ValueError(f"GGUF tensor {t.name!r} is of type {kind}, which Octavo cannot read "
                                  f"(supported: {', '.join(sorted(KEPT_FORMATS) + sorted(FLOAT_TYPES))})") from None
             kind = "F32"
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            data = data - np.float32(1)  # stored as 1 + w by llama.cpp; w, as transformers reads it
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
             data = _unpermute_rows(data, heads)

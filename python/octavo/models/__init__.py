@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .gemma3 import Gemma3ForCausalLM
 from .llama import LlamaForCausalLM, Qwen3ForCausalLM
 from .mixtral import MixtralForCausalLM
 from .olmoe import OlmoeForCausalLM
@@ -13,6 +14,7 @@ MODELS = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     # Mixture of experts (layers/moe.py)
     "MixtralForCausalLM": MixtralForCausalLM,
     "OlmoeForCausalLM": OlmoeForCausalLM,

@@ -31,10 +31,13 @@ class LlamaAttention(torch.nn.Module):
     ``qk_norm``: None, "head" (Qwen3: an RMSNorm over each head of q and k) or "whole" (OLMoE:
     one RMSNorm over all of q and one over all of k, so every rank would need every head).
     ``clip_qkv`` > 0 clamps q, k and v to [-clip_qkv, clip_qkv] after the norms (OLMoE).
-    ``input_size``: the width QKV reads, when not the hidden size (an EAGLE-3 head's first layer)."""
+    ``input_size``: the width QKV reads, when not the hidden size (an EAGLE-3 head's first layer).
+    ``scale`` (default head_dim ** -0.5) and ``sliding_window`` (default the config's): where a
+    model sets them per layer (Gemma 3)."""
 
     def __init__(self, config: ModelConfig, dtype: torch.dtype, shard: TPShard, qk_norm: str | None = None,
-                 clip_qkv: float = 0.0, input_size: int | None = None):
+                 clip_qkv: float = 0.0, input_size: int | None = None, scale: float | None = None,
+                 sliding_window: int | None = None):
         super().__init__()
         heads, kv_heads, d = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size, self.kv_size, self.head_dim = heads * d, kv_heads * d, d
@@ -48,7 +51,8 @@ class LlamaAttention(torch.nn.Module):
         norm_sizes = {None: None, "head": (d, d), "whole": (self.q_size, self.kv_size)}[qk_norm]
         self.q_norm = RMSNorm(norm_sizes[0], config.rms_norm_eps, dtype) if norm_sizes else None
         self.k_norm = RMSNorm(norm_sizes[1], config.rms_norm_eps, dtype) if norm_sizes else None
-        self.attn = Attention(heads, kv_heads, d, d**-0.5, config.sliding_window)
+        window = config.sliding_window if sliding_window is None else sliding_window
+        self.attn = Attention(heads, kv_heads, d, d**-0.5 if scale is None else scale, window)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: tuple[torch.Tensor, bool],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -142,15 +146,22 @@ class LlamaForCausalLM(torch.nn.Module):
         embeds = stage.is_first or (stage.is_last and config.tie_word_embeddings)
         self.embed_tokens = param(shard.vocab_size if embeds else 0, config.hidden_size, dtype=dtype)
         self.first_layer = stage.layers[0]
-        self.layers = torch.nn.ModuleList(
-            LlamaDecoderLayer(config, dtype, self.make_attention(), self.make_mlp(i)) for i in range(*stage.layers))
+        self.layers = torch.nn.ModuleList(self.make_layer(i) for i in range(*stage.layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.lm_head = self.embed_tokens if config.tie_word_embeddings else param(
             shard.vocab_size if stage.is_last else 0, config.hidden_size, dtype=dtype)
         with torch.device("cpu"):  # the table is built in float64 on the CPU, wherever the model lives
-            table = rope_cos_sin_cache(config.hf)
+            table = rope_cos_sin_cache(self.rope_config())
         self.register_buffer("cos_sin_cache", table.to(self.embed_tokens.device), persistent=False)
         self.rope_is_neox = rope_is_neox(config.hf)
+
+    def rope_config(self, layer_type: str | None = None) -> dict:
+        """The config the RoPE table of ``layer_type``'s layers is built from (one table here)."""
+        return self.config.hf
+
+    def make_layer(self, layer: int) -> torch.nn.Module:
+        """Decoder layer ``layer`` (its index in the whole model)."""
+        return LlamaDecoderLayer(self.config, self.dtype, self.make_attention(), self.make_mlp(layer))
 
     def make_attention(self) -> LlamaAttention:
         return LlamaAttention(self.config, self.dtype, self.shard, self.qk_norm)
@@ -175,12 +186,16 @@ class LlamaForCausalLM(torch.nn.Module):
         for i, layer in enumerate(self.layers, self.first_layer):
             if i in self.aux_hidden_layers:  # the residual stream entering layer i (an EAGLE-3 head reads it)
                 streams[i] = x.clone() if residual is None else x + residual  # the layers add in place
-            x, residual = layer(x, residual, positions, (self.cos_sin_cache, self.rope_is_neox), meta)
+            x, residual = layer(x, residual, positions, self.rope_of(layer), meta)
         self.aux_hidden_states = [streams[i] for i in self.aux_hidden_layers]
         if not self.stage.is_last:
             return torch.stack([x, residual])
         x, _ = self.norm(x, residual)
         return x
+
+    def rope_of(self, layer: torch.nn.Module) -> tuple[torch.Tensor, bool]:
+        """The RoPE table and pair layout ``layer`` rotates with (one for all layers here)."""
+        return self.cos_sin_cache, self.rope_is_neox
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.shard.world == 1:
