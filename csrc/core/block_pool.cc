@@ -51,6 +51,7 @@ BlockPool::BlockPool(int num_blocks, int block_size, bool enable_caching)
   generation_.assign(n, 0);
   next_same_hash_.assign(n, -1);
   length_.assign(n, 0);
+  group_.assign(n, 0);
   if (enable_caching) tokens_.assign(n * static_cast<size_t>(block_size), 0);
   const int32_t sentinel = num_blocks_;
   prev_free_[sentinel] = next_free_[sentinel] = sentinel;
@@ -106,7 +107,7 @@ void BlockPool::release(const int32_t* ids, int n) {
 }
 
 void BlockPool::cache_block(int32_t id, uint64_t hash, const int32_t* tokens, uint64_t extra_key, int32_t parent,
-                            int num_tokens) {
+                            int num_tokens, int group) {
   if (!enable_caching_ || cached_[id]) return;
   const int n = num_tokens < 0 ? block_size_ : num_tokens;
   OCTAVO_CHECK(n >= 1 && n <= block_size_, "a cached block holds 1 to " << block_size_ << " tokens, got " << n);
@@ -116,6 +117,7 @@ void BlockPool::cache_block(int32_t id, uint64_t hash, const int32_t* tokens, ui
   parent_[id] = parent;
   parent_gen_[id] = generation_[parent];
   length_[id] = n;
+  group_[id] = group;
   std::memcpy(&tokens_[static_cast<size_t>(id) * block_size_], tokens, sizeof(int32_t) * n);
   auto [it, inserted] = hash_head_.try_emplace(hash, id);
   next_same_hash_[id] = inserted ? -1 : it->second;
@@ -140,8 +142,8 @@ void BlockPool::uncache_block(int32_t id) {
   --num_cached_;
 }
 
-bool BlockPool::holds(int32_t id, const int32_t* tokens, uint64_t extra_key, int num_tokens) const {
-  return extra_key_[id] == extra_key && length_[id] == num_tokens &&
+bool BlockPool::holds(int32_t id, const int32_t* tokens, uint64_t extra_key, int num_tokens, int group) const {
+  return extra_key_[id] == extra_key && length_[id] == num_tokens && group_[id] == group &&
          std::memcmp(&tokens_[static_cast<size_t>(id) * block_size_], tokens, sizeof(int32_t) * num_tokens) == 0;
 }
 
@@ -152,13 +154,14 @@ bool BlockPool::parent_matches(int32_t id, const std::vector<int32_t>& parents) 
 }
 
 void BlockPool::find_cached(uint64_t hash, const int32_t* tokens, uint64_t extra_key,
-                            const std::vector<int32_t>& parents, std::vector<int32_t>& out, int num_tokens) const {
+                            const std::vector<int32_t>& parents, std::vector<int32_t>& out, int num_tokens,
+                            int group) const {
   if (!enable_caching_) return;
   auto it = hash_head_.find(hash);
   if (it == hash_head_.end()) return;
   const int n = num_tokens < 0 ? block_size_ : num_tokens;
   for (int32_t id = it->second; id >= 0; id = next_same_hash_[id]) {
-    if (hash_[id] == hash && holds(id, tokens, extra_key, n) && parent_matches(id, parents)) out.push_back(id);
+    if (hash_[id] == hash && holds(id, tokens, extra_key, n, group) && parent_matches(id, parents)) out.push_back(id);
   }
 }
 

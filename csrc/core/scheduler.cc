@@ -20,6 +20,9 @@ void SchedulerConfig::validate() const {
   OCTAVO_CHECK(long_prefill_token_threshold >= 0,
                "long_prefill_token_threshold must be >= 0, got " << long_prefill_token_threshold);
   OCTAVO_CHECK(num_lookahead_tokens >= 0, "num_lookahead_tokens must be >= 0, got " << num_lookahead_tokens);
+  OCTAVO_CHECK(kv_group_windows.empty() || kv_group_windows[0] == 0,
+               "kv_group_windows[0] must be 0 (group 0 has full attention), got " << kv_group_windows[0]);
+  for (int32_t w : kv_group_windows) OCTAVO_CHECK(w >= 0, "kv_group_windows must be >= 0, got " << w);
 }
 
 namespace {
@@ -43,7 +46,8 @@ bool served_before(const Request* a, const Request* b) {
 
 Scheduler::Scheduler(const SchedulerConfig& config)
     : config_(validated(config)),
-      kv_(config.num_blocks, config.block_size, config.max_model_len, config.enable_prefix_caching) {
+      kv_(config.num_blocks, config.block_size, config.max_model_len, config.enable_prefix_caching,
+          config.kv_group_windows) {
   // Reserve once so that the buffers Python views do not move between steps.
   const size_t max_reqs = static_cast<size_t>(config.max_num_seqs);
   const size_t max_tokens = static_cast<size_t>(config.max_num_batched_tokens);
@@ -56,6 +60,9 @@ Scheduler::Scheduler(const SchedulerConfig& config)
   output_.seq_lens.reserve(max_reqs);
   output_.logits_indices.reserve(max_reqs);
   output_.block_table.reserve(max_reqs * max_width);
+  output_.num_kv_groups = kv_.num_groups();
+  output_.group_block_tables.reserve((kv_.num_groups() - 1) * max_reqs * max_width);
+  output_.group_slot_mappings.reserve((kv_.num_groups() - 1) * max_tokens);
   output_.input_ids.reserve(max_tokens);
   output_.positions.reserve(max_tokens);
   output_.slot_mapping.reserve(max_tokens);
@@ -83,7 +90,8 @@ int64_t Scheduler::add_request(RequestParams params) {
                            << "within max_model_len=" << config_.max_model_len);
   // The last generated token is never fed back, so its KV slot is never needed.
   const int64_t max_len = std::min<int64_t>(static_cast<int64_t>(prompt_len) + params.max_tokens, config_.max_model_len);
-  const int blocks_needed = kv_.num_blocks_for(static_cast<int>(max_len) - 1 + config_.num_lookahead_tokens);
+  const int blocks_needed = kv_.max_blocks_per_request(static_cast<int>(max_len) - 1 + config_.num_lookahead_tokens,
+                                                       config_.max_num_batched_tokens + config_.num_lookahead_tokens);
   OCTAVO_CHECK(blocks_needed <= kv_.pool().num_usable_blocks(),
                "request '" << id << "' needs up to " << blocks_needed << " KV blocks (" << max_len
                            << " tokens) but the whole pool has " << kv_.pool().num_usable_blocks()
@@ -329,6 +337,26 @@ void Scheduler::fill_output() {
     out.num_draft_tokens.push_back(num_drafts);
     for (int k = num_drafts; k >= 0; --k) out.logits_indices.push_back(static_cast<int32_t>(out.input_ids.size()) - 1 - k);
     std::copy(r.block_ids.begin(), r.block_ids.end(), out.block_table.begin() + static_cast<ptrdiff_t>(i) * width);
+  }
+  fill_group_tables();
+}
+
+void Scheduler::fill_group_tables() {
+  SchedulerOutput& out = output_;
+  const int bs = kv_.block_size();
+  const size_t num_reqs = scheduled_.size(), width = static_cast<size_t>(out.block_table_width);
+  out.group_block_tables.assign((kv_.num_groups() - 1) * num_reqs * width, BlockPool::kNullBlock);
+  out.group_slot_mappings.clear();
+  for (int g = 1; g < kv_.num_groups(); ++g) {
+    for (size_t i = 0; i < num_reqs; ++i) {
+      const Request& r = *scheduled_[i].request;
+      const std::vector<int32_t>& ids = r.block_table(g);
+      std::copy(ids.begin(), ids.end(), out.group_block_tables.begin() + ((g - 1) * num_reqs + i) * width);
+      const int start = r.num_computed_tokens;
+      for (int pos = start; pos < start + scheduled_[i].num_tokens; ++pos) {
+        out.group_slot_mappings.push_back(ids[pos / bs] * bs + pos % bs);
+      }
+    }
   }
 }
 

@@ -7,6 +7,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <string>
 #include <utility>
 #include <vector>
@@ -108,7 +109,8 @@ void bind_config(py::module_& m) {
   py::class_<SchedulerConfig>(m, "SchedulerConfig")
       .def(py::init([](int num_blocks, int block_size, int max_model_len, int max_num_seqs, int max_num_batched_tokens,
                        bool enable_chunked_prefill, bool enable_prefix_caching, int max_num_partial_prefills,
-                       int long_prefill_token_threshold, int num_lookahead_tokens, const std::string& policy) {
+                       int long_prefill_token_threshold, int num_lookahead_tokens, const std::string& policy,
+                       std::vector<int32_t> kv_group_windows) {
              SchedulerConfig c;
              c.num_blocks = num_blocks;
              c.block_size = block_size;
@@ -121,6 +123,7 @@ void bind_config(py::module_& m) {
              c.long_prefill_token_threshold = long_prefill_token_threshold;
              c.num_lookahead_tokens = num_lookahead_tokens;
              c.policy = parse_policy(policy);
+             c.kv_group_windows = std::move(kv_group_windows);
              c.validate();
              return c;
            }),
@@ -128,7 +131,8 @@ void bind_config(py::module_& m) {
            py::arg("max_num_seqs") = 256, py::arg("max_num_batched_tokens") = 2048,
            py::arg("enable_chunked_prefill") = true, py::arg("enable_prefix_caching") = true,
            py::arg("max_num_partial_prefills") = 1, py::arg("long_prefill_token_threshold") = 0,
-           py::arg("num_lookahead_tokens") = 0, py::arg("policy") = "fcfs")
+           py::arg("num_lookahead_tokens") = 0, py::arg("policy") = "fcfs",
+           py::arg("kv_group_windows") = std::vector<int32_t>{})
       .def_readonly("num_blocks", &SchedulerConfig::num_blocks)
       .def_readonly("block_size", &SchedulerConfig::block_size)
       .def_readonly("max_model_len", &SchedulerConfig::max_model_len)
@@ -139,9 +143,20 @@ void bind_config(py::module_& m) {
       .def_readonly("max_num_partial_prefills", &SchedulerConfig::max_num_partial_prefills)
       .def_readonly("long_prefill_token_threshold", &SchedulerConfig::long_prefill_token_threshold)
       .def_readonly("num_lookahead_tokens", &SchedulerConfig::num_lookahead_tokens)
+      .def_readonly("kv_group_windows", &SchedulerConfig::kv_group_windows)
       .def_property_readonly("policy", [](const SchedulerConfig& c) {
         return c.policy == SchedulingPolicy::kPriority ? "priority" : "fcfs";
       });
+}
+
+// A read-only C-contiguous int32 array over `data`, kept alive by `owner`.
+py::array read_only_view(py::object owner, const int32_t* data, std::vector<int> shape) {
+  std::vector<py::ssize_t> dims(shape.begin(), shape.end()), strides(shape.size());
+  py::ssize_t stride = sizeof(int32_t);
+  for (size_t i = shape.size(); i-- > 0;) strides[i] = stride, stride *= std::max<py::ssize_t>(1, dims[i]);
+  py::array a(py::dtype::of<int32_t>(), dims, strides, data, owner);
+  py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
+  return a;
 }
 
 template <typename T, typename Owner>
@@ -170,13 +185,19 @@ void bind_outputs(py::module_& m) {
             "[2C] int32, (src, dst) block pairs whose KV the step copies before its forward pass");
   out.def_property_readonly("block_table", [](py::object self) {
        const SchedulerOutput& o = self.cast<const SchedulerOutput&>();
-       const py::ssize_t w = o.block_table_width;
-       py::array a(py::dtype::of<int32_t>(), {static_cast<py::ssize_t>(o.num_reqs()), w},
-                   {static_cast<py::ssize_t>(w * sizeof(int32_t)), static_cast<py::ssize_t>(sizeof(int32_t))},
-                   o.block_table.data(), self);
-       py::detail::array_proxy(a.ptr())->flags &= ~py::detail::npy_api::NPY_ARRAY_WRITEABLE_;
-       return a;
+       return read_only_view(self, o.block_table.data(), {o.num_reqs(), o.block_table_width});
      }, "[R, width] int32, padded with the null block 0")
+      .def_property_readonly("group_block_tables", [](py::object self) {
+        const SchedulerOutput& o = self.cast<const SchedulerOutput&>();
+        return read_only_view(self, o.group_block_tables.data(),
+                              {o.num_kv_groups - 1, o.num_reqs(), o.block_table_width});
+      }, "[G - 1, R, width] int32: KV groups 1, 2, ...'s block tables (hybrid models)")
+      .def_property_readonly("group_slot_mappings", [](py::object self) {
+        const SchedulerOutput& o = self.cast<const SchedulerOutput&>();
+        return read_only_view(self, o.group_slot_mappings.data(),
+                              {o.num_kv_groups - 1, o.total_num_scheduled_tokens()});
+      }, "[G - 1, T] int32: KV groups 1, 2, ...'s slot mappings (hybrid models)")
+      .def_readonly("num_kv_groups", &SchedulerOutput::num_kv_groups)
       .def_property_readonly("num_reqs", &SchedulerOutput::num_reqs)
       .def_property_readonly("total_num_draft_tokens", &SchedulerOutput::total_num_draft_tokens)
       .def_property_readonly("total_num_scheduled_tokens", &SchedulerOutput::total_num_scheduled_tokens);
@@ -189,6 +210,14 @@ void bind_outputs(py::module_& m) {
   def_array(up, "stop_reasons", &UpdateOutput::stop_reasons, "[R] int32: stop token id or -1");
 }
 
+// KVCacheManager::max_blocks_per_request without a pool: the front end's admission check.
+int max_kv_blocks_per_request(int num_tokens, int block_size, std::vector<int32_t> group_windows, int max_step_tokens) {
+  OCTAVO_CHECK(num_tokens >= 1 && block_size >= 1 && max_step_tokens >= 1,
+               "max_kv_blocks_per_request needs positive sizes");
+  KVCacheManager kv(2, block_size, num_tokens, /*enable_caching=*/false, std::move(group_windows));
+  return kv.max_blocks_per_request(num_tokens, max_step_tokens);
+}
+
 py::object request_state(const Scheduler& s, int64_t handle) {
   const Request* r = s.find(handle);
   if (!r) return py::none();
@@ -199,6 +228,7 @@ py::object request_state(const Scheduler& s, int64_t handle) {
   d["num_prompt_tokens"] = r->num_prompt_tokens();
   d["output_token_ids"] = std::vector<int32_t>(r->token_ids().begin() + r->num_prompt_tokens(), r->token_ids().end());
   d["block_ids"] = r->block_ids;
+  d["group_block_ids"] = r->group_block_ids;
   d["num_preemptions"] = r->num_preemptions;
   d["spec_token_ids"] = r->spec_token_ids;
   return d;
@@ -242,6 +272,10 @@ std::vector<int64_t> handles_of(const std::vector<Request*>& requests) {
 }
 
 void bind_scheduler(py::module_& m) {
+  m.def("max_kv_blocks_per_request", &max_kv_blocks_per_request, py::arg("num_tokens"), py::arg("block_size"),
+        py::arg("group_windows"), py::arg("max_step_tokens"),
+        "KV blocks a request of num_tokens slots holds at most in all KV groups (0: full attention) when a step "
+        "computes at most max_step_tokens tokens");
   py::class_<Scheduler>(m, "Scheduler", "Continuous-batching scheduler with vLLM v1 semantics.")
       .def(py::init<const SchedulerConfig&>(), py::arg("config"))
       .def("add_request",

@@ -62,16 +62,17 @@ class BlockPool {
   void release(const int32_t* ids, int n);
 
   // Registers a block that holds `tokens` (num_tokens of them; -1: a full block) after `parent`
-  // (kNullBlock for the first block of a sequence).
+  // (kNullBlock for the first block of a sequence), as KV of layer group `group` (hybrid models:
+  // the same tokens' blocks of different groups hold different layers' KV).
   void cache_block(int32_t id, uint64_t hash, const int32_t* tokens, uint64_t extra_key, int32_t parent,
-                   int num_tokens = -1);
+                   int num_tokens = -1, int group = 0);
   // Removes a block's cache entry (its KV is not valid), if it has one.
   void uncache_block(int32_t id);
   // Appends to out every cached block under `hash` that holds exactly `tokens` (num_tokens of
-  // them; -1: a full block) with `extra_key` and whose recorded parent is one of `parents` (still
-  // cached); parents = {kNullBlock} for the first block.
+  // them; -1: a full block) with `extra_key`, of layer group `group`, and whose recorded parent is
+  // one of `parents` (still cached); parents = {kNullBlock} for the first block.
   void find_cached(uint64_t hash, const int32_t* tokens, uint64_t extra_key, const std::vector<int32_t>& parents,
-                   std::vector<int32_t>& out, int num_tokens = -1) const;
+                   std::vector<int32_t>& out, int num_tokens = -1, int group = 0) const;
   // Drops every cache entry. Refused (returns false) while any block is in use, as in vLLM.
   bool reset_prefix_cache();
 
@@ -86,7 +87,7 @@ class BlockPool {
  private:
   void push_back_free(int32_t id);
   void unlink_free(int32_t id);
-  bool holds(int32_t id, const int32_t* tokens, uint64_t extra_key, int num_tokens) const;
+  bool holds(int32_t id, const int32_t* tokens, uint64_t extra_key, int num_tokens, int group) const;
   bool parent_matches(int32_t id, const std::vector<int32_t>& parents) const;
 
   int num_blocks_;
@@ -108,6 +109,7 @@ class BlockPool {
   std::vector<int32_t> next_same_hash_;  // [num_blocks] chain of blocks sharing a hash, -1 ends
   std::vector<int32_t> tokens_;          // [num_blocks, block_size] tokens of cached blocks
   std::vector<int32_t> length_;          // [num_blocks] how many of them (block_size: a full block)
+  std::vector<int32_t> group_;           // [num_blocks] layer group whose KV the block holds
   std::unordered_map<uint64_t, int32_t> hash_head_;  // hash -> first block of its chain
   PrefixCacheStats stats_;
 };

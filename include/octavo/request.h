@@ -66,6 +66,13 @@ class Request {
   // Owned by KVCacheManager: the request's block table and how many of its blocks are cached.
   std::vector<int32_t> block_ids;
   int num_cached_blocks = 0;
+  // Hybrid models: the block tables of KV groups 1, 2, ... (group 0's is block_ids), each as long
+  // as block_ids. A sliding-window group holds the null block where its window has moved on.
+  std::vector<std::vector<int32_t>> group_block_ids;
+  std::vector<int32_t>& block_table(int group) { return group == 0 ? block_ids : group_block_ids[group - 1]; }
+  const std::vector<int32_t>& block_table(int group) const {
+    return group == 0 ? block_ids : group_block_ids[group - 1];
+  }
   // A partial-block cache hit admitted in the current schedule(): the cached block (held until
   // the step that copies it closes) and the request's own block it is copied into; -1: none.
   int32_t copy_src = -1, copy_dst = -1;

@@ -40,6 +40,8 @@ struct SchedulerConfig {
   int long_prefill_token_threshold = 0;   // with chunked prefill: cap on one request's tokens
                                           // per step (0 = none)
   int num_lookahead_tokens = 0;           // extra KV slots per request for speculative tokens
+  std::vector<int32_t> kv_group_windows;  // hybrid models: each KV group's sliding window (0: full;
+                                          // group 0's is 0); empty: one group (kv_cache_manager.h)
   SchedulingPolicy policy = SchedulingPolicy::kFcfs;
 
   void validate() const;  // throws a ValueError-kind Error naming the bad field
@@ -59,6 +61,11 @@ struct SchedulerOutput {
   std::vector<int32_t> seq_lens;              // [R] num_computed_tokens + num_scheduled_tokens
   std::vector<int32_t> block_table;           // [R, block_table_width] padded with the null block 0
   int block_table_width = 0;
+  // Hybrid models: KV groups 1, 2, ...'s block tables [G - 1, R, block_table_width] and slot
+  // mappings [G - 1, T] (block_table and slot_mapping are group 0's); empty with one group.
+  std::vector<int32_t> group_block_tables;
+  std::vector<int32_t> group_slot_mappings;
+  int num_kv_groups = 1;
   std::vector<int32_t> num_draft_tokens;      // [R] draft tokens scheduled after each request's newest token
   std::vector<int32_t> logits_indices;        // [R + D] sampled token rows, each request's in a run: its
                                               //   drafts' positions' (predicting the next draft) and its
@@ -155,6 +162,7 @@ class Scheduler {
   void enqueue_waiting(Request* request, bool at_front);
   int cap_new_tokens(const Request& request, int num_new_tokens, int budget) const;
   void fill_output();
+  void fill_group_tables();
   void finish(Request* request, FinishReason reason, int num_valid_tokens = -1);
   void release_if_landed(Request* request);
   void unqueue(Request* request);

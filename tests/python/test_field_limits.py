@@ -133,6 +133,14 @@ def llm():
     return LLM(max_model_len=128, device="cpu")
 
 
+def test_a_runaway_n_is_refused_before_anything_runs(llm):
+    """Each sample is a request of its own: n = 2**31 would fill memory. Found by the test below."""
+    with pytest.raises(ValueError, match="limit of 65536 samples"):
+        llm.generate("Hello", SamplingParams(n=2**31, temperature=1.0, max_tokens=4), use_tqdm=False)
+    outputs = llm.generate("Hello", SamplingParams(n=3, temperature=1.0, max_tokens=2), use_tqdm=False)
+    assert len(outputs[0].outputs) == 3
+
+
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(fields=requests, logprobs=st.none() | field_values(ints), prompt_logprobs=st.none() | field_values(ints),
        prompt=st.sampled_from(["Hello", [1, 2, 3]]) | token_lists)

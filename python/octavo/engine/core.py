@@ -96,11 +96,14 @@ class EngineCore:
             num_blocks=num_blocks, block_size=config.block_size, max_model_len=max_model_len,
             max_num_seqs=config.max_num_seqs, max_num_batched_tokens=budget,
             enable_chunked_prefill=config.enable_chunked_prefill, enable_prefix_caching=config.enable_prefix_caching,
-            num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0, policy=config.scheduling_policy))
+            num_lookahead_tokens=spec.num_lookahead_tokens if spec else 0, policy=config.scheduling_policy,
+            kv_group_windows=self.executor.kv_groups.scheduler_windows()))
+        self._report_kv_groups(config.block_size)
         self.executor.initialize_cache(num_blocks, cache)
         self.info = EngineCoreInfo(model_config, str(self.executor.model_dtype).removeprefix("torch."),
                                    config.worker.device, max_model_len, config.max_num_seqs, num_blocks,
-                                   config.block_size, self.executor.kv_block_bytes, config.scheduling_policy)
+                                   config.block_size, self.executor.kv_block_bytes, config.scheduling_policy,
+                                   self.executor.kv_groups.scheduler_windows(), budget)
         self._live: dict[int, _Live] = {}  # by scheduler handle
         self._unsent: dict[int, NewRequest] = {}  # sampling states the workers get with the first step
         self._finished_handles: list[int] = []  # finished in steps that ran no model: workers forget them next
@@ -114,6 +117,15 @@ class EngineCore:
         self._grammars: StructuredOutputManager | None = None  # made at the first constrained request
         self._compiling: dict[str, tuple[EngineCoreRequest, Future]] = {}  # waiting for their grammar
         self._refused: list[str] = []  # their grammar failed to compile: reported by the next step
+
+    def _report_kv_groups(self, block_size: int, num_tokens: int = 8192) -> None:
+        """Hybrid models: what a long request's KV takes against full attention on every layer."""
+        groups = self.executor.kv_groups
+        if not groups.hybrid:
+            return
+        held = groups.blocks_held(num_tokens, block_size) * self.executor.kv_block_bytes
+        print(f"octavo: KV cache groups: {groups.describe()}; a {num_tokens}-token request holds {held / 2**20:.1f} "
+              f"MiB of KV, {groups.kv_fraction(num_tokens, block_size):.2f} of full attention on every layer")
 
     def _price_speculation(self, cache: CacheConfig) -> None:
         """The cost rule's prices on this machine and model, measured before any request."""

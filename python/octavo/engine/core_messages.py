@@ -87,3 +87,5 @@ class EngineCoreInfo:
     block_size: int
     kv_block_bytes: int
     scheduling_policy: str
+    kv_group_windows: list[int]  # the scheduler's (kv_groups.py): empty for one group
+    max_step_tokens: int  # tokens one step computes at most (max_num_batched_tokens)

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import structured_output
+from .. import _C, structured_output
 from ..device import cpu_only_reason, resolve_device
 from ..executor.configs import WorkerConfig
 from ..generation_config import load_generation_config
@@ -30,6 +30,10 @@ from .core_messages import ERROR, FINISH_REASON_NAMES, EngineCoreOutputs, Engine
 from .output_processor import OutputProcessor, RequestState, SampleState
 
 logger = logging.getLogger("octavo.engine")
+
+# Samples (n) of one request at most. vLLM sets none, but each sample is a request of its own
+# here, so n = 2**31 would fill memory before anything ran; the server's own default is 128.
+MAX_N = 1 << 16
 
 
 class LLMEngine:
@@ -89,8 +93,12 @@ class LLMEngine:
         self.model_config, self.max_model_len = info.model_config, info.max_model_len
         tokens = (info.num_blocks - 1) * info.block_size
         gib = info.num_blocks * info.kv_block_bytes / 2**30
-        print(f"octavo: KV cache of {info.num_blocks} blocks = {tokens} tokens ({gib:.2f} GiB on {info.device}); "
-              f"{tokens / self.max_model_len:.1f}x concurrency at {self.max_model_len} tokens per request")
+        # Hybrid models: a block holds one group's layers, and a request holds blocks in every group.
+        per = " per layer group" if info.kv_group_windows else ""
+        blocks = _C.max_kv_blocks_per_request(self.max_model_len, info.block_size, info.kv_group_windows,
+                                              info.max_step_tokens)
+        print(f"octavo: KV cache of {info.num_blocks} blocks = {tokens} tokens{per} ({gib:.2f} GiB on {info.device}); "
+              f"{(info.num_blocks - 1) / blocks:.1f}x concurrency at {self.max_model_len} tokens per request")
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self._rng = np.random.default_rng(seed)
@@ -159,6 +167,8 @@ class LLMEngine:
         request before it gets here). Reads only the engine's configuration, so any thread may call it."""
         if not prompt_token_ids:
             raise ValueError("The decoder prompt cannot be empty")
+        if params.n > MAX_N:  # each sample is a request of its own: a runaway n would take every byte
+            raise ValueError(f"n={params.n} is more than the engine's limit of {MAX_N} samples per request")
         vocab = self.model_config.vocab_size
         if max(prompt_token_ids) >= vocab or min(prompt_token_ids) < 0:
             bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
@@ -226,9 +236,13 @@ class LLMEngine:
 
     def _check_fits_cache(self, num_prompt_tokens: int, max_tokens: int) -> None:
         """The scheduler's rule, checked here so that a core in another process never refuses:
-        a request must fit the whole KV cache at its longest (its last token needs no slot)."""
+        a request must fit the whole KV cache at its longest (its last token needs no slot), in
+        all its KV groups at once (hybrid models)."""
         longest = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        needed, usable = -(-(longest - 1) // self.info.block_size), self.info.num_blocks - 1
+        info = self.info
+        needed = _C.max_kv_blocks_per_request(longest - 1, info.block_size, info.kv_group_windows,
+                                              info.max_step_tokens)
+        usable = info.num_blocks - 1
         if needed > usable:
             raise ValueError(f"The request needs up to {needed} KV blocks ({longest} tokens) but the whole KV cache "
                              f"has {usable}; lower max_tokens or give the KV cache more memory")

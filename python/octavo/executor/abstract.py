@@ -22,7 +22,7 @@ class Executor:
         self._start_workers()
         try:
             self.collective_rpc("load_model")
-            self.model_config, self.model_dtype = self.collective_rpc("model_summary")[0]
+            self.model_config, self.model_dtype, self.kv_groups = self.collective_rpc("model_summary")[0]
         except BaseException:  # a model the workers cannot load: they stop here, not at exit
             self.shutdown()
             raise

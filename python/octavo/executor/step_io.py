@@ -18,7 +18,8 @@ from ..sampling_params import SamplingParams
 
 # The scheduler's arrays a forward pass reads, in SchedulerOutput's names.
 STEP_ARRAYS = ("req_handles", "input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens",
-               "block_table", "logits_indices", "block_copies", "num_draft_tokens")
+               "block_table", "logits_indices", "block_copies", "num_draft_tokens", "group_block_tables",
+               "group_slot_mappings")
 
 
 @dataclass
@@ -47,6 +48,10 @@ class StepInput:
     logits_indices: np.ndarray  # [R + D] int32, sampled rows: num_draft_tokens[i] + 1 per request
     block_copies: np.ndarray    # [2C] int32 (src, dst) KV block pairs, copied before the forward pass
     num_draft_tokens: np.ndarray  # [R] int32, draft tokens each request verifies (its last ones)
+    # Hybrid models (kv_groups.py): KV groups 1, 2, ...'s block tables and slot mappings; the
+    # arrays above are group 0's. [0, R, width] and [0, T] with one group.
+    group_block_tables: np.ndarray   # [G - 1, R, width] int32
+    group_slot_mappings: np.ndarray  # [G - 1, T] int32
     new_requests: list[NewRequest] = field(default_factory=list)
     finished_handles: list[int] = field(default_factory=list)  # finished or aborted: workers forget them
     # [C, 4] int32, one row per prompt chunk whose logprobs are wanted: (batch index i, first,

@@ -26,6 +26,9 @@ class AttentionMetadata:
     block_tables: torch.Tensor
     plan: torch.Tensor | None = None
     num_decodes: int = 0
+    # Hybrid models (kv_groups.py): each KV group's metadata, this one first; a layer reads its
+    # group's slot mapping and block table.
+    groups: list[AttentionMetadata] | None = None
 
 
 class Attention(torch.nn.Module):
@@ -40,11 +43,14 @@ class Attention(torch.nn.Module):
         self.num_heads, self.num_kv_heads, self.head_size = num_heads, num_kv_heads, head_size
         self.scale, self.sliding_window = scale, sliding_window
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.kv_group = 0  # the KV group whose block table this layer reads (set with kv_cache)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H * D], k and v [T, Hkv * D] (row-strided views are fine) -> [T, H * D]."""
         tokens = q.shape[0]
         key_cache, value_cache = self.kv_cache
+        if meta.groups is not None:
+            meta = meta.groups[self.kv_group]
         _C.ops.reshape_and_cache(k.view(tokens, self.num_kv_heads, self.head_size),
                                  v.view(tokens, self.num_kv_heads, self.head_size),
                                  key_cache, value_cache, meta.slot_mapping)

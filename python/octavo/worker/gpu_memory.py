@@ -68,7 +68,7 @@ class GpuMemoryPlan:
 
     def warm_up(self, runner) -> None:
         """Runs the largest step over the runner's cache (as many tokens as it holds, if fewer)."""
-        self.kv_bytes = runner.num_blocks * kv_cache_block_bytes(self.model, self.block_size)
+        self.kv_bytes = runner.num_blocks * kv_cache_block_bytes(self.model, self.block_size, runner.groups)
         self.warm_up_tokens = min(self.step_tokens, (runner.num_blocks - 1) * self.block_size)
         try:
             runner.warm_up(self.warm_up_tokens, self.num_logits)

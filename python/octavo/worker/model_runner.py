@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import numpy as np
@@ -10,15 +11,18 @@ import torch
 from .. import _C
 from ..distributed.parallel_state import recv_from_previous_stage, send_to_next_stage
 from ..kv_cache import empty_kv_cache
+from ..kv_groups import KVGroups, plan_kv_groups
 from ..layers.attention import AttentionMetadata
 from .staging import Staging
 
 
-def kv_cache_block_bytes(model, block_size: int) -> int:
-    """Bytes one block takes across every layer (K and V) on this rank (its layers, its KV heads)."""
+def kv_cache_block_bytes(model, block_size: int, groups: KVGroups | None = None) -> int:
+    """Bytes one block takes across the KV tensors (K and V) on this rank (its KV heads): one
+    per layer, or one per layer of a group (``groups``: a hybrid model's, kv_groups.py)."""
     c = model.config
     elem = torch.empty((), dtype=model.dtype).element_size()
-    return 2 * len(model.layers) * model.shard.num_kv_heads * block_size * c.head_dim * elem
+    num_tensors = groups.size if groups is not None else len(model.layers)
+    return 2 * num_tensors * model.shard.num_kv_heads * block_size * c.head_dim * elem
 
 
 # Prompt-logprob rows whose logits are made on the device at once: with a step's sampled rows,
@@ -31,7 +35,7 @@ class ModelRunner:
     of the tokens the scheduler wants sampled (on the model's device). A pipeline stage before
     the last sends its activations on and returns no logits."""
 
-    def __init__(self, model, num_blocks: int, block_size: int):
+    def __init__(self, model, num_blocks: int, block_size: int, groups: KVGroups | None = None):
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
@@ -42,9 +46,13 @@ class ModelRunner:
         use_device(self.device)
         c = model.config
         shape = (num_blocks, model.shard.num_kv_heads, block_size, c.head_dim)
-        for attn in model.attention_layers():
-            attn.kv_cache = (empty_kv_cache(shape, model.dtype, self.device),
-                             empty_kv_cache(shape, model.dtype, self.device))
+        layers = model.attention_layers()
+        self.groups = groups or plan_kv_groups([0] * len(layers))
+        # Group g's i-th layer reads and writes KV tensor pair i through group g's block table.
+        for i in range(self.groups.size):
+            cache = (empty_kv_cache(shape, model.dtype, self.device), empty_kv_cache(shape, model.dtype, self.device))
+            for g, members in enumerate(self.groups.layers):
+                layers[members[i]].kv_cache, layers[members[i]].kv_group = cache, g
 
     def _plan(self, out) -> np.ndarray:
         """The CUDA attention kernels' batch layout (plan_paged_attention)."""
@@ -98,11 +106,17 @@ class ModelRunner:
                   indices.astype(np.int64)]
         if self.device.type == "cuda":  # the CPU kernel needs no plan
             arrays.append(self._plan(out))
-        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, indices, *plan = \
+        hybrid = len(getattr(out, "group_block_tables", ())) > 0  # dummy steps have one group
+        if hybrid:
+            arrays += [out.group_slot_mappings, out.group_block_tables]
+        input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables, indices, *rest = \
             self.staging.to_device(*arrays)
+        plan = rest.pop(0) if self.device.type == "cuda" else None
         meta = AttentionMetadata(slot_mapping=slot_mapping, query_start_loc=query_start_loc, seq_lens=seq_lens,
-                                 block_tables=block_tables, plan=plan[0] if plan else None,
-                                 num_decodes=leading_decodes(out.query_start_loc))
+                                 block_tables=block_tables, plan=plan, num_decodes=leading_decodes(out.query_start_loc))
+        if rest:  # groups 1, 2, ...: the same batch through their own block tables
+            meta.groups = [meta] + [replace(meta, slot_mapping=slots, block_tables=table)
+                                    for slots, table in zip(*rest)]
         return input_ids, positions, meta, indices
 
     def copy_blocks(self, pairs: np.ndarray) -> None:

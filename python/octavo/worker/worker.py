@@ -24,6 +24,7 @@ from ..speculative import EAGLE_METHODS
 from .gpu_memory import GpuMemoryPlan
 from .draft_model import DraftModel, load_draft_model
 from .eagle import EagleDrafter
+from ..kv_groups import model_kv_groups
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampler import SamplingState, join_requests, sample
 from .staging import Staging
@@ -64,6 +65,7 @@ class Worker:
         self.model = load_model(c.model, c.dtype, c.load_format, self.device, c.quantization, self.tp_rank,
                                 c.tensor_parallel_size, self.pp_rank, c.pipeline_parallel_size,
                                 c.enable_expert_parallel)
+        self.kv_groups = model_kv_groups(self.model)
         calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
         if bf16_tiles.worth_packing(self.model):  # AMX: bfloat16 weights packed into tiles once
             bf16_tiles.pack_model(self.model)
@@ -74,8 +76,8 @@ class Worker:
             self.draft_model = load_eagle_head(spec.model, spec.method, self.model)
 
     def model_summary(self) -> tuple:
-        """(ModelConfig, the dtype the weights were loaded as)."""
-        return self.model.config, self.model.dtype
+        """(ModelConfig, the dtype the weights were loaded as, its KV groups: kv_groups.py)."""
+        return self.model.config, self.model.dtype, self.kv_groups
 
     def kv_cache_bytes(self, cache: CacheConfig) -> tuple[int, int]:
         """(bytes this worker can give its KV cache, bytes one block takes here)."""
@@ -85,14 +87,14 @@ class Worker:
                                         cache.max_model_len, cache.block_size, graphs, cache.num_speculative_tokens)
         budget = cache.kv_cache_memory_bytes or (self.memory.kv_cache_bytes(cache.gpu_memory_utilization)
                                                  if self.memory else DEFAULT_KV_CACHE_BYTES)
-        block_bytes = kv_cache_block_bytes(self.model, cache.block_size)
+        block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.kv_groups)
         if self.draft_model is not None:  # its cache has a block for each of the target's
             block_bytes += kv_cache_block_bytes(self.draft_model, cache.block_size)
         return budget, block_bytes
 
     def initialize_cache(self, num_blocks: int, cache: CacheConfig) -> None:
         """Allocates the KV cache, captures the decode graphs and warms up (on a GPU)."""
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, self.kv_groups)
         self._staging = Staging(self.runner.device)
         spec = self.config.speculative
         if self.draft_model is not None:
@@ -129,9 +131,11 @@ class Worker:
 
     def _graphs(self, cache: CacheConfig) -> bool:
         """Decode steps replay CUDA graphs on one GPU; tensor- and pipeline-parallel ranks run
-        eagerly (their collectives are not captured), and so do the steps an EAGLE head reads."""
+        eagerly (their collectives are not captured), and so do the steps an EAGLE head reads and
+        hybrid models' (the graphs take one block table)."""
         spec = self.config.speculative
         return (self.device.type == "cuda" and not cache.enforce_eager and self.world_size == 1
+                and not self.kv_groups.hybrid
                 and not (spec is not None and spec.method in EAGLE_METHODS))
 
     @torch.inference_mode()
