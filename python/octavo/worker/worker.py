@@ -14,6 +14,7 @@ from .. import _C
 from ..distributed.parallel_state import alone, init_model_parallel
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput, StepTimes
+from ..kv_groups import model_kv_groups
 from ..layers import bf16_tiles
 from ..layers.crossover import calibrate as calibrate_linear
 from ..loader import load_model
@@ -24,7 +25,6 @@ from ..speculative import EAGLE_METHODS
 from .gpu_memory import GpuMemoryPlan
 from .draft_model import DraftModel, load_draft_model
 from .eagle import EagleDrafter
-from ..kv_groups import model_kv_groups
 from .model_runner import ModelRunner, kv_cache_block_bytes
 from .sampler import SamplingState, join_requests, sample
 from .staging import Staging
