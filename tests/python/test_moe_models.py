@@ -187,18 +187,27 @@ def test_bf16_experts_pack_into_tiles_only_whole(width, packed, tmp_path):
         _C.set_cpu_isa(previous)
 
 
-def _write_mixtral_gguf(hf_dir, path) -> None:
-    """The checkpoint in hf_dir as a llama.cpp Mixtral GGUF (llama with experts): experts' gate and
-    up in Q4_0 blocks, down and attention in Q8_0, the rest in floats. The checkpoint's tensors
-    are rewritten as their blocks' values, so both files hold the same weights."""
+# llama.cpp's layout of a MoE layer in a GGUF file: its architecture, the checkpoint's module of
+# the router and experts, and each expert matrix's name there.
+GGUF_MOE = {"mixtral": ("llama", "block_sparse_moe", ("w1", "w3", "w2")),
+            "qwen3-moe": ("qwen3moe", "mlp", ("gate_proj", "up_proj", "down_proj"))}
+
+
+def _write_moe_gguf(kind: str, hf_dir, path) -> None:
+    """The checkpoint in hf_dir as llama.cpp writes a GGUF of it (Mixtral: llama with experts;
+    Qwen3-MoE: qwen3moe, with q / k norms and rows not interleaved): experts' gate and up in Q4_0
+    blocks, down and attention in Q8_0, the rest in floats. The checkpoint's tensors are rewritten
+    as their blocks' values, so both files hold the same weights."""
     import json
 
     import gguf
     from safetensors.torch import load_file, save_file
 
     q = gguf.GGMLQuantizationType
+    arch, module, (gate, up, down) = GGUF_MOE[kind]
     config = json.loads((hf_dir / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    num_experts = config.get("num_local_experts") or config["num_experts"]
     tensors = load_file(hf_dir / "model.safetensors")
 
     def blocks(name: str, qtype):
@@ -206,35 +215,41 @@ def _write_mixtral_gguf(hf_dir, path) -> None:
         tensors[name] = torch.from_numpy(gguf.quants.dequantize(data, qtype).copy())
         return data
 
-    def interleave(data, n):  # llama.cpp's q/k row order (loader/gguf_file.py undoes it)
+    def interleave(data, n):  # llama.cpp's q/k row order for llama (loader/gguf_file.py undoes it)
+        if not n or arch != "llama":
+            return data
         return data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:]).swapaxes(1, 2).reshape(data.shape)
 
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), arch)
     for add, value in ((writer.add_block_count, config["num_hidden_layers"]), (writer.add_context_length, 256),
                        (writer.add_embedding_length, config["hidden_size"]),
                        (writer.add_feed_forward_length, config["intermediate_size"]), (writer.add_head_count, heads),
                        (writer.add_head_count_kv, kv_heads), (writer.add_layer_norm_rms_eps, config["rms_norm_eps"]),
                        (writer.add_rope_freq_base, config.get("rope_theta") or config["rope_parameters"]["rope_theta"]),
                        (writer.add_rope_dimension_count, config["head_dim"]), (writer.add_vocab_size, config["vocab_size"]),
-                       (writer.add_expert_count, config["num_local_experts"]),
+                       (writer.add_key_length, config["head_dim"]), (writer.add_value_length, config["head_dim"]),
+                       (writer.add_expert_count, num_experts),
                        (writer.add_expert_used_count, config["num_experts_per_tok"])):
         add(value)
+    if arch == "qwen3moe":
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
     writer.add_tensor("token_embd.weight", tensors["model.embed_tokens.weight"].numpy())
     writer.add_tensor("output_norm.weight", tensors["model.norm.weight"].numpy())
     writer.add_tensor("output.weight", blocks("lm_head.weight", q.Q8_0), raw_dtype=q.Q8_0)
     for i in range(config["num_hidden_layers"]):
         p, b = f"model.layers.{i}.", f"blk.{i}."
         for ours, theirs in (("input_layernorm", "attn_norm"), ("post_attention_layernorm", "ffn_norm"),
-                             ("block_sparse_moe.gate", "ffn_gate_inp")):
-            writer.add_tensor(f"{b}{theirs}.weight", tensors[f"{p}{ours}.weight"].numpy())
+                             (f"{module}.gate", "ffn_gate_inp"), ("self_attn.q_norm", "attn_q_norm"),
+                             ("self_attn.k_norm", "attn_k_norm")):
+            if f"{p}{ours}.weight" in tensors:
+                writer.add_tensor(f"{b}{theirs}.weight", tensors[f"{p}{ours}.weight"].numpy())
         for ours, theirs, n in (("q_proj", "attn_q", heads), ("k_proj", "attn_k", kv_heads), ("v_proj", "attn_v", 0),
                                 ("o_proj", "attn_output", 0)):
             data = blocks(f"{p}self_attn.{ours}.weight", q.Q8_0)
-            writer.add_tensor(f"{b}{theirs}.weight", interleave(data, n) if n else data, raw_dtype=q.Q8_0)
-        for ours, theirs, qtype in (("w1", "ffn_gate_exps", q.Q4_0), ("w3", "ffn_up_exps", q.Q4_0),
-                                    ("w2", "ffn_down_exps", q.Q8_0)):
-            stack = [blocks(f"{p}block_sparse_moe.experts.{j}.{ours}.weight", qtype)
-                     for j in range(config["num_local_experts"])]
+            writer.add_tensor(f"{b}{theirs}.weight", interleave(data, n), raw_dtype=q.Q8_0)
+        for ours, theirs, qtype in ((gate, "ffn_gate_exps", q.Q4_0), (up, "ffn_up_exps", q.Q4_0),
+                                    (down, "ffn_down_exps", q.Q8_0)):
+            stack = [blocks(f"{p}{module}.experts.{j}.{ours}.weight", qtype) for j in range(num_experts)]
             writer.add_tensor(f"{b}{theirs}.weight", np.stack(stack), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -243,15 +258,17 @@ def _write_mixtral_gguf(hf_dir, path) -> None:
     save_file(tensors, hf_dir / "model.safetensors", metadata={"format": "pt"})
 
 
-def test_a_mixtral_gguf_runs_on_its_expert_blocks(tmp_path):
+@pytest.mark.parametrize("kind,architecture", [("mixtral", "MixtralForCausalLM"),
+                                               ("qwen3-moe", "Qwen3MoeForCausalLM")])
+def test_a_moe_gguf_runs_on_its_expert_blocks(kind, architecture, tmp_path):
     pytest.importorskip("gguf")
-    hf_dir, path = tmp_path / "hf", tmp_path / "tiny-mixtral.gguf"
-    tiny_moe_checkpoint("mixtral", hf_dir)
-    _write_mixtral_gguf(hf_dir, path)
+    hf_dir, path = tmp_path / "hf", tmp_path / f"tiny-{kind}.gguf"
+    tiny_moe_checkpoint(kind, hf_dir, **({"mlp_only_layers": []} if kind == "qwen3-moe" else {}))
+    _write_moe_gguf(kind, hf_dir, path)
     reference = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     model = load_model(path)
     moe = model.layers[0].mlp
-    assert type(model).__name__ == "MixtralForCausalLM" and isinstance(moe, FusedMoE)
+    assert type(model).__name__ == architecture and isinstance(moe, FusedMoE)
     assert (moe.w13.weight_format, moe.w2.weight_format) == ("q4_0", "q8_0")
     attach_kv_cache(model, num_blocks=8)
     prompt = torch.randint(0, TINY["vocab_size"], (13,), generator=torch.Generator().manual_seed(2)).tolist()

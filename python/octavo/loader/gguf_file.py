@@ -4,9 +4,9 @@ K-quants Q3_K to Q6_K), and so does the token embedding, whose lookups decode on
 read; everything else is read as floats. Each tensor keeps its own format: a fused projection whose parts differ (a
 Q4_K_M file's attn_v in Q6_K beside attn_q / attn_k in Q4_K) keeps a run of blocks per format
 (``MixedWeight``). A llama file with experts (``llama.expert_count``: Mixtral) runs as
-MixtralForCausalLM, each 3-D expert tensor (``ffn_gate_exps`` / ``ffn_up_exps`` /
-``ffn_down_exps``) read as its experts' matrices, whose blocks are stacked into the MoE layer's
-expert stacks as they are.
+MixtralForCausalLM and a ``qwen3moe`` file as Qwen3MoeForCausalLM, each 3-D expert tensor
+(``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``) read as its experts' matrices, whose
+blocks are stacked into the MoE layer's expert stacks as they are.
 
 The config is read from the file's metadata (as transformers' GGUF loader names it), the tokenizer
 through transformers' GGUF support. The header and tensors are read by ``gguf_reader.py`` (the
@@ -38,7 +38,7 @@ KEPT_FORMATS = {name: name.lower() for name in ("Q8_0", "Q4_0", "Q4_1", "Q5_0", 
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 # llama.cpp's architecture name -> Hugging Face's (Mistral's files are "llama" ones).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "gemma3": "Gemma3ForCausalLM"}
+                 "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
 _TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
@@ -50,9 +50,12 @@ _LAYER = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
 # norm, and its attention and MLP outputs have norms of their own.
 _LAYER_BY_ARCH = {"gemma3": {**_LAYER, "ffn_norm": "pre_feedforward_layernorm",
                              "post_attention_norm": "post_attention_layernorm",
-                             "post_ffw_norm": "post_feedforward_layernorm"}}
-# A layer's 3-D expert tensor -> the Mixtral name of each expert's matrix in it.
-_EXPERTS = {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}
+                             "post_ffw_norm": "post_feedforward_layernorm"},
+                  "qwen3moe": {**_LAYER, "ffn_gate_inp": "mlp.gate"}}
+# A layer's 3-D expert tensor -> the module of its experts and the name of each one's matrix in it:
+# Mixtral's (a llama file with experts), else Qwen-MoE's.
+_EXPERTS = {"llama": ("block_sparse_moe", {"ffn_gate_exps": "w1", "ffn_up_exps": "w3", "ffn_down_exps": "w2"}),
+            "qwen3moe": ("mlp", {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"})}
 
 
 def is_gguf(path: str | Path) -> bool:
@@ -69,15 +72,15 @@ def hf_name(name: str, arch: str = "llama") -> str:
     raise ValueError(f"GGUF tensor {name!r} has no place in the model")
 
 
-def expert_names(name: str, count: int) -> list[str] | None:
+def expert_names(name: str, count: int, arch: str = "llama") -> list[str] | None:
     """The Hugging Face names of the experts stacked in a 3-D expert tensor ("blk.3.ffn_up_exps.weight"
-    -> "model.layers.3.block_sparse_moe.experts.{j}.w3.weight" for j < count); None for any
-    other tensor."""
+    -> "model.layers.3.block_sparse_moe.experts.{j}.w3.weight" for j < count in a llama file,
+    "model.layers.3.mlp.experts.{j}.up_proj.weight" in a qwen3moe one); None for any other tensor."""
+    module, names = _EXPERTS.get(arch, _EXPERTS["llama"])
     parts = name.split(".")
-    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in _EXPERTS:
+    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in names:
         return None
-    return [f"model.layers.{parts[1]}.block_sparse_moe.experts.{j}.{_EXPERTS[parts[2]]}.{parts[3]}"
-            for j in range(count)]
+    return [f"model.layers.{parts[1]}.{module}.experts.{j}.{names[parts[2]]}.{parts[3]}" for j in range(count)]
 
 
 def open_reader(path: Path) -> GgufReader:
@@ -110,9 +113,13 @@ def gguf_config(path: Path, reader=None) -> ModelConfig:
         raise ValueError(f"{path} uses RoPE scaling, which Octavo does not read from GGUF metadata yet")
     hf = {"architectures": [ARCHITECTURES[arch]], "model_type": arch, "hidden_act": "silu", "torch_dtype": "float32",
           "tie_word_embeddings": not any(t.name == "output.weight" for t in reader.tensors)}
-    if fields.get(f"{arch}.expert_count"):  # llama.cpp writes Mixtral as llama with experts
+    if fields.get(f"{arch}.expert_count") and arch == "llama":  # llama.cpp writes Mixtral as llama with experts
         hf.update(architectures=["MixtralForCausalLM"], num_local_experts=fields[f"{arch}.expert_count"],
                   num_experts_per_tok=fields[f"{arch}.expert_used_count"])
+    if arch == "qwen3moe":  # every layer sparse, top-k weights renormalized (llama.cpp's qwen3moe)
+        hf.update(num_experts=fields[f"{arch}.expert_count"], num_experts_per_tok=fields[f"{arch}.expert_used_count"],
+                  moe_intermediate_size=fields[f"{arch}.expert_feed_forward_length"], norm_topk_prob=True,
+                  decoder_sparse_step=1, mlp_only_layers=[])
     hf.update((name, fields[f"{arch}.{key}"]) for name, key in _CONFIG_KEYS.items() if f"{arch}.{key}" in fields)
     if f"{arch}.attention.key_length" in fields:
         hf["head_dim"] = fields[f"{arch}.attention.key_length"]
@@ -153,7 +160,7 @@ def _read_tensors(reader, config: ModelConfig) -> dict[str, tuple[str | None, np
     permuted = arch == "llama"  # llama.cpp's converter permutes only Llama's q / k
     tensors = {}
     for t in reader.tensors:
-        experts = expert_names(t.name, t.data.shape[0]) if t.data.ndim == 3 else None
+        experts = expert_names(t.name, t.data.shape[0], arch) if t.data.ndim == 3 else None
         name, kind = experts[0] if experts else hf_name(t.name, arch), t.tensor_type.name
         data = t.data
         if kind == "BF16":  # its bytes: the upper halves of float32s
