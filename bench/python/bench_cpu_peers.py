@@ -113,7 +113,7 @@ def worker_octavo(args) -> dict:
     from octavo import LLM, SamplingParams
 
     build = lambda: LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
-                        max_model_len=MAX_MODEL_LEN)
+                        max_model_len=MAX_MODEL_LEN, quantization=args.quantization)
     startup, llm = timed(build)
     vocab = llm.llm_engine.model_config.vocab_size if args.vocab is None else args.vocab
 
@@ -238,6 +238,8 @@ def run_workload(args, startup: float, vocab: int, generate, params_for) -> dict
 
 
 WORKERS = {"octavo": worker_octavo, "vllm": worker_vllm, "llama.cpp": worker_llama}
+A8 = "octavo gguf_a8"  # Octavo on a GGUF file with quantization="gguf_a8" (int8 inputs, as llama.cpp)
+ENGINES = ("octavo", A8, "vllm", "llama.cpp")
 WORKLOADS = ["offline", "single", "batched"]
 
 
@@ -383,7 +385,8 @@ def run_worker(python: str, engine: str, workloads: list[str], model: str, dtype
         from octavo.loader.gguf_file import gguf_config
 
         vocab = gguf_config(Path(model)).vocab_size
-    cmd = [python, __file__, "--worker", engine, "--workload", *workloads, "--model", model, "--dtype", dtype,
+    worker = ["octavo", "--quantization", "gguf_a8"] if engine == A8 else [engine]
+    cmd = [python, __file__, "--worker", *worker, "--workload", *workloads, "--model", model, "--dtype", dtype,
            "--vocab", str(vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
@@ -417,6 +420,9 @@ def main() -> None:
     parser.add_argument("--gguf-formats", nargs="+", default=["F32", "F16", "Q4_1"],
                         choices=["F32", "F16", "Q4_1", *LLAMA_FTYPES])
     parser.add_argument("--gemma3", action="store_true", help="also Gemma 3 270M's Q4_K_M file")
+    parser.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--gguf-a8", action="store_true",
+                        help="also Octavo with quantization='gguf_a8' on each GGUF file (int8 inputs)")
     parser.add_argument("--gguf-shapes", nargs="*", default=[], choices=sorted(GGUF_SHAPES),
                         help="also single-stream random-weight Q4_1 files of these shapes (larger than L3)")
     args = parser.parse_args()
@@ -452,6 +458,8 @@ def drive(args) -> None:
                 ggufs[fmt] = llama_quantized(args.llama_python, ggufs["F32"], fmt)
             if fmt not in ("F32", "F16"):  # Octavo runs the GGUF file itself; F32 / F16 compare with the folder
                 jobs.append(("octavo", sys.executable, gguf_workloads, str(ggufs[fmt]), "float32", octavo_env, label))
+                if args.gguf_a8:
+                    jobs.append((A8, sys.executable, gguf_workloads, str(ggufs[fmt]), "float32", octavo_env, label))
             if fmt == "F16" and "float16" not in args.dtypes:
                 jobs.append(("octavo", sys.executable, gguf_workloads, model, "float16", octavo_env, label))
             if args.llama_python:
@@ -459,7 +467,10 @@ def drive(args) -> None:
                              label))
     if args.gemma3 and gguf_workloads:
         path = str(gemma3_gguf())
-        for engine, python, env in (("octavo", sys.executable, octavo_env), ("llama.cpp", args.llama_python, PEER_ENV)):
+        engines = [("octavo", sys.executable, octavo_env), ("llama.cpp", args.llama_python, PEER_ENV)]
+        if args.gguf_a8:
+            engines.append((A8, sys.executable, octavo_env))
+        for engine, python, env in engines:
             if python:
                 jobs.append((engine, python, gguf_workloads, path, "float32", env, "Gemma3 Q4_K_M"))
     token_bytes = {}  # label -> weight bytes read per decoded token (the file's tensors; the LM head is tied)
@@ -478,7 +489,7 @@ def drive(args) -> None:
             for workload in workloads:
                 key = f"{workload}_tok_s"
                 results.setdefault((f"{workload} {label}", engine), []).append(res)
-                print(f"  round {r + 1}: {workload} {label:10s} {engine:9s} {res[key]:7.1f} tok/s  "
+                print(f"  round {r + 1}: {workload} {label:10s} {engine:14s} {res[key]:7.1f} tok/s  "
                       f"start-up {res['startup_s']:6.1f} s", flush=True)
     report(results)
     if token_bytes:
@@ -501,27 +512,29 @@ def gguf_tensor_bytes(path: str) -> int:
 
 def report(results: dict[tuple[str, str], list[dict]]) -> None:
     labels = list(dict.fromkeys(label for label, _ in results))
-    print(f"\n{'workload':20s} {'engine':10s} {'median tok/s':>12s} {'runs':28s} {'start-up s':>10s}  Octavo ÷ it")
+    print(f"\n{'workload':20s} {'engine':14s} {'median tok/s':>12s} {'runs':28s} {'start-up s':>10s}  Octavo ÷ it"
+          f" (gguf_a8 ÷ it)")
     for label in labels:
         key = f"{label.split()[0]}_tok_s"  # the workload's
-        ours = statistics.median(r[key] for r in results.get((label, "octavo"), [{key: float("nan")}]))
-        for engine in ("octavo", "vllm", "llama.cpp"):
+        ours = {e: statistics.median(r[key] for r in results[(label, e)]) for e in ("octavo", A8)
+                if (label, e) in results}
+        for engine in ENGINES:
             runs = results.get((label, engine))
             if not runs:
                 continue
             med = statistics.median(r[key] for r in runs)
-            ratio = "" if engine == "octavo" else f"{ours / med:.2f}x"
+            ratio = "" if engine in ours else " ".join(f"{v / med:.2f}x" for v in ours.values())
             shown = ", ".join(f"{r[key]:.1f}" for r in runs)
             startup = statistics.median(r["startup_s"] for r in runs)
-            print(f"{label:20s} {engine:10s} {med:12.1f} {shown:28s} {startup:10.1f}  {ratio}")
+            print(f"{label:20s} {engine:14s} {med:12.1f} {shown:28s} {startup:10.1f}  {ratio}")
         if label.startswith("single"):
-            tokens = {e: results[(label, e)][0]["tokens"] for e in ("octavo", "vllm", "llama.cpp")
-                      if (label, e) in results}
-            if "octavo" in tokens:
+            tokens = {e: results[(label, e)][0]["tokens"] for e in ENGINES if (label, e) in results}
+            for ours_engine in [e for e in ("octavo", A8) if e in tokens]:
                 for engine, toks in tokens.items():
-                    if engine != "octavo":
-                        same = next((i for i, (a, b) in enumerate(zip(tokens["octavo"], toks)) if a != b), len(toks))
-                        print(f"{'':20s} greedy tokens agree with {engine} on the first {same} of {AGREE_TOKENS}")
+                    if engine not in ("octavo", A8):
+                        same = next((i for i, (a, b) in enumerate(zip(tokens[ours_engine], toks)) if a != b), len(toks))
+                        print(f"{'':20s} {ours_engine}'s greedy tokens agree with {engine} on the first {same} of "
+                              f"{AGREE_TOKENS}")
 
 
 if __name__ == "__main__":

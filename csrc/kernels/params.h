@@ -75,6 +75,7 @@ struct LinearParams {
   int64_t rows, in_features, out_features, in_stride, out_stride, group_size;
   DType dtype;           // of out, input and bias (and of a dense weight); dequantize: of out
   WeightFormat weight_format;
+  bool int8_inputs;      // GGUF formats on the CPU: inputs rounded to int8 per block of 32 (linear_gguf_a8.h)
 };
 
 struct TopkParams {

@@ -110,6 +110,10 @@ struct WeightQuant {
   const TensorView* scales = nullptr;  // float32 (kInt8, kInt8A8: [N]; kInt4, kInt4A8: [N, groups])
   const TensorView* zeros = nullptr;   // uint8 (kInt4, kInt4A8)
   int64_t group_size = 0;              // kInt4, kInt4A8
+  // GGUF block formats on the CPU: `linear` rounds each input row to int8 per block of 32 inputs
+  // (a = rint(x * 127 / m), m the block's largest |x|: llama.cpp's Q8_0 activations) and multiplies
+  // integers (cpu/linear_gguf_a8.h); the result is that of x rounded so. dequantize ignores it.
+  bool int8_inputs = false;
 };
 
 // out = input · weightᵀ (+ bias): the dense projections of a decode step, read at memory speed.

@@ -24,7 +24,7 @@ CUDA_MAX_GROUP = 16  # query heads per KV head the CUDA attention kernels take (
 def cpu_only_reason(model, quantization: str | None = None) -> str | None:
     """Why this model, quantized at load with ``quantization``, cannot run on a GPU yet, or None
     when it can. (Quantized weights can: GGUF blocks, GPTQ / AWQ, Octavo's int8 / int4, but not
-    w4a8 / w8a8 nor compressed-tensors W8A8, whose int8 activations are a CPU kernel's; see
+    w4a8 / w8a8 / gguf_a8 nor compressed-tensors W8A8, whose int8 activations are a CPU kernel's; see
     layers/linear.py.)"""
     from .config import ModelConfig
     from .loader.compressed_tensors import METHOD as COMPRESSED_TENSORS
@@ -33,6 +33,7 @@ def cpu_only_reason(model, quantization: str | None = None) -> str | None:
 
     reasons = {method: f"quantization '{method}' multiplies int8 activations on the CPU only (use '{weights}' on "
                        "a GPU)" for method, weights in (("w4a8", "int4"), ("w8a8", "int8"))}
+    reasons["gguf_a8"] = "quantization 'gguf_a8' multiplies int8 activations on the CPU only (load without it on a GPU)"
     if quantization in reasons:
         return reasons[quantization]
     config = gguf_config(model) if is_gguf(model) else ModelConfig.from_pretrained(model)

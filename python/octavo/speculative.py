@@ -23,7 +23,7 @@ METHODS = ("ngram", "draft_model", *EAGLE_METHODS)
 MODEL_METHODS = ("draft_model", *EAGLE_METHODS)  # a model drafts, run by the driver worker
 # Methods vLLM knows that Octavo does not run yet: a clear error rather than an unknown name.
 NOT_YET = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
-QUANTIZATIONS = ("int8", "int4", "q4_1", "w4a8", "w8a8")
+QUANTIZATIONS = ("int8", "int4", "q4_1", "w4a8", "w8a8", "gguf_a8")
 
 
 @dataclass

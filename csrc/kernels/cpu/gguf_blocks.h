@@ -382,5 +382,33 @@ struct Gguf<WeightFormat::kQ3_K> {
   }
 };
 
+// The two scale values of blocks [blk, blk + count) of 32 weights of a row at `row` (count and
+// blk multiples of the sub-blocks per super-block): the K-quants' sub_scales, or each block's
+// float16 d (and m, meaningless for the formats without one) from its first dword. On AVX-512
+// one gather and two conversions per 16 blocks instead of two scalar conversions per block.
+template <WeightFormat F>
+void read_scales(const uint8_t* row, int64_t blk, int count, float* d, float* m) {
+  using Format = Gguf<F>;
+  if constexpr (Format::kWeights > kBlock) {
+    constexpr int kSub = Format::kWeights / kBlock;
+    for (int i = 0; i < count; i += kSub) Format::sub_scales(row + (blk + i) / kSub * Format::kBytes, d + i, m + i);
+  } else {
+    const uint8_t* first = row + blk * Format::kBytes;
+#if defined(__AVX512F__)
+    const __m512i offsets = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(Format::kBytes));
+    const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
+    const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, offsets, first, 1);
+    _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
+    _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
+#else
+    for (int i = 0; i < count; ++i) {
+      d[i] = half_at(first + i * Format::kBytes);
+      m[i] = half_at(first + i * Format::kBytes + 2);
+    }
+#endif
+  }
+}
+
 }  // namespace gguf
 }  // namespace octavo::cpu::OCTAVO_ISA

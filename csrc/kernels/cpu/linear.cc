@@ -10,12 +10,14 @@
 // runs on transposed weight panels instead (linear_panels.h) and bfloat16 on AMX tiles where the
 // CPU has them (linear_amx.h); each is batch invariant on its side of its threshold. W4A8 weights
 // (int4_a8) multiply int8 inputs: linear_int8_inputs.h, and from 4 rows on AMX int8 tiles
-// (linear_int8_tiles.h); so do W8A8 weights (int8_a8): linear_int8_a8.h, and the same tiles.
+// (linear_int8_tiles.h); so do W8A8 weights (int8_a8): linear_int8_a8.h, and the same tiles; and
+// GGUF blocks where the caller asks for int8 inputs (int8_inputs): linear_gguf_a8.h.
 #include <type_traits>
 
 #include "bf16_tiles.h"
 #include "gguf_blocks.h"
 #include "isa_kernels.h"
+#include "linear_gguf_a8.h"
 #include "linear_int8_a8.h"
 #include "linear_int8_inputs.h"
 #include "linear_panels.h"
@@ -171,33 +173,12 @@ struct GgufRows {
     if constexpr (kSuperBlocks) return Format::decode(container(r, blk), static_cast<int>(blk % kSubBlocks), j, s);
     else return Format::decode(block(r, blk), j, s);
   }
-  // The kernels read the scales of kScaleBatch blocks at a time: scales(r, blk, count, d, m)
-  // writes the two scale values of blocks [blk, blk + count) of row r (count and blk multiples
-  // of the sub-blocks per super-block), and scale_values(d, m) builds what decode needs from them.
-  // Blocks of 32 have their float16 d (and m) in their first dword (m is meaningless for the
-  // formats without one): on AVX-512 one gather and two conversions per 16 blocks instead of
-  // two scalar conversions and broadcasts per block, 1.4-1.6x the Q4_1 bytes per second at M = 1
-  // (bench_linear.py, 2 threads; same bits).
+  // The kernels read the scales of kScaleBatch blocks at a time (gguf::read_scales), and
+  // scale_values(d, m) builds what decode needs from them: on AVX-512 1.4-1.6x the Q4_1 bytes per
+  // second at M = 1 of a scale read per block (bench_linear.py, 2 threads; same bits).
   static constexpr bool kBlockScales = true;
   void scales(int r, int64_t blk, int count, float* d, float* m) const {
-    if constexpr (kSuperBlocks) {
-      for (int i = 0; i < count; i += kSubBlocks) Format::sub_scales(container(r, blk + i), d + i, m + i);
-    } else {
-#if defined(__AVX512F__)
-      const __m512i offsets =
-          _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                             _mm512_set1_epi32(Format::kBytes));
-      const __mmask16 lanes = static_cast<__mmask16>((1u << count) - 1);
-      const __m512i dm = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), lanes, offsets, block(r, blk), 1);
-      _mm512_storeu_ps(d, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(dm)));
-      _mm512_storeu_ps(m, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(dm, 16))));
-#else
-      for (int i = 0; i < count; ++i) {
-        d[i] = gguf::half_at(block(r, blk + i));
-        m[i] = gguf::half_at(block(r, blk + i) + 2);
-      }
-#endif
-    }
+    gguf::read_scales<F>(row[r], blk, count, d, m);
   }
   static BlockScale scale_values(float d, float m) { return Format::scale_values(d, m); }
 };
@@ -553,6 +534,14 @@ void linear_int8_inputs(const LinearParams& p) {
 
 void linear(const LinearParams& p) {
   if (p.rows == 0 || p.out_features == 0) return;
+  if (p.int8_inputs) {
+    switch (p.dtype) {
+      case DType::kFloat32: return gguf_a8::linear<float>(p);
+      case DType::kBFloat16: return gguf_a8::linear<bf16>(p);
+      case DType::kFloat16: return gguf_a8::linear<f16>(p);
+      default: OCTAVO_CHECK(false, "linear: unsupported dtype " << dtype_name(p.dtype));
+    }
+  }
   if (p.weight_format == WeightFormat::kInt4A8 || p.weight_format == WeightFormat::kInt8A8) {
     switch (p.dtype) {
       case DType::kFloat32: return linear_int8_inputs<float>(p);

@@ -12,6 +12,23 @@ namespace octavo {
 
 namespace ops {
 
+// llama.cpp's block formats (the ones int8_inputs applies to).
+bool is_gguf_format(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::kQ8_0:
+    case WeightFormat::kQ4_0:
+    case WeightFormat::kQ4_1:
+    case WeightFormat::kQ5_0:
+    case WeightFormat::kQ5_1:
+    case WeightFormat::kIQ4_NL:
+    case WeightFormat::kQ3_K:
+    case WeightFormat::kQ4_K:
+    case WeightFormat::kQ5_K:
+    case WeightFormat::kQ6_K: return true;
+    default: return false;
+  }
+}
+
 int64_t check_weight(const TensorView& weight, WeightFormat format, const WeightQuant& quant, const TensorView& ref,
                      const char* ref_arg, int64_t k, LinearParams& p) {
   ops::check_same_device(weight, "weight", ref, ref_arg);
@@ -19,6 +36,9 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   check_contiguous(weight, "weight");
   p.weight = weight.data;
   p.weight_format = format;
+  p.int8_inputs = quant.int8_inputs;
+  OCTAVO_CHECK(!quant.int8_inputs || is_gguf_format(format),
+               "int8_inputs needs a GGUF block format, got " << weight_format_name(format));
   const int64_t n = weight.shape[0];
   if (format == WeightFormat::kDense) {
     ops::check_same_dtype(weight, "weight", ref, ref_arg);
@@ -159,6 +179,7 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
   OCTAVO_CHECK(!cuda || format != WeightFormat::kBf16Tiles, "weight format bf16_tiles is for the CPU only");
   OCTAVO_CHECK(!cuda || format != WeightFormat::kInt4A8,
                "weight format int4_a8 (int8 inputs) is for the CPU only; CUDA multiplies int4");
+  OCTAVO_CHECK(!cuda || !quant.int8_inputs, "int8_inputs (int8 activations) is for the CPU only");
   OCTAVO_CHECK(!cuda || format != WeightFormat::kInt8A8,
                "weight format int8_a8 (int8 inputs) is for the CPU only; CUDA multiplies int8");
   if (cuda) cuda::linear(p);

@@ -15,7 +15,9 @@ class WorkerConfig:
     dtype: str = "auto"
     load_format: str = "safetensors"
     device: str = "cpu"  # already resolved: "cpu" or "cuda:N"
-    quantization: str | None = None  # "int8" / "int4" / "w4a8" / "w8a8": rounded to nearest as the weights are read
+    # "int8" / "int4" / "w4a8" / "w8a8": rounded to nearest as the weights are read; "gguf_a8": a
+    # GGUF file's blocks multiply int8-rounded inputs
+    quantization: str | None = None
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages, each holding a contiguous range of the layers
     enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank

@@ -110,6 +110,8 @@ class QuantizedWeight(torch.nn.Module):
         # Act-order GPTQ: the stored inputs are the activations' columns in this order.
         self.register_buffer("input_order", input_order)
         self.weight_format, self.in_features, self.group_size = weight_format, in_features, group_size
+        # GGUF blocks only: the CPU kernel rounds the inputs to int8 per block of 32 (quantization "gguf_a8").
+        self.int8_inputs = False
         expected = in_features // _C.ops.weight_block_weights(weight_format) * _C.ops.weight_block_bytes(weight_format)
         if data.dim() != 2 or data.shape[1] != expected or data.element_size() != 1:
             raise ValueError(f"{weight_format} data for {in_features} inputs must be [N, {expected}] bytes, "
@@ -120,7 +122,7 @@ class QuantizedWeight(torch.nn.Module):
         """What ``linear`` passes, read once into a plain attribute: a step calls ``linear`` about
         120 times, and each buffer read through nn.Module's attribute lookup costs time there."""
         self.bound = (self.qweight, self.weight_format, self.scales, self.zeros, self.group_size,
-                      self.qweight.shape[0], self.input_order)
+                      self.qweight.shape[0], self.input_order, self.int8_inputs)
 
     def _apply(self, fn, recurse=True):
         module = super()._apply(fn, recurse)  # .to() and friends replace the buffers
@@ -221,7 +223,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     if isinstance(weight, MixedWeight):
         return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):
-        qweight, weight_format, scales, zeros, group_size, n, input_order = weight.bound
+        qweight, weight_format, scales, zeros, group_size, n, input_order, int8_inputs = weight.bound
         if input_order is not None:
             x = x.index_select(-1, input_order)
         if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS:
@@ -231,15 +233,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
             on_tiles = dtype == torch.bfloat16 and _on_amx_tiles(weight_format, x.shape[0])
             if dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS and not on_tiles:
                 return _gemm_on_dequantized(x, weight, bias)
-            if x.shape[0] < FLOAT_INPUT_MAX_ROWS and weight_format not in INT8_INPUT_FORMATS and not on_tiles:
+            rounded_to_int8 = weight_format in INT8_INPUT_FORMATS or int8_inputs
+            if x.shape[0] < FLOAT_INPUT_MAX_ROWS and not rounded_to_int8 and not on_tiles:
                 # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads
                 # directly (int4 at M = 1: about 1.3x as fast), and below FLOAT_INPUT_MAX_ROWS
-                # either way it rounds the same float32 sums once: the same bits. (int4_a8 and
-                # int8_a8 round their inputs to int8 whatever their type; the int8 tiles multiply
-                # bfloat16 ones.)
+                # either way it rounds the same float32 sums once: the same bits. (int4_a8,
+                # int8_a8 and GGUF blocks with int8_inputs round their inputs to int8 whatever their
+                # type; the int8 tiles multiply bfloat16 ones.)
                 x, bias = x.float(), None if bias is None else bias.float()
         out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size)
+        _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs)
         return out.to(dtype)
     if not _dense_kernel_takes(x, weight):
         return F.linear(x, weight, bias)

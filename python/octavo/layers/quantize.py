@@ -19,6 +19,11 @@
   (vLLM's W8A8 int8, as compressed-tensors checkpoints hold it: loader/compressed_tensors.py). On
   AMX int8 tiles that is the fastest prefill of any format here. CPU only.
 
+- "gguf_a8": no weights change; a GGUF file's quantized weights (its blocks, as loaded) are
+  multiplied by inputs rounded to int8 per block of 32 (llama.cpp's Q8_0 activations, as llama.cpp
+  multiplies them on the CPU): at decode 1.2-1.5x the float path's speed on one thread, with the
+  inputs' rounding as the accuracy cost (bench/RESULTS.md). CPU only.
+
 ``quantize_model`` quantizes a model's projections (fused QKV, output, gate_up, down) in the
 chosen format and its LM head in int8: on a CPU decode step reads every weight once, and the
 LM head of a small model is a fifth of its weights.
@@ -33,6 +38,8 @@ import torch
 from .linear import QuantizedWeight
 
 METHODS = ("int8", "int4", "q4_1", "w4a8", "w8a8")
+GGUF_A8 = "gguf_a8"  # not a weight format: int8 inputs for the blocks a GGUF file holds
+GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k")
 INT4_FORMATS = ("int4", "int4_a8")  # the same stored weights
 INT8_FORMATS = ("int8", "int8_a8")
 
@@ -165,6 +172,10 @@ def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
 
 
 def _check_method(model: torch.nn.Module, method: str) -> None:
+    if method == GGUF_A8:
+        raise ValueError(f"quantization={GGUF_A8!r} multiplies a GGUF file's quantized weights by int8 inputs, but "
+                         f"this model's weights are floats: load a .gguf file, or pick a weight quantization "
+                         f"({', '.join(METHODS)})")
     if method not in METHODS:
         raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
     if any(isinstance(m, QuantizedWeight) for m in model.modules()):
@@ -178,9 +189,26 @@ def _quantize_weight(attr: str, weight: torch.Tensor, method: str) -> QuantizedW
 
 def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
     """Quantizes ``model``'s float matmul weights in place (see the module docstring)."""
+    if method == GGUF_A8 and any(_gguf_blocks(model)):
+        return multiply_int8_inputs(model)
     _check_method(model, method)
     for module, attr, _ in model.matmul_weights():
         replace_weight(module, attr, _quantize_weight(attr, module._parameters[attr].data, method))
+    return model
+
+
+def _gguf_blocks(model: torch.nn.Module) -> list[QuantizedWeight]:
+    """The model's weights kept in GGUF blocks (a mixed-format weight's parts, each in its own)."""
+    return [m for m in model.modules() if isinstance(m, QuantizedWeight) and m.weight_format in GGUF_FORMATS]
+
+
+def multiply_int8_inputs(model: torch.nn.Module) -> torch.nn.Module:
+    """quantization "gguf_a8": every weight in GGUF blocks multiplies int8-rounded inputs from now
+    on (the embedding table's lookups still decode rows; mixture-of-experts stacks keep float
+    inputs). Float weights of the file (F32 / F16 tensors) are not touched."""
+    for weight in _gguf_blocks(model):
+        weight.int8_inputs = True
+        weight._bind()
     return model
 
 

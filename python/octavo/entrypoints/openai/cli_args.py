@@ -41,8 +41,10 @@ def add_arguments(parser) -> None:
                         help="name(s) clients use for the model; the first is the one responses carry "
                              "(default: the model argument)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    parser.add_argument("--quantization", "-q", default=None, choices=["int8", "int4", "q4_1", "w4a8", "w8a8"],
-                        help="quantize the projections at load time (round to nearest; LM head in int8)")
+    parser.add_argument("--quantization", "-q", default=None,
+                        choices=["int8", "int4", "q4_1", "w4a8", "w8a8", "gguf_a8"],
+                        help="quantize the projections at load time (round to nearest; LM head in int8); gguf_a8: "
+                             "int8 inputs for a GGUF file's blocks")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
