@@ -1,7 +1,7 @@
 """Octavo's `linear` kernel against torch's F.linear at the default model's projection shapes.
 
     python bench/python/bench_linear.py [--rows 1 4 16 32 64 512] [--dtypes float32 bfloat16 float16]
-                                        [--formats q8_0 q4_0 q4_1 int8 int4 q4_k q6_k ...]
+                                        [--formats q8_0 q4_0 q4_1 int8 int4 q4_k q6_k q4_k+a8 ...]
     python bench/python/bench_linear.py --levels avx512_bf16 amx [--repeats 15] [--rows ...] [--dtypes ...]
 
 --levels compares Octavo's kernel levels (octavo.cpu_isa() names) and torch on the dense dtypes:
@@ -16,7 +16,9 @@ crossover in octavo/layers/linear.py comes from this table.
 Quantized formats (float32 activations): GGUF blocks as the gguf package writes them, and
 Octavo's int8 / int4 (load-time round to nearest); GB/s counts the stored bytes (scales and
 zero points included), and torch's column is F.linear on the float32 weights they stand for. The machine's read
-bandwidth (torch sum over 512 MiB) is measured first, for the fraction the issue asks.
+bandwidth (torch sum over 512 MiB) is measured first, for the fraction the issue asks. A GGUF
+format with "+a8" (q4_k+a8) multiplies the same blocks by int8-rounded inputs (quantization
+"gguf_a8").
 """
 import argparse
 import time
@@ -64,7 +66,8 @@ def main() -> None:
             rows(name, w, w, args.rows, lambda out, x: _C.ops.linear(out, x, w, None))
     for fmt in args.formats:
         for n, k in shapes:
-            qw = quantized(torch.randn(n, k), fmt)
+            qw = quantized(torch.randn(n, k), fmt.removesuffix("+a8"))
+            qw.int8_inputs = fmt.endswith("+a8")
             rows(fmt, qw, qw.dequantize(), args.rows, lambda out, x: _C.ops.linear(out, x, qw.qweight, None,
                                                                                    **qw.kernel_args()))
 

@@ -11,9 +11,10 @@
 // vpmaddwd before AVX512-VNNI) starts from -o times the inputs' sums over the same four lanes,
 // so the offset costs no instruction. Q8_0 and IQ4_NL hold signed values: |w| times a with w's
 // sign. One float multiply-add per block and weight row then scales the eight lanes (d * s was
-// multiplied for 16 blocks at once); the minimums' terms are one multiply-add per 16 blocks.
-// Per weight block that is 5-10 instructions on 32 weights, where the float path decodes and
-// multiplies 32 floats. The result is that of the inputs rounded so, up to float32 rounding of
+// multiplied for 8 blocks at once); the minimums' terms are one multiply-add per 8 blocks. Per
+// weight block that is 5-10 instructions on 32 weights, where the float path decodes and
+// multiplies 32 floats: 1.5-1.8x its speed at M = 1 on one thread of an AMD EPYC (Zen 4 class),
+// 1.1-1.5x at M = 16 (bench/RESULTS.md). The result is that of the inputs rounded so, up to float32 rounding of
 // the per-block terms (sums of 8 lanes per block, in the lanes' order). A block with a
 // non-finite input makes its row's outputs NaN.
 #pragma once
@@ -61,7 +62,9 @@ inline int bit(const uint8_t* word, int i) { return (word[i / 8] >> (i % 8)) & 1
 inline constexpr int8_t kIq4NlBytes[16] = {OCTAVO_IQ4_NL_VALUES};
 
 #if defined(__AVX2__)
-OCTAVO_ALWAYS_INLINE __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+OCTAVO_ALWAYS_INLINE __m256i load32(const uint8_t* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
 // The 16 bytes at p as 32 nibbles: low nibbles in bytes 0-15, high ones in 16-31.
 OCTAVO_ALWAYS_INLINE __m256i nibbles32(const uint8_t* p) {
   const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
@@ -205,7 +208,7 @@ struct Bytes<WeightFormat::kQ3_K> {
 // ---- the inputs ------------------------------------------------------------------------------
 // Per input row and block of 32: the rounded inputs, d, d * sum a, and -offset * sum a over each
 // lane's four inputs (where vpdpbusd starts). d and d * sum a have kScaleBatch zeros after the
-// row's blocks, so that the kernel reads whole batches.
+// row's blocks, so that the kernel reads them 8 at a time past a row's last block.
 struct RoundedInputs {
   int64_t blocks, padded;  // blocks per row, and the scale arrays' stride
   std::vector<int8_t> a;
@@ -280,12 +283,13 @@ inline __m256i lane_mask(int count) {
 }
 
 // The two scale values of 8 blocks [blk, blk + 8) of a row (none past `count`: zeros), in
-// registers; the weights end at `end`. Blocks of 32 have their float16 d and m in their first dword: eight scalar loads
-// and two conversions (on Zen 4 a gather of them took a third of the kernel's time, and scalar
-// conversions stored one by one stall the vector load that reads them back); the K-quants' eight
-// sub-blocks' values are stored eight at a time and read back whole.
+// registers; the weights end at `end`. Blocks of 32 have their float16 d and m in their first
+// dword: eight scalar loads and two conversions (on Zen 4 a gather of them took a third of the
+// kernel's time, and scalar conversions stored one by one stall the vector load that reads them
+// back); the K-quants' eight sub-blocks' values are stored eight at a time and read back whole.
 template <WeightFormat F>
-OCTAVO_ALWAYS_INLINE void scales8(const uint8_t* row, int64_t blk, int count, const uint8_t* end, __m256& s, __m256& m) {
+OCTAVO_ALWAYS_INLINE void scales8(const uint8_t* row, int64_t blk, int count, const uint8_t* end, __m256& s,
+                                  __m256& m) {
   using Format = gguf::Gguf<F>;
   if constexpr (Format::kWeights > kBlock) {
     alignas(32) float a[8], b[8];
@@ -321,8 +325,8 @@ OCTAVO_ALWAYS_INLINE void scales8(const uint8_t* row, int64_t blk, int count, co
 
 // Reads the batch's weight scales, multiplies them by the inputs' d, and adds the minimums' terms.
 template <WeightFormat F, int M>
-OCTAVO_ALWAYS_INLINE void batch_scales(const Tile<F>& w, const RoundedInputs& r, int64_t i, int64_t first, int count, BatchScales& out,
-                  Minimums (&minimums)[kTileRows][kInputRows]) {
+OCTAVO_ALWAYS_INLINE void batch_scales(const Tile<F>& w, const RoundedInputs& r, int64_t i, int64_t first, int count,
+                                       BatchScales& out, Minimums (&minimums)[kTileRows][kInputRows]) {
   using B = Bytes<F>;
   for (int t = 0; t < kTileRows; ++t) {
 #if defined(__AVX2__)
@@ -454,21 +458,29 @@ void linear_typed(const LinearParams& p) {
     for (int t = 0; t < nr; ++t)
       out[t] = from_float<T>(p.bias != nullptr ? y[t][c] + to_float(static_cast<const T*>(p.bias)[n + t]) : y[t][c]);
   };
+  // Input rows in chunks whose rounded inputs (about 2.25 bytes per input) stay in L2 while every
+  // weight tile of the thread's slab passes over them; without chunks a prefill streamed all of
+  // them from L3 or memory once per 4 weight rows. Chunks are whole groups of input rows, so every
+  // row is computed the same way whatever M is.
+  const int64_t chunk = std::max<int64_t>(4, (int64_t{1} << 17) / (3 * p.in_features) / 4 * 4);
   parallel_for(tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const int64_t n = tile * kTileRows;
-      const int nr = static_cast<int>(std::min<int64_t>(kTileRows, p.out_features - n));
-      const Tile<F> w(p, n, nr);
-      float y[kTileRows][kInputRows] = {};
-      int64_t i = 0;
-      for (; i + kInputRows <= p.rows; i += kInputRows) {
-        dot_tile<F, kInputRows>(w, r, i, p.in_features, y);
-        for (int c = 0; c < kInputRows; ++c) store(i + c, n, nr, y, c);
-      }
-      // The rest one at a time: a row's sums do not depend on the rows it ran with.
-      for (; i < p.rows; ++i) {
-        dot_tile<F, 1>(w, r, i, p.in_features, y);
-        store(i, n, nr, y, 0);
+    for (int64_t m_begin = 0; m_begin < p.rows; m_begin += chunk) {
+      const int64_t m_end = std::min(p.rows, m_begin + chunk);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const int64_t n = tile * kTileRows;
+        const int nr = static_cast<int>(std::min<int64_t>(kTileRows, p.out_features - n));
+        const Tile<F> w(p, n, nr);
+        float y[kTileRows][kInputRows] = {};
+        int64_t i = m_begin;
+        for (; i + kInputRows <= m_end; i += kInputRows) {
+          dot_tile<F, kInputRows>(w, r, i, p.in_features, y);
+          for (int c = 0; c < kInputRows; ++c) store(i + c, n, nr, y, c);
+        }
+        // The rest one at a time: a row's sums do not depend on the rows it ran with.
+        for (; i < m_end; ++i) {
+          dot_tile<F, 1>(w, r, i, p.in_features, y);
+          store(i, n, nr, y, 0);
+        }
       }
     }
   });

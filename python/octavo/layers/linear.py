@@ -139,7 +139,7 @@ class QuantizedWeight(torch.nn.Module):
 
     def kernel_args(self) -> dict:
         return {"weight_format": self.weight_format, "scales": self.scales, "zeros": self.zeros,
-                "group_size": self.group_size}
+                "group_size": self.group_size, "int8_inputs": self.int8_inputs}
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The [N, K] weights the quantized data stands for (inputs in the activations' order), as
