@@ -175,7 +175,7 @@ struct GgufRows {
   }
   // The kernels read the scales of kScaleBatch blocks at a time (gguf::read_scales), and
   // scale_values(d, m) builds what decode needs from them: on AVX-512 1.4-1.6x the Q4_1 bytes per
-  // second at M = 1 of a scale read per block (bench_linear.py, 2 threads; same bits).
+  // second at M = 1 of reading each block's scale on its own (bench_linear.py, 2 threads; same bits).
   static constexpr bool kBlockScales = true;
   void scales(int r, int64_t blk, int count, float* d, float* m) const {
     gguf::read_scales<F>(row[r], blk, count, d, m);

@@ -21,8 +21,9 @@
 
 - "gguf_a8": no weights change; a GGUF file's quantized weights (its blocks, as loaded) are
   multiplied by inputs rounded to int8 per block of 32 (llama.cpp's Q8_0 activations, as llama.cpp
-  multiplies them on the CPU): at decode 1.2-1.5x the float path's speed on one thread, with the
-  inputs' rounding as the accuracy cost (bench/RESULTS.md). CPU only.
+  multiplies them on the CPU): ``linear`` at one row runs 1.5-1.8x the float path's speed, with the
+  inputs' rounding as the accuracy cost, but from about 64 rows (batched decode, prefill) slower
+  than the float path (bench/RESULTS.md). CPU only.
 
 ``quantize_model`` quantizes a model's projections (fused QKV, output, gate_up, down) in the
 chosen format and its LM head in int8: on a CPU decode step reads every weight once, and the
