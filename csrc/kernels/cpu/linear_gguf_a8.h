@@ -31,12 +31,9 @@
 #include "parallel.h"
 #include "vec.h"
 
-// The per-block helpers below must inline into the kernel's loop: GCC's heuristics left scales8
-// out of line in some builds (a call, vzeroupper and its results through memory per 8 blocks),
-// which took the kernel from 1.5x the float path's speed to 0.85x.
-#ifndef OCTAVO_ALWAYS_INLINE
-#define OCTAVO_ALWAYS_INLINE inline __attribute__((always_inline))
-#endif
+// The per-block helpers below are OCTAVO_ALWAYS_INLINE (gguf_blocks.h): GCC's heuristics left
+// scales8 out of line in some builds (a call, vzeroupper and its results through memory per 8
+// blocks), which took the kernel from 1.5x the float path's speed to 0.85x.
 
 namespace octavo::cpu::OCTAVO_ISA {
 namespace gguf_a8 {
@@ -314,11 +311,7 @@ OCTAVO_ALWAYS_INLINE void scales8(const uint8_t* row, int64_t blk, int count, co
       dm = _mm256_setr_epi32(words[0], words[1], words[2], words[3], words[4], words[5], words[6], words[7]);
     }
     dm = _mm256_and_si256(lane_mask(count), dm);
-    const __m256i low = _mm256_and_si256(dm, _mm256_set1_epi32(0xFFFF)), high = _mm256_srli_epi32(dm, 16);
-    // packus interleaves the 128-bit halves: 0-3 and 4-7 of each land in order after the permute.
-    const __m256i halves = _mm256_permute4x64_epi64(_mm256_packus_epi32(low, high), 0b11011000);
-    s = _mm256_cvtph_ps(_mm256_castsi256_si128(halves));
-    m = _mm256_cvtph_ps(_mm256_extracti128_si256(halves, 1));
+    gguf::scale_pairs(dm, s, m);
   }
 }
 #endif
