@@ -14,7 +14,8 @@
 // multiplied for 8 blocks at once); the minimums' terms are one multiply-add per 8 blocks. Per
 // weight block that is 5-10 instructions on 32 weights, where the float path decodes and
 // multiplies 32 floats: 1.5-1.8x its speed at M = 1 on one thread of an AMD EPYC (Zen 4 class),
-// 1.1-1.5x at M = 16 (bench/RESULTS.md). The result is that of the inputs rounded so, up to float32 rounding of
+// 1.0-1.5x at M = 16, but 0.8-0.9x at M = 64, where the float path decodes a tile once for all
+// rows (bench/RESULTS.md). The result is that of the inputs rounded so, up to float32 rounding of
 // the per-block terms (sums of 8 lanes per block, in the lanes' order). A block with a
 // non-finite input makes its row's outputs NaN.
 #pragma once
@@ -95,7 +96,7 @@ struct Bytes;
 
 // Blocks of 32: Q4_0, Q4_1, Q5_0, Q5_1 (as gguf_blocks.h's GgufLinearBlock): d, [m,] [fifth
 // bits,] nibbles.
-template <int kBytesOfBlock, bool kHasMin, bool kFifth>
+template <bool kHasMin, bool kFifth>
 struct LinearBlockBytes {
   static constexpr int kOffset = kHasMin ? 0 : kFifth ? 16 : 8, kMin = kHasMin ? 1 : 0;
   static constexpr bool kSigned = false, kHalves = false;
@@ -111,13 +112,13 @@ struct LinearBlockBytes {
 #endif
 };
 template <>
-struct Bytes<WeightFormat::kQ4_0> : LinearBlockBytes<18, false, false> {};
+struct Bytes<WeightFormat::kQ4_0> : LinearBlockBytes<false, false> {};
 template <>
-struct Bytes<WeightFormat::kQ4_1> : LinearBlockBytes<20, true, false> {};
+struct Bytes<WeightFormat::kQ4_1> : LinearBlockBytes<true, false> {};
 template <>
-struct Bytes<WeightFormat::kQ5_0> : LinearBlockBytes<22, false, true> {};
+struct Bytes<WeightFormat::kQ5_0> : LinearBlockBytes<false, true> {};
 template <>
-struct Bytes<WeightFormat::kQ5_1> : LinearBlockBytes<24, true, true> {};
+struct Bytes<WeightFormat::kQ5_1> : LinearBlockBytes<true, true> {};
 
 template <>
 struct Bytes<WeightFormat::kQ8_0> {

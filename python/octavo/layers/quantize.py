@@ -175,8 +175,8 @@ def place_quantized(model: torch.nn.Module, shapes: dict[str, tuple[int, int]],
 def _check_method(model: torch.nn.Module, method: str) -> None:
     if method == GGUF_A8:
         raise ValueError(f"quantization={GGUF_A8!r} multiplies a GGUF file's quantized weights by int8 inputs, but "
-                         f"this model's weights are floats: load a .gguf file, or pick a weight quantization "
-                         f"({', '.join(METHODS)})")
+                         f"this model's weights are floats: load a .gguf file with quantized tensors, or pick a "
+                         f"weight quantization ({', '.join(METHODS)})")
     if method not in METHODS:
         raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
     if any(isinstance(m, QuantizedWeight) for m in model.modules()):
@@ -190,7 +190,7 @@ def _quantize_weight(attr: str, weight: torch.Tensor, method: str) -> QuantizedW
 
 def quantize_model(model: torch.nn.Module, method: str) -> torch.nn.Module:
     """Quantizes ``model``'s float matmul weights in place (see the module docstring)."""
-    if method == GGUF_A8 and any(_gguf_blocks(model)):
+    if method == GGUF_A8 and _gguf_blocks(model):
         return multiply_int8_inputs(model)
     _check_method(model, method)
     for module, attr, _ in model.matmul_weights():
