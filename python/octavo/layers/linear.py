@@ -194,12 +194,16 @@ class MixedWeight(QuantizedWeight):
         return torch.cat(pieces)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """On the CPU each part writes its columns of one output (no concatenation: the step's
+        kernels alone, which a CPU op graph can record); elsewhere the parts' outputs are joined."""
+        out = torch.empty(x.shape[0], self.shape[0], dtype=x.dtype) if x.device.type == "cpu" else None
         outs, first = [], 0
         for part in self.parts:
             rows = part.shape[0]
-            outs.append(linear(x, part, None if bias is None else bias[first:first + rows]))
+            part_bias = None if bias is None else bias[first:first + rows]
+            outs.append(linear(x, part, part_bias, None if out is None else out[:, first:first + rows]))
             first += rows
-        return torch.cat(outs, dim=-1)
+        return torch.cat(outs, dim=-1) if out is None else out
 
     def extra_repr(self) -> str:
         return f"{self.weight_format}, shape={list(self.shape)}"
@@ -218,8 +222,11 @@ def embedding(ids: torch.Tensor, table: torch.Tensor | QuantizedWeight, dtype: t
     return out.view(*ids.shape, table.in_features)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N]."""
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous), weight [N, K] contiguous or quantized, bias [N] or None -> [M, N].
+    out (a quantized weight's product only): an [M, N] tensor in x's dtype, rows contiguous, that
+    receives the result and is returned."""
     if isinstance(weight, MixedWeight):
         return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):
@@ -227,12 +234,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         if input_order is not None:
             x = x.index_select(-1, input_order)
         if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS:
-            return _gemm_on_dequantized(x, weight, bias)
+            return _into(out, _gemm_on_dequantized(x, weight, bias))
         dtype = x.dtype
         if x.device.type == "cpu" and dtype != torch.float32 and weight_format != "bf16_tiles":
             on_tiles = dtype == torch.bfloat16 and _on_amx_tiles(weight_format, x.shape[0])
             if dtype == torch.bfloat16 and x.shape[0] >= CPU_BF16_GEMM_FROM_ROWS and not on_tiles:
-                return _gemm_on_dequantized(x, weight, bias)
+                return _into(out, _gemm_on_dequantized(x, weight, bias))
             rounded_to_int8 = weight_format in INT8_INPUT_FORMATS or int8_inputs
             if x.shape[0] < FLOAT_INPUT_MAX_ROWS and not rounded_to_int8 and not on_tiles:
                 # The CPU kernel converts 16-bit inputs on every read; float32 ones it reads
@@ -241,14 +248,22 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
                 # int8_a8 and GGUF blocks with int8_inputs round their inputs to int8 whatever their
                 # type; the int8 tiles multiply bfloat16 ones.)
                 x, bias = x.float(), None if bias is None else bias.float()
-        out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs)
-        return out.to(dtype)
+        if out is not None and out.dtype == x.dtype:
+            _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs)
+            return out
+        result = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+        _C.ops.linear(result, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs)
+        return _into(out, result.to(dtype))
     if not _dense_kernel_takes(x, weight):
         return F.linear(x, weight, bias)
     out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _C.ops.linear(out, x, weight, bias)
     return out
+
+
+def _into(out: torch.Tensor | None, result: torch.Tensor) -> torch.Tensor:
+    """result, or out holding it."""
+    return result if out is None else out.copy_(result)
 
 
 def _on_amx_tiles(weight_format: str, rows: int) -> bool:

@@ -110,8 +110,8 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def rope_of(self, layer: Gemma3DecoderLayer) -> tuple[torch.Tensor, bool]:
         return (self.local_cos_sin_cache if layer.sliding else self.cos_sin_cache), self.rope_is_neox
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return super()._embed(input_ids) * self.embed_scale
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().embed(input_ids) * self.embed_scale
 
     def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden, logits_indices)

@@ -173,13 +173,15 @@ class LlamaForCausalLM(torch.nn.Module):
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                intermediate: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+                intermediate: torch.Tensor | None = None, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """intermediate: the previous stage's activations (every stage but the first). Returns
         the final hidden states [T, hidden] (last stage) or this stage's activations
-        [2, T, hidden] (the layers' output and the residual stream) for the next stage."""
+        [2, T, hidden] (the layers' output and the residual stream) for the next stage.
+        inputs_embeds: the tokens' embeddings (``embed``'s) in place of input_ids; the layers
+        overwrite them."""
         if intermediate is None:
-            x, residual = self._embed(input_ids), None
+            x, residual = self.embed(input_ids) if inputs_embeds is None else inputs_embeds, None
         else:
             x, residual = intermediate[0], intermediate[1]
         streams = {}
@@ -197,7 +199,8 @@ class LlamaForCausalLM(torch.nn.Module):
         """The RoPE table and pair layout ``layer`` rotates with (one for all layers here)."""
         return self.cos_sin_cache, self.rope_is_neox
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input for input_ids [T]: [T, hidden]."""
         if self.shard.world == 1:
             return embedding(input_ids, self.embed_tokens, self.dtype)
         first, end = self.shard.vocab  # rows of other ranks' tokens are zeros here, their rank's there

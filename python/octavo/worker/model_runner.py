@@ -39,6 +39,7 @@ class ModelRunner:
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
+        self.cpu_graphs = None   # see record_cpu_graphs
         # An EAGLE head reads each step's hidden states (its final rows: ``hidden``; the model's
         # aux_hidden_states), so such steps run eagerly.
         self.keep_hidden, self.hidden = False, None
@@ -71,6 +72,15 @@ class ModelRunner:
         return self.cuda_graphs.capture_seconds
 
     @torch.inference_mode()
+    def record_cpu_graphs(self, max_num_seqs: int, max_blocks_per_seq: int) -> float:
+        """Records the decode graphs (worker/cpu_graphs.py); returns the seconds it took. Raises
+        cpu_graphs.NotRecordable for a model whose forward pass computes in torch."""
+        from .cpu_graphs import CpuGraphs
+
+        self.cpu_graphs = CpuGraphs(self.model, max_num_seqs, max_blocks_per_seq, len(self.groups.windows))
+        return self.cpu_graphs.capture_seconds
+
+    @torch.inference_mode()
     def execute(self, out, extra_rows: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """out: a SchedulerOutput -> float32 logits [num_reqs, vocab] in batch order (on the
         model's device), and those of the flat token rows ``extra_rows`` when given (prompt
@@ -79,8 +89,9 @@ class ModelRunner:
         use_device(self.device)
         if len(out.block_copies):
             self.copy_blocks(out.block_copies)
-        if self.cuda_graphs is not None and extra_rows is None and not self.keep_hidden:
-            logits = self.cuda_graphs.run(out)
+        graphs = self.cuda_graphs or self.cpu_graphs
+        if graphs is not None and extra_rows is None and not self.keep_hidden:
+            logits = graphs.run(out)
             if logits is not None:
                 return logits, None
         indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])

@@ -22,6 +22,7 @@ from ..logits_processor import LogitsProcessors
 from ..logits_processor import resolve as resolve_logits_processors
 from ..models.llama_eagle import load_eagle_head
 from ..speculative import EAGLE_METHODS
+from .cpu_graphs import NotRecordable
 from .gpu_memory import GpuMemoryPlan
 from .draft_model import DraftModel, load_draft_model
 from .eagle import EagleDrafter
@@ -105,10 +106,13 @@ class Worker:
             self.logits_processors = LogitsProcessors(resolve_logits_processors(self.config.logits_processors),
                                                       self.model.config.vocab_size, cache.max_num_seqs,
                                                       self.runner.device)
-        if self._graphs(cache):
-            seconds = self.runner.capture_cuda_graphs(cache.max_num_seqs, -(-cache.max_model_len // cache.block_size))
+        max_blocks = -(-cache.max_model_len // cache.block_size)
+        if self._graphs(cache) and self.device.type == "cuda":
+            seconds = self.runner.capture_cuda_graphs(cache.max_num_seqs, max_blocks)
             print(f"octavo: captured CUDA graphs for decode batches of {self.runner.cuda_graphs.sizes} "
                   f"in {seconds:.1f} s")
+        elif self._graphs(cache):
+            self._record_cpu_graphs(cache.max_num_seqs, max_blocks)
         if self.memory:
             self.memory.warm_up(self.runner)
             print(f"octavo: {self.memory.report()}")
@@ -129,13 +133,23 @@ class Worker:
         with alone():
             return fixed_rows, drafting_rows(self.drafter, cache.max_num_seqs, row_seconds)
 
+    def _record_cpu_graphs(self, max_num_seqs: int, max_blocks: int) -> None:
+        try:
+            seconds = self.runner.record_cpu_graphs(max_num_seqs, max_blocks)
+        except NotRecordable as e:
+            print(f"octavo: decode steps run eagerly: {e}")
+            return
+        graphs = self.runner.cpu_graphs
+        print(f"octavo: recorded CPU graphs for decode batches of {graphs.sizes} in {seconds:.1f} s "
+              f"({graphs.nbytes / 2**20:.1f} MiB of activations)")
+
     def _graphs(self, cache: CacheConfig) -> bool:
-        """Decode steps replay CUDA graphs on one GPU; tensor- and pipeline-parallel ranks run
-        eagerly (their collectives are not captured), and so do the steps an EAGLE head reads and
-        hybrid models' (the graphs take one block table)."""
+        """Decode steps replay CUDA graphs on one GPU and CPU graphs on the CPU; tensor- and
+        pipeline-parallel ranks run eagerly (their collectives are not captured), and so do the
+        steps an EAGLE head reads and, on a GPU, hybrid models' (its graphs take one block table)."""
         spec = self.config.speculative
-        return (self.device.type == "cuda" and not cache.enforce_eager and self.world_size == 1
-                and not self.kv_groups.hybrid
+        return (not cache.enforce_eager and self.world_size == 1
+                and not (self.kv_groups.hybrid and self.device.type == "cuda")
                 and not (spec is not None and spec.method in EAGLE_METHODS))
 
     @torch.inference_mode()
