@@ -1,5 +1,7 @@
 // Each op takes torch tensors / numpy arrays (viewed zero-copy through DLPack), releases the GIL
-// and calls the C++ op of the same name. Outputs are preallocated by the caller, as in vLLM.
+// and calls the C++ op of the same name. Outputs are preallocated by the caller, as in vLLM. The
+// call goes through run_op (op_graph.h), which also keeps it while a CPU graph records: its lambda
+// holds what it reads by value (PyTensors, and any struct that points into them is built inside).
 #include "bind_ops.h"
 
 #include <algorithm>

@@ -49,6 +49,12 @@ class _KernelsOnly(TorchDispatchMode):
 
     allocated = 0  # bytes
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # Else torch wraps __torch_dispatch__ to keep Dynamo out of it, which imports Dynamo on the
+        # first call: a second of startup. Nothing here compiles.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in _ALLOCATIONS:
