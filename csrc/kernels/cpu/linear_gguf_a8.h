@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #include "gguf_blocks.h"
 #include "linear_int8_inputs.h"
@@ -206,27 +205,38 @@ struct Bytes<WeightFormat::kQ3_K> {
 // ---- the inputs ------------------------------------------------------------------------------
 // Per input row and block of 32: the rounded inputs, d, d * sum a, and -offset * sum a over each
 // lane's four inputs (where vpdpbusd starts). d and d * sum a have kScaleBatch zeros after the
-// row's blocks, so that the kernel reads them 8 at a time past a row's last block.
+// row's blocks, so that the kernel reads them 8 at a time past a row's last block. They live in
+// the calling thread's scratch (slot kScratchSlot), reused from call to call: a decode step makes
+// about 120 of them, and four allocations each added up.
 struct RoundedInputs {
   int64_t blocks, padded;  // blocks per row, and the scale arrays' stride
-  std::vector<int8_t> a;
-  std::vector<float> d, dsum;
-  std::vector<int32_t> offset_sums;
+  int8_t* a;
+  float* d;
+  float* dsum;
+  int32_t* offset_sums;
 };
+constexpr int kScratchSlot = 3;
+
+inline int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
 template <typename T>
 void round_inputs(const LinearParams& p, int offset, RoundedInputs& r) {
   r.blocks = p.in_features / kBlock;
   r.padded = r.blocks + kScaleBatch;
-  r.a.resize(p.rows * p.in_features);
-  r.d.assign(p.rows * r.padded, 0.0f);
-  r.dsum.assign(p.rows * r.padded, 0.0f);
-  r.offset_sums.resize(p.rows * r.blocks * kLanes);
+  const int64_t a_bytes = aligned64(p.rows * p.in_features), scale_bytes = aligned64(p.rows * r.padded * 4);
+  auto* base = static_cast<char*>(
+      thread_scratch(kScratchSlot, static_cast<size_t>(a_bytes + 2 * scale_bytes + p.rows * r.blocks * kLanes * 4)));
+  r.a = reinterpret_cast<int8_t*>(base);
+  r.d = reinterpret_cast<float*>(base + a_bytes);
+  r.dsum = reinterpret_cast<float*>(base + a_bytes + scale_bytes);
+  r.offset_sums = reinterpret_cast<int32_t*>(base + a_bytes + 2 * scale_bytes);
   const T* input = static_cast<const T*>(p.input);
   parallel_for(p.rows, int8_inputs::rounding_grain(p), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i)
+    for (int64_t i = begin; i < end; ++i) {
+      std::fill(r.d + i * r.padded + r.blocks, r.d + (i + 1) * r.padded, 0.0f);
+      std::fill(r.dsum + i * r.padded + r.blocks, r.dsum + (i + 1) * r.padded, 0.0f);
       for (int64_t b = 0; b < r.blocks; ++b) {
-        int8_t* a = r.a.data() + i * p.in_features + b * kBlock;
+        int8_t* a = r.a + i * p.in_features + b * kBlock;
         float& d = r.d[i * r.padded + b];
         // (A size GCC cannot fold: with the constant 32 it warns of the dead tails it inlines.)
         const int64_t size = std::min<int64_t>(kBlock, p.in_features - b * kBlock);
@@ -239,6 +249,7 @@ void round_inputs(const LinearParams& p, int offset, RoundedInputs& r) {
         }
         r.dsum[i * r.padded + b] = d * static_cast<float>(sum);
       }
+    }
   });
 }
 
@@ -329,8 +340,8 @@ OCTAVO_ALWAYS_INLINE void batch_scales(const Tile<F>& w, const RoundedInputs& r,
       __m256 sk, mk;
       scales8<F>(w.row[t], first + k, count - k, w.end, sk, mk);
       for (int c = 0; c < M; ++c) {
-        const float* d = r.d.data() + (i + c) * r.padded + first + k;
-        const float* dsum = r.dsum.data() + (i + c) * r.padded + first + k;
+        const float* d = r.d + (i + c) * r.padded + first + k;
+        const float* dsum = r.dsum + (i + c) * r.padded + first + k;
         const __m256 dk = _mm256_loadu_ps(d);
         _mm256_store_ps(out.first[t][c] + k, _mm256_mul_ps(sk, dk));
         if constexpr (B::kHalves) _mm256_store_ps(out.second[t][c] + k, _mm256_mul_ps(mk, dk));
@@ -342,8 +353,8 @@ OCTAVO_ALWAYS_INLINE void batch_scales(const Tile<F>& w, const RoundedInputs& r,
     float s[kScaleBatch], m[kScaleBatch];
     gguf::read_scales<F>(w.row[t], first, count, s, m);
     for (int c = 0; c < M; ++c) {
-      const float* d = r.d.data() + (i + c) * r.padded + first;
-      const float* dsum = r.dsum.data() + (i + c) * r.padded + first;
+      const float* d = r.d + (i + c) * r.padded + first;
+      const float* dsum = r.dsum + (i + c) * r.padded + first;
       for (int k = 0; k < count; ++k) {
         out.first[t][c][k] = s[k] * d[k];
         if constexpr (B::kHalves) out.second[t][c][k] = m[k] * d[k];
@@ -396,8 +407,8 @@ void dot_tile(const Tile<F>& w, const RoundedInputs& r, int64_t i, int64_t K, fl
 #if defined(__AVX2__)
       __m256i a[M], start[M];
       for (int c = 0; c < M; ++c) {
-        a[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.a.data() + (i + c) * K + in));
-        const int32_t* sums = r.offset_sums.data() + ((i + c) * r.blocks + blk) * kLanes;
+        a[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(r.a + (i + c) * K + in));
+        const int32_t* sums = r.offset_sums + ((i + c) * r.blocks + blk) * kLanes;
         start[c] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(sums));
       }
       for (int t = 0; t < kTileRows; ++t) {
@@ -420,7 +431,7 @@ void dot_tile(const Tile<F>& w, const RoundedInputs& r, int64_t i, int64_t K, fl
       for (int t = 0; t < kTileRows; ++t) {
         const uint8_t* b = w.container(t, blk);
         for (int c = 0; c < M; ++c) {
-          const int8_t* a = r.a.data() + (i + c) * K + in;
+          const int8_t* a = r.a + (i + c) * K + in;
           int32_t half[2] = {0, 0};
           for (int e = 0; e < kBlock; ++e) half[e / 16] += (B::value(b, sub, e) - B::kOffset) * a[e];
           const float second = B::kHalves ? scales.second[t][c][k] : scales.first[t][c][k];
