@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "host_device.h"
 #include "octavo/ops.h"
 #include "octavo/tensor_view.h"
 
@@ -12,14 +13,23 @@ namespace octavo {
 
 struct RmsNormParams {
   void* out;             // [rows, hidden], row stride out_stride (may alias input)
-  const void* input;     // [rows, hidden], row stride in_stride
+  const void* input;     // [rows, hidden], row stride in_stride; or in groups, see input_row
   void* residual;        // [rows, hidden], row stride residual_stride; null for plain rms_norm
   const void* weight;    // [hidden]
   int64_t rows, hidden, in_stride, out_stride, residual_stride;
+  // 0, or the input's rows come in groups of in_group_rows, in_group_stride apart (each head of
+  // q or k inside a fused QKV output's token rows: in_stride = head size, group stride = token's)
+  int64_t in_group_rows = 0, in_group_stride = 0;
   DType dtype;           // of out, input, residual and weight
   float eps;
   bool weight_offset;    // multiply by (1 + weight)
 };
+
+// Element offset of input row `row`.
+OCTAVO_HOST_DEVICE inline int64_t input_row(const RmsNormParams& p, int64_t row) {
+  if (p.in_group_rows == 0) return row * p.in_stride;
+  return row / p.in_group_rows * p.in_group_stride + row % p.in_group_rows * p.in_stride;
+}
 
 struct RotaryParams {
   const void* positions;       // [tokens], int32 or int64 (positions_dtype)

@@ -18,7 +18,9 @@
 namespace octavo {
 
 // out = input / sqrt(mean(input^2) + eps) * weight, per row. weight_offset: Gemma's (1 + weight).
-// out, input: [rows, hidden] (any leading shape); weight: [hidden]. out may alias input.
+// out, input: [rows, hidden] (any leading shape); weight: [hidden]. out may alias input. input may
+// also be [tokens, heads, hidden] with its own token stride (the heads of q or k inside a fused
+// QKV output, normalized per head where they are); out is then [tokens, heads, hidden] too.
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
               bool weight_offset = false);
 

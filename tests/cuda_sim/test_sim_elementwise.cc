@@ -6,6 +6,7 @@
 #include <cmath>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "sim_test_util.h"
@@ -69,6 +70,39 @@ TEST(SimElementwise, FusedAddRmsNormOnStridedRows) {
       sim_test::expect_matches_cpu(gpu_base, cpu_base);
       for (int64_t r = 0; r < rows; ++r)  // the gap between rows is untouched
         for (int64_t c = hidden; c < stride; ++c) ASSERT_EQ(gpu_base.get(r * stride + c), cpu_base.get(r * stride + c));
+    }
+}
+
+// q's heads inside a fused QKV output [tokens, heads, head_size]: tokens `stride` apart, wider
+// than their heads (rms_norm reads the rows in groups of heads).
+TEST(SimElementwise, RmsNormOverHeadsOfStridedTokens) {
+  std::mt19937 gen(11);
+  for (DType dtype : sim_test::kFloatDTypes)
+    for (auto [tokens, heads, size] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{5, 4, 64}, {3, 9, 100}}) {
+      SCOPED_TRACE(name(dtype) + " " + std::to_string(tokens) + "x" + std::to_string(heads));
+      const int64_t stride = heads * size + 3 * size;
+      const Tensor base = sim_test::randn({tokens, stride}, dtype, gen, 2.0), w = uniform_weight(size, dtype, gen);
+      Tensor cpu({tokens, heads, size}, dtype), gpu({tokens, heads, size}, dtype);
+      const auto heads_of = [&](octavo::DeviceType device) {
+        TensorView t = base.view(device);
+        t.ndim = 3;
+        t.shape[0] = tokens, t.shape[1] = heads, t.shape[2] = size;
+        t.strides[0] = stride, t.strides[1] = size, t.strides[2] = 1;
+        return t;
+      };
+      octavo::rms_norm(cpu.cpu(), heads_of(octavo::DeviceType::kCPU), w.cpu(), 1e-6, true);
+      octavo::rms_norm(gpu.cuda(), heads_of(octavo::DeviceType::kCUDA), w.cuda(), 1e-6, true);
+      sim_test::expect_matches_cpu(gpu, cpu);
+      // Each head against the same head normalized on its own.
+      Tensor one({1, size}, dtype);
+      const TensorView head = rows_of(base, 1, size, stride, octavo::DeviceType::kCPU);
+      for (int64_t t = 0; t < tokens; ++t)
+        for (int64_t h = 0; h < heads; ++h) {
+          TensorView at = head;
+          at.data = static_cast<char*>(head.data) + (t * stride + h * size) * octavo::dtype_size(dtype);
+          octavo::rms_norm(one.cpu(), at, w.cpu(), 1e-6, true);
+          for (int64_t c = 0; c < size; ++c) ASSERT_EQ(cpu.get((t * heads + h) * size + c), one.get(c));
+        }
     }
 }
 

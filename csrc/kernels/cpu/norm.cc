@@ -100,7 +100,7 @@ void rms_norm_rows(const RmsNormParams& p, int64_t begin, int64_t end) {
   const int64_t n = p.hidden;
   const float* w = float_weight(static_cast<const T*>(p.weight), n, p.weight_offset);
   for (int64_t r = begin; r < end; ++r) {
-    const T* x = static_cast<const T*>(p.input) + r * p.in_stride;
+    const T* x = static_cast<const T*>(p.input) + input_row(p, r);
     T* out = static_cast<T*>(p.out) + r * p.out_stride;
     float ss;
     if (p.residual) {

@@ -16,7 +16,7 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(RmsNormParams p) 
   __shared__ float scratch[32];
   constexpr int kStep = kPacked ? Pack<T>::kSize : 1;
   const int64_t row = blockIdx.x;
-  const T* x = static_cast<const T*>(p.input) + row * p.in_stride;
+  const T* x = static_cast<const T*>(p.input) + input_row(p, row);
   T* out = static_cast<T*>(p.out) + row * p.out_stride;
   T* res = p.residual ? static_cast<T*>(p.residual) + row * p.residual_stride : nullptr;
   float ss = 0.0f;
@@ -47,7 +47,9 @@ __global__ void __launch_bounds__(kMaxThreads) rms_norm_kernel(RmsNormParams p) 
 
 template <typename T>
 void launch(const RmsNormParams& p) {
-  const bool packed = packs_fit<T>(p.input, p.hidden, p.in_stride) && packs_fit<T>(p.out, p.hidden, p.out_stride) &&
+  const bool packed = packs_fit<T>(p.input, p.hidden, p.in_stride) &&
+                      packs_fit<T>(p.input, p.hidden, p.in_group_stride) &&
+                      packs_fit<T>(p.out, p.hidden, p.out_stride) &&
                       packs_fit<T>(p.weight, p.hidden, 0) &&
                       (!p.residual || packs_fit<T>(p.residual, p.hidden, p.residual_stride));
   const int64_t per_thread = packed ? Pack<T>::kSize : 1;

@@ -33,6 +33,25 @@ RmsNormParams norm_params(const TensorView& out, const char* out_arg, const Tens
   return p;
 }
 
+// An input [tokens, heads, head_size] whose heads are adjacent but whose tokens are further apart
+// than heads * head_size (q or k inside a fused QKV output, normalized per head) is read as rows in
+// groups of `heads`: returns it as if its tokens were adjacent, for the usual checks, and sets the
+// groups in p. Any other input is returned as it is.
+TensorView head_groups(const TensorView& input, RmsNormParams& p) {
+  if (input.ndim != 3 || input.shape[0] <= 1 || input.shape[1] <= 1 || input.shape[2] <= 1 ||
+      input.strides[0] == input.shape[1] * input.strides[1])
+    return input;
+  OCTAVO_CHECK(input.strides[1] >= input.shape[2] &&
+                   input.strides[0] >= (input.shape[1] - 1) * input.strides[1] + input.shape[2],
+               "argument 'input' has overlapping rows (strides " << input.strides[0] << ", " << input.strides[1]
+                                                                  << ")");
+  TensorView flat = input;
+  flat.strides[0] = input.shape[1] * input.strides[1];
+  p.in_group_rows = input.shape[1];
+  p.in_group_stride = input.strides[0];
+  return flat;
+}
+
 void run(const RmsNormParams& p, const TensorView& input) {
   if (ops::runs_on_cuda(input, "input")) cuda::rms_norm(p);
   else cpu_dispatch(rms_norm, p);
@@ -42,7 +61,11 @@ void run(const RmsNormParams& p, const TensorView& input) {
 
 void rms_norm(const TensorView& out, const TensorView& input, const TensorView& weight, double eps,
               bool weight_offset) {
-  const RmsNormParams p = norm_params(out, "out", input, weight, eps, weight_offset);
+  RmsNormParams groups{};
+  const TensorView rows = head_groups(input, groups);
+  RmsNormParams p = norm_params(out, "out", rows, weight, eps, weight_offset);
+  p.in_group_rows = groups.in_group_rows;
+  p.in_group_stride = groups.in_group_stride;
   run(p, input);
 }
 

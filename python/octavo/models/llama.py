@@ -58,9 +58,9 @@ class LlamaAttention(torch.nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = linear(x, self.qkv_weight, self.qkv_bias)  # [T, (H + 2 Hkv) D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm == "head":  # Qwen3: RMSNorm over each head before RoPE
-            q = self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape)
-            k = self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)
+        if self.qk_norm == "head":  # Qwen3: RMSNorm over each head before RoPE, read in place in qkv
+            q = self.q_norm(q.view(len(q), -1, self.head_dim)).view(q.shape)
+            k = self.k_norm(k.view(len(k), -1, self.head_dim)).view(k.shape)
         elif self.qk_norm == "whole":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv:

@@ -14,9 +14,8 @@ KV group. A replay runs the same kernels on the same memory as the recording: it
 eager step's of the same padded batch (a float kernel may sum the odd row of an unpadded batch in
 another order: the logits' last bits). A forward pass that computes anything in torch (not in
 Octavo's kernels) cannot be replayed so: the recording checks every torch op it sees and refuses.
-Such a model runs eagerly, and batch sizes from which a product runs in torch keep no graph (where
-torch's GEMM takes over, layers/crossover.py; Qwen 3's and Gemma 3's per-head norms read q and k
-through a reshape, a copy from 2 rows on).
+Such a model runs eagerly, and batch sizes from which a product runs in torch (where torch's GEMM
+takes over, layers/crossover.py) keep no graph.
 """
 
 from __future__ import annotations
