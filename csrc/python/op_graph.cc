@@ -11,6 +11,10 @@ thread_local OpGraph* t_recording = nullptr;
 
 OpGraph* recording_graph() { return t_recording; }
 
+OpGraph::~OpGraph() {
+  if (t_recording == this) t_recording = nullptr;
+}
+
 void refuse_while_recording(const char* op) {
   OCTAVO_CHECK(t_recording == nullptr, op << " cannot be recorded in an OpGraph");
 }

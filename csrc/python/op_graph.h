@@ -17,6 +17,10 @@ namespace octavo::python {
 
 class OpGraph {
  public:
+  OpGraph() = default;
+  OpGraph(const OpGraph&) = delete;
+  OpGraph& operator=(const OpGraph&) = delete;
+  ~OpGraph();  // stops a recording it is the target of, so that no op records into freed memory
   void add(std::function<void()> call) { calls_.push_back(std::move(call)); }
   void replay() const {
     for (const auto& call : calls_) call();
@@ -44,8 +48,8 @@ void run_op(Call call) {
   if (OpGraph* graph = recording_graph()) graph->add(std::function<void()>(std::move(call)));
 }
 
-// Ops a graph cannot replay (their results are read on the host, or they take host arrays)
-// raise while one records.
+// sample and rejection_sample raise while a graph records: their results go back to Python
+// every step, which a replay would not do.
 void refuse_while_recording(const char* op);
 
 void bind_op_graph(pybind11::module_& m);

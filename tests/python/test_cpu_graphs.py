@@ -69,6 +69,13 @@ def test_recording_errors_are_clear_and_leave_the_thread_usable():
     out = torch.empty(1, 8)
     _C.ops.rms_norm(out, logits, torch.ones(8), 1e-6)  # not recording any more: runs as usual
     assert len(graph) == 0 and torch.isfinite(out).all()
+    dropped = _C.OpGraph()
+    dropped.begin_capture()
+    del dropped  # freed while recording: the thread records nothing more, and can record again
+    _C.ops.rms_norm(out, logits, torch.ones(8), 1e-6)
+    again = _C.OpGraph()
+    again.begin_capture()
+    again.end_capture()
 
 
 def generate_both_ways(path, prompts, params, **kwargs):
