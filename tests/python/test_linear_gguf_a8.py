@@ -10,7 +10,11 @@ import torch
 from octavo import _C
 from test_linear_gguf import QTYPES, dequantized, inputs, quantized
 
-SHAPES = [(1, 1, 32), (1, 7, 64), (2, 33, 96), (3, 64, 576), (4, 9, 1536), (5, 130, 32), (9, 12, 512), (17, 20, 256)]
+# From PANEL_ROWS rows the kernel takes decoded panels of 32 weight rows (on AVX512-VNNI levels):
+# shapes on both sides, with partial panels and input rows past a multiple of 4.
+PANEL_ROWS = 16
+SHAPES = [(1, 1, 32), (1, 7, 64), (2, 33, 96), (3, 64, 576), (4, 9, 1536), (5, 130, 32), (9, 12, 512), (17, 20, 256),
+          (16, 32, 64), (23, 70, 1536), (64, 33, 576)]
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +63,7 @@ def test_int8_inputs_multiply_the_rounded_inputs(isa, fmt, m, n, k, bias):
 def test_16_bit_inputs_are_rounded_from_their_own_values(isa, fmt, dtype):
     k = inputs(256, fmt)
     q = quantized(24, k, fmt)
-    x = torch.randn(6, k).to(dtype)
+    x = torch.randn(PANEL_ROWS + 6, k).to(dtype)
     out = product(x, q, fmt)
     assert out.dtype == dtype
     assert_matches_rounded_inputs(out, x, dequantized(q, fmt), None, 1e-2)
@@ -75,20 +79,35 @@ def test_a_row_does_not_depend_on_the_rows_beside_it(fmt):
         assert torch.equal(product(x[i:i + 1], q, fmt), together[i:i + 1]), f"row {i}"
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q5_1", "q3_k", "q6_k"])
-def test_a_non_finite_input_makes_only_its_row_nan(isa, fmt):
+@pytest.mark.parametrize("fmt", QTYPES)
+def test_a_row_of_a_batch_does_not_depend_on_the_rows_beside_it(fmt):
+    """Batches of PANEL_ROWS rows or more: a row gets the same bits at any place in any of them."""
+    k = inputs(512, fmt)
+    q = quantized(40, k, fmt)
+    x = torch.randn(2 * PANEL_ROWS + 3, k)
+    together = product(x, q, fmt)
+    for i in (0, 5, PANEL_ROWS, 2 * PANEL_ROWS + 2):
+        others = torch.cat([x[i:i + 1], torch.randn(PANEL_ROWS, k)])
+        assert torch.equal(product(others, q, fmt)[0], together[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("rows", [3, PANEL_ROWS + 1])
+@pytest.mark.parametrize("fmt", ["q4_0", "q5_1", "q3_k", "q6_k", "q8_0"])
+def test_a_non_finite_input_makes_only_its_row_nan(isa, fmt, rows):
     k = inputs(256, fmt)
     q = quantized(8, k, fmt)
-    x = torch.randn(3, k)
+    x = torch.randn(rows, k)
     x[1, 40] = float("inf")
+    x[rows - 1, 3] = float("nan")
     out = product(x, q, fmt)
-    assert out[1].isnan().all()
-    assert out[[0, 2]].isfinite().all()
+    assert out[1].isnan().all() and out[rows - 1].isnan().all()
+    assert out[[i for i in range(rows) if i not in (1, rows - 1)]].isfinite().all()
 
 
-def test_zero_inputs_give_zero_and_extreme_ones_stay_finite(isa):
+@pytest.mark.parametrize("rows", [3, PANEL_ROWS])
+def test_zero_inputs_give_zero_and_extreme_ones_stay_finite(isa, rows):
     q = quantized(16, 256, "q4_k")
-    x = torch.zeros(3, 256)
+    x = torch.zeros(rows, 256)
     x[1] = torch.finfo(torch.float32).max * torch.sign(torch.randn(256))
     x[2, :32] = torch.finfo(torch.float32).tiny / 4  # one block of subnormals
     out = product(x, q, "q4_k")
@@ -97,9 +116,10 @@ def test_zero_inputs_give_zero_and_extreme_ones_stay_finite(isa):
     assert_matches_rounded_inputs(out[2:], x[2:], dequantized(q, "q4_k"), None, 2e-6)
 
 
-def test_a_strided_input_is_read_by_its_rows():
+@pytest.mark.parametrize("rows", [4, PANEL_ROWS + 4])
+def test_a_strided_input_is_read_by_its_rows(rows):
     q = quantized(12, 64, "q8_0")
-    wide = torch.randn(4, 96)
+    wide = torch.randn(rows, 96)
     x = wide[:, 16:80]
     assert torch.equal(product(x, q, "q8_0"), product(x.contiguous(), q, "q8_0"))
 

@@ -11,13 +11,14 @@
 // CPU has them (linear_amx.h); each is batch invariant on its side of its threshold. W4A8 weights
 // (int4_a8) multiply int8 inputs: linear_int8_inputs.h, and from 4 rows on AMX int8 tiles
 // (linear_int8_tiles.h); so do W8A8 weights (int8_a8): linear_int8_a8.h, and the same tiles; and
-// GGUF blocks where the caller asks for int8 inputs (int8_inputs): linear_gguf_a8.h.
+// GGUF blocks where the caller asks for int8 inputs (int8_inputs): linear_gguf_a8.h, and from 16
+// rows on AVX512-VNNI linear_gguf_a8_panels.h.
 #include <type_traits>
 
 #include "bf16_tiles.h"
 #include "gguf_blocks.h"
 #include "isa_kernels.h"
-#include "linear_gguf_a8.h"
+#include "linear_gguf_a8_panels.h"
 #include "linear_int8_a8.h"
 #include "linear_int8_inputs.h"
 #include "linear_panels.h"

@@ -15,7 +15,9 @@
 // weight block that is 5-10 instructions on 32 weights, where the float path decodes and
 // multiplies 32 floats: 1.5-1.8x its speed at M = 1 on one thread of an AMD EPYC (Zen 4 class),
 // 1.0-1.5x at M = 16, but 0.8-0.9x at M = 64, where the float path decodes a tile once for all
-// rows (bench/RESULTS.md). The result is that of the inputs rounded so, up to float32 rounding of
+// rows (bench/RESULTS.md); so from 16 rows on, where the CPU has AVX512-VNNI, the weights are
+// decoded once into panels instead (linear_gguf_a8_panels.h, which also holds the entry point,
+// linear). The result is that of the inputs rounded so, up to float32 rounding of
 // the per-block terms (sums of 8 lanes per block, in the lanes' order). A block with a
 // non-finite input makes its row's outputs NaN.
 #pragma once
@@ -213,41 +215,95 @@ struct RoundedInputs {
   int8_t* a;
   float* d;
   float* dsum;
-  int32_t* offset_sums;
+  int32_t* offset_sums;  // for the rows kernel
+  // For the panels (linear_gguf_a8_panels.h): -panel offset * sum a per row, block and half of 16
+  // (formats with a scale per half), or over the whole block in the first of the two (the others).
+  int32_t* half_offsets;
 };
 constexpr int kScratchSlot = 3;
 
 inline int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
+// One block of 32 inputs (size) at x rounded into a with its d, as int8_inputs::round_into rounds it (the
+// same m, d, 1 / d in double and rounding), and lane l's sum of a[4l..4l+3]. On AVX-512 the
+// block's largest |x| and finiteness come from two vectors (round_into's generic loop and
+// reductions took three times as long, a fifth of a 64-row product's time on the panels).
 template <typename T>
-void round_inputs(const LinearParams& p, int offset, RoundedInputs& r) {
+OCTAVO_ALWAYS_INLINE void round_block(const T* x, int64_t size, float& d, int8_t* a, int32_t (&lanes)[kLanes]) {
+#if defined(__AVX512BW__)
+  const __m512 v0 = VecF::load(x).v, v1 = VecF::load(x + 16).v;
+  const __m512 zero = _mm512_setzero_ps();
+  // x - x is 0 for finite x and NaN for the rest.
+  const __mmask16 bad = _mm512_cmp_ps_mask(_mm512_sub_ps(v0, v0), zero, _CMP_NEQ_UQ) |
+                        _mm512_cmp_ps_mask(_mm512_sub_ps(v1, v1), zero, _CMP_NEQ_UQ);
+  if (bad != 0) {
+    d = NAN;
+    std::memset(a, 0, kBlock);
+    std::fill(lanes, lanes + kLanes, 0);
+    return;
+  }
+  const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+  d = static_cast<float>(m / 127.0);
+  // round_values' arithmetic on the vectors in hand: rint(x * inv) in double, clamped to +-127.
+  // The bytes stay in a register for the sums (read back from the two 16-byte stores, a 32-byte
+  // load missed store forwarding: a third of the rounding's time).
+  const __m512d inv = _mm512_set1_pd(m > 0.0f ? 127.0 / m : 0.0);
+  const auto round16 = [&inv](__m512 v) {
+    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    const __m256i r0 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv));
+    const __m256i r1 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(high), inv));
+    const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+    return _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(r, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127)));
+  };
+  (void)size;
+  const __m256i bytes = _mm256_set_m128i(round16(v1), round16(v0));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), bytes);
+  const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), sums);
+#else
+  int8_inputs::round_into(x, size, d, a);
+  for (int l = 0; l < kLanes; ++l) lanes[l] = a[4 * l] + a[4 * l + 1] + a[4 * l + 2] + a[4 * l + 3];
+#endif
+}
+
+// The rounded inputs and what one of the two kernels needs beside them: for the rows kernel
+// (panels false) offset_sums with the format's offset, for the panels half_offsets with theirs.
+template <typename T>
+void round_inputs(const LinearParams& p, bool panels, int offset, bool halves, RoundedInputs& r) {
   r.blocks = p.in_features / kBlock;
   r.padded = r.blocks + kScaleBatch;
   const int64_t a_bytes = aligned64(p.rows * p.in_features), scale_bytes = aligned64(p.rows * r.padded * 4);
-  auto* base = static_cast<char*>(
-      thread_scratch(kScratchSlot, static_cast<size_t>(a_bytes + 2 * scale_bytes + p.rows * r.blocks * kLanes * 4)));
+  const int64_t sums_bytes = aligned64(p.rows * r.blocks * kLanes * 4);
+  auto* base = static_cast<char*>(thread_scratch(
+      kScratchSlot, static_cast<size_t>(a_bytes + 2 * scale_bytes + sums_bytes + p.rows * r.blocks * 2 * 4)));
   r.a = reinterpret_cast<int8_t*>(base);
   r.d = reinterpret_cast<float*>(base + a_bytes);
   r.dsum = reinterpret_cast<float*>(base + a_bytes + scale_bytes);
   r.offset_sums = reinterpret_cast<int32_t*>(base + a_bytes + 2 * scale_bytes);
+  r.half_offsets = reinterpret_cast<int32_t*>(base + a_bytes + 2 * scale_bytes + sums_bytes);
   const T* input = static_cast<const T*>(p.input);
-  parallel_for(p.rows, int8_inputs::rounding_grain(p), [&](int64_t begin, int64_t end) {
+  // Split over the threads from 16K inputs on (W4A8's rounding_grain waits for 64K): at 64 rows of
+  // 576 the rounding on one thread was a fifth of a panel product's time on two.
+  parallel_for(p.rows, grain_for(p.rows, p.in_features, 1 << 14, 1 << 12), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       std::fill(r.d + i * r.padded + r.blocks, r.d + (i + 1) * r.padded, 0.0f);
       std::fill(r.dsum + i * r.padded + r.blocks, r.dsum + (i + 1) * r.padded, 0.0f);
       for (int64_t b = 0; b < r.blocks; ++b) {
-        int8_t* a = r.a + i * p.in_features + b * kBlock;
         float& d = r.d[i * r.padded + b];
+        int32_t lanes[kLanes];
         // (A size GCC cannot fold: with the constant 32 it warns of the dead tails it inlines.)
         const int64_t size = std::min<int64_t>(kBlock, p.in_features - b * kBlock);
-        int8_inputs::round_into(input + i * p.in_stride + b * kBlock, size, d, a);
-        int32_t sum = 0;
-        for (int l = 0; l < kLanes; ++l) {
-          const int32_t lane = a[4 * l] + a[4 * l + 1] + a[4 * l + 2] + a[4 * l + 3];
-          r.offset_sums[(i * r.blocks + b) * kLanes + l] = -offset * lane;
-          sum += lane;
+        round_block(input + i * p.in_stride + b * kBlock, size, d, r.a + i * p.in_features + b * kBlock, lanes);
+        const int32_t first = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+        const int32_t second = lanes[4] + lanes[5] + lanes[6] + lanes[7];
+        r.dsum[i * r.padded + b] = d * static_cast<float>(first + second);
+        if (panels) {
+          int32_t* offsets = r.half_offsets + (i * r.blocks + b) * 2;
+          offsets[0] = -offset * (halves ? first : first + second);
+          offsets[1] = halves ? -offset * second : 0;
+        } else {
+          for (int l = 0; l < kLanes; ++l) r.offset_sums[(i * r.blocks + b) * kLanes + l] = -offset * lanes[l];
         }
-        r.dsum[i * r.padded + b] = d * static_cast<float>(sum);
       }
     }
   });
@@ -451,10 +507,9 @@ void dot_tile(const Tile<F>& w, const RoundedInputs& r, int64_t i, int64_t K, fl
     }
 }
 
+// The rows kernel: each weight tile's blocks against kInputRows input rows at a time.
 template <WeightFormat F, typename T>
-void linear_typed(const LinearParams& p) {
-  RoundedInputs r;
-  round_inputs<T>(p, Bytes<F>::kOffset, r);
+void linear_rows(const LinearParams& p, const RoundedInputs& r) {
   const int64_t tiles = (p.out_features + kTileRows - 1) / kTileRows;
   const int64_t weight_bytes = p.out_features * Tile<F>(p, 0, 1).row_bytes, threads = get_num_threads();
   const int64_t grain = weight_bytes < (int64_t{1} << 16) ? tiles : (tiles + threads - 1) / threads;
@@ -489,23 +544,6 @@ void linear_typed(const LinearParams& p) {
       }
     }
   });
-}
-
-template <typename T>
-void linear(const LinearParams& p) {
-  switch (p.weight_format) {
-    case WeightFormat::kQ8_0: return linear_typed<WeightFormat::kQ8_0, T>(p);
-    case WeightFormat::kQ4_0: return linear_typed<WeightFormat::kQ4_0, T>(p);
-    case WeightFormat::kQ4_1: return linear_typed<WeightFormat::kQ4_1, T>(p);
-    case WeightFormat::kQ5_0: return linear_typed<WeightFormat::kQ5_0, T>(p);
-    case WeightFormat::kQ5_1: return linear_typed<WeightFormat::kQ5_1, T>(p);
-    case WeightFormat::kIQ4_NL: return linear_typed<WeightFormat::kIQ4_NL, T>(p);
-    case WeightFormat::kQ3_K: return linear_typed<WeightFormat::kQ3_K, T>(p);
-    case WeightFormat::kQ4_K: return linear_typed<WeightFormat::kQ4_K, T>(p);
-    case WeightFormat::kQ5_K: return linear_typed<WeightFormat::kQ5_K, T>(p);
-    case WeightFormat::kQ6_K: return linear_typed<WeightFormat::kQ6_K, T>(p);
-    default: OCTAVO_CHECK(false, "int8 inputs need a GGUF block format, got " << weight_format_name(p.weight_format));
-  }
 }
 
 }  // namespace gguf_a8
