@@ -96,6 +96,22 @@ inline void dot_rows(const float* q, int64_t d, const T* krow, float* s, int64_t
   for (int i = 0; i < N; ++i) s[i * ld] = reduce_add(a[i]);
 }
 
+#if defined(__AVX512F__)
+// Lane i of the result = the sum of a[i]'s 16 lanes, i < 8: pairs, then quads, are added within
+// 128-bit lanes, then the 128-bit lanes (24 instructions where eight reduce_adds take about 70).
+inline __m256 reduce8(const __m512 a[8]) {
+  __m512 b[4], c[2];
+  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of a[2i], a[2i + 1]
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 2; ++i)  // per 128-bit lane: one partial sum of each of a[4i .. 4i + 3]
+    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
+  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, _MM_SHUFFLE(2, 3, 0, 1)));  // lanes 0, 2: totals
+  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_castps512_ps128(e)), _mm512_extractf32x4_ps(e, 2), 1);
+}
+#endif
+
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 // The same for bfloat16 query and keys with vdpbf16ps: 32 products per instruction, summed in
@@ -109,20 +125,6 @@ inline void dot_rows_bf16(const bf16* q, int64_t d, const bf16* krow, float scal
     for (int i = 0; i < N; ++i) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)_mm512_loadu_si512(q + i * d + c), k);
   }
   for (int i = 0; i < N; ++i) s[i * ld] = _mm512_reduce_add_ps(a[i]) * scale;
-}
-
-// Lane i of the result = the sum of a[i]'s 16 lanes, i < 8: pairs, then quads, are added within
-// 128-bit lanes, then the 128-bit lanes (24 instructions where eight reduce_adds take about 70).
-inline __m256 reduce8(const __m512 a[8]) {
-  __m512 b[4], c[2];
-  for (int i = 0; i < 4; ++i)  // per 128-bit lane: [x0 + x2, y0 + y2, x1 + x3, y1 + y3] of a[2i], a[2i + 1]
-    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-  for (int i = 0; i < 2; ++i)  // per 128-bit lane: one partial sum of each of a[4i .. 4i + 3]
-    c[i] = _mm512_add_ps(_mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 d = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x44), _mm512_shuffle_f32x4(c[0], c[1], 0xEE));
-  const __m512 e = _mm512_add_ps(d, _mm512_shuffle_f32x4(d, d, _MM_SHUFFLE(2, 3, 0, 1)));  // lanes 0, 2: totals
-  return _mm256_insertf128_ps(_mm256_castps128_ps256(_mm512_castps512_ps128(e)), _mm512_extractf32x4_ps(e, 2), 1);
 }
 
 // s[i * ld + j0 .. + 8) = scale * dot(q row i, key j) for N rows and 8 keys [j0, j0 + 8): the
@@ -151,17 +153,50 @@ template <int N>
 inline void dot_8_keys_bf16(const bf16*, int64_t, const bf16*, int64_t, float, float*, int64_t) {}
 #endif
 
-// With bf16 keys and vdpbf16ps, 8 keys at a time in every 8-key group of the block that holds a
-// key of [j0, j1) (the others' scores are masked later; every row of a cache block is readable).
-inline void scores_by_8_keys(const bf16* qb, float scale, int64_t rows, const Geometry& g, const bf16* kblk,
-                             int64_t j0, int64_t j1, const Prefetch& next, float* s) {
+#if defined(__AVX512F__)
+constexpr bool kFloat8Keys = true;
+// The same for float32 query rows (already scaled) and keys with vfmadd: a decode's scores cost
+// 4 multiply-adds per row and key of 64 plus a share of one reduce8, where dot_rows reduced each
+// sum on its own (SmolLM2's 64 decodes of 190 keys: see bench/RESULTS.md).
+template <int N>
+inline void dot_8_keys(const float* q, int64_t d, const float* kblk, int64_t j0, float* s, int64_t ld) {
+  __m512 acc[N][8];
+  for (int i = 0; i < N; ++i)
+    for (int j = 0; j < 8; ++j) acc[i][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < d; c += 16) {
+    __m512 qv[N];
+    for (int i = 0; i < N; ++i) qv[i] = _mm512_loadu_ps(q + i * d + c);
+    for (int j = 0; j < 8; ++j) {
+      const __m512 k = _mm512_loadu_ps(kblk + (j0 + j) * d + c);
+      for (int i = 0; i < N; ++i) acc[i][j] = _mm512_fmadd_ps(qv[i], k, acc[i][j]);
+    }
+  }
+  for (int i = 0; i < N; ++i) _mm256_storeu_ps(s + i * ld + j0, reduce8(acc[i]));
+}
+#else
+constexpr bool kFloat8Keys = false;
+template <int N>
+inline void dot_8_keys(const float*, int64_t, const float*, int64_t, float*, int64_t) {}
+#endif
+
+// With bf16 keys and vdpbf16ps (or float32 keys on AVX-512), 8 keys at a time in every 8-key
+// group of the block that holds a key of [j0, j1) (the others' scores are masked later; every row
+// of a cache block is readable). Rows three at a time: 24 accumulators of 32 registers.
+template <typename T>
+inline void scores_by_8_keys(const float* q, const bf16* qb, float scale, int64_t rows, const Geometry& g,
+                             const T* kblk, int64_t j0, int64_t j1, const Prefetch& next, float* s) {
   const int64_t d = g.head_size, ld = g.padded_block;
+  const auto dots = [&](auto n, int64_t r, int64_t k0) {
+    constexpr int N = decltype(n)::value;
+    if constexpr (std::is_same<T, bf16>::value) dot_8_keys_bf16<N>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
+    else dot_8_keys<N>(q + r * d, d, kblk, k0, s + r * ld, ld);
+  };
   for (int64_t k0 = j0 / 8 * 8; k0 < j1; k0 += 8) {
     for (int64_t j = k0; j < k0 + 8; ++j) next.row(j);
     int64_t r = 0;
-    for (; r + 3 <= rows; r += 3) dot_8_keys_bf16<3>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
-    if (rows - r == 2) dot_8_keys_bf16<2>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
-    if (rows - r == 1) dot_8_keys_bf16<1>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
+    for (; r + 3 <= rows; r += 3) dots(std::integral_constant<int, 3>{}, r, k0);
+    if (rows - r == 2) dots(std::integral_constant<int, 2>{}, r, k0);
+    if (rows - r == 1) dots(std::integral_constant<int, 1>{}, r, k0);
   }
 }
 
@@ -172,7 +207,11 @@ void scores_by_rows(const float* q, const bf16* qb, float scale, int64_t rows, c
                     int64_t j0, int64_t j1, const Prefetch& next, float* s) {
   const int64_t d = g.head_size, ld = g.padded_block;
   if constexpr (std::is_same<T, bf16>::value) {
-    if (qb && g.block_size % 8 == 0) return scores_by_8_keys(qb, scale, rows, g, kblk, j0, j1, next, s);
+    if (qb && g.block_size % 8 == 0) return scores_by_8_keys(q, qb, scale, rows, g, kblk, j0, j1, next, s);
+  }
+  if constexpr (std::is_same<T, float>::value) {
+    if (kFloat8Keys && g.block_size % 8 == 0 && d % 16 == 0)
+      return scores_by_8_keys(q, qb, scale, rows, g, kblk, j0, j1, next, s);
   }
   for (int64_t j = j0; j < j1; ++j) {
     next.row(j);
@@ -228,9 +267,38 @@ void scores_transposed(const float* q, int64_t rows, const Geometry& g, const fl
   for (; r < rows; ++r) dot_rows_transposed<1>(q + r * d, d, kt, ld, s + r * ld);
 }
 
+// Accumulators the whole-row form of pv_rows may hold in registers (of 32 on AVX-512, 16 below).
+constexpr int kValueAccumulators = kW == 16 ? 24 : 12;
+
+// pv_rows for rows of C vectors: every accumulator of the N rows stays in a register across the
+// keys, so the multiply-adds of one key are independent (keys innermost, each row's chain of
+// multiply-adds waited on the last one's latency: a fifth of a 64-decode step's attention). The
+// same multiply-adds in the same order per element as the chunked form.
+template <int N, int C, typename T>
+inline void pv_whole_rows(const float* p, int64_t ld, const T* vblk, int64_t j0, int64_t j1, float* acc) {
+  constexpr int64_t d = int64_t{C} * kW;
+  VecF a[N][C];
+  for (int i = 0; i < N; ++i)
+    for (int c = 0; c < C; ++c) a[i][c] = VecF::load(acc + i * d + c * kW);
+  for (int64_t j = j0; j < j1; ++j) {
+    for (int c = 0; c < C; ++c) {
+      const VecF v = VecF::load(vblk + j * d + c * kW);
+      for (int i = 0; i < N; ++i) a[i][c] = fma(VecF::set1(p[i * ld + j]), v, a[i][c]);
+    }
+  }
+  for (int i = 0; i < N; ++i)
+    for (int c = 0; c < C; ++c) a[i][c].store(acc + i * d + c * kW);
+}
+
 // acc[i] += sum_j p[i][j] * v[j] for N rows.
 template <int N, typename T>
 inline void pv_rows(const float* p, int64_t ld, const T* vblk, int64_t j0, int64_t j1, int64_t d, float* acc) {
+  if constexpr (N * (64 / kW) <= kValueAccumulators) {
+    if (d == 64) return pv_whole_rows<N, 64 / kW>(p, ld, vblk, j0, j1, acc);
+  }
+  if constexpr (N * (128 / kW) <= kValueAccumulators) {
+    if (d == 128) return pv_whole_rows<N, 128 / kW>(p, ld, vblk, j0, j1, acc);
+  }
   for (int64_t c = 0; c < d; c += kW) {
     VecF a[N];
     for (int i = 0; i < N; ++i) a[i] = VecF::load(acc + i * d + c);
