@@ -7,6 +7,7 @@ import torch
 from octavo import _C, LLM, SamplingParams
 from octavo.layers import linear as linear_module
 from octavo.models import llama
+from octavo.worker import cpu_graphs
 from test_cuda_engine import tiny_model_dir
 from test_gemma3 import tiny_gemma
 
@@ -168,3 +169,37 @@ def test_batch_sizes_past_a_torch_product_keep_the_smaller_graphs(tmp_path, monk
     eager, replayed, graphs = generate_both_ways(tmp_path, prompts_of(tokenizer, 4), params, max_num_seqs=8)
     assert graphs.sizes == [1, 2]
     assert replayed == eager
+
+
+def test_large_batches_replay_only_when_they_nearly_fill_a_graph(tmp_path, monkeypatch):
+    """Past PADDED_BATCH rows a padded row costs a row's kernels: 30 requests replay the graph of
+    32, 20 run eagerly (12 padded rows would be more than an eighth), 4 replay again."""
+    tokenizer, _ = tiny_model_dir(tmp_path)
+    steps = []
+    run = cpu_graphs.CpuGraphs.run
+
+    def counted(self, out):
+        logits = run(self, out)
+        if out.total_num_scheduled_tokens == out.num_reqs:  # decode-only steps
+            steps.append((out.num_reqs, logits is not None))
+        return logits
+
+    monkeypatch.setattr(cpu_graphs.CpuGraphs, "run", counted)
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": [int(t) for t in rng.integers(0, 300, 5 + i)]} for i in range(30)]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logprobs=1)
+              for n in [12] * 4 + [8] * 16 + [4] * 10]
+    eager, replayed, graphs = generate_both_ways(tmp_path, prompts, params, max_num_seqs=32)
+    assert graphs.sizes == [1, 2, 4, 8, 16, 32]
+    assert {(30, True), (20, False), (4, True)} == set(steps)
+    assert [[t for t, _ in row] for row in replayed] == [[t for t, _ in row] for row in eager]
+    for ours, theirs in zip(replayed, eager):
+        torch.testing.assert_close(torch.tensor([lp for _, lp in ours]), torch.tensor([lp for _, lp in theirs]),
+                                   rtol=0, atol=1e-4)
+
+
+def test_graphs_past_the_memory_budget_are_not_recorded(tmp_path, monkeypatch):
+    tiny_model_dir(tmp_path)
+    monkeypatch.setattr(cpu_graphs, "MEMORY", 1)  # only the padded sizes, which are always recorded
+    llm = LLM(model=str(tmp_path), dtype="float32", kv_cache_memory_bytes=32 << 20, max_num_seqs=64)
+    assert llm.collective_rpc(lambda worker: worker.runner.cpu_graphs.sizes)[0] == [1, 2, 4, 8]
