@@ -224,10 +224,11 @@ constexpr int kScratchSlot = 3;
 
 inline int64_t aligned64(int64_t bytes) { return (bytes + 63) / 64 * 64; }
 
-// One block of 32 inputs (size) at x rounded into a with its d, as int8_inputs::round_into rounds it (the
-// same m, d, 1 / d in double and rounding), and lane l's sum of a[4l..4l+3]. On AVX-512 the
-// block's largest |x| and finiteness come from two vectors (round_into's generic loop and
-// reductions took three times as long, a fifth of a 64-row product's time on the panels).
+// One block of 32 inputs at x (size: 32, GGUF rows are whole blocks) rounded into a with its d,
+// as int8_inputs::round_into rounds it (the same m, d, 1 / d in double and rounding), and lane
+// l's sum of a[4l..4l+3]. On AVX-512 the block's largest |x| and finiteness come from two vectors
+// (round_into's generic loop and reductions took three times as long, a fifth of a 64-row
+// product's time on the panels).
 template <typename T>
 OCTAVO_ALWAYS_INLINE void round_block(const T* x, int64_t size, float& d, int8_t* a, int32_t (&lanes)[kLanes]) {
 #if defined(__AVX512BW__)
@@ -255,7 +256,7 @@ OCTAVO_ALWAYS_INLINE void round_block(const T* x, int64_t size, float& d, int8_t
     const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
     return _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(r, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127)));
   };
-  (void)size;
+  (void)size;  // the scalar levels' round_into takes it
   const __m256i bytes = _mm256_set_m128i(round16(v1), round16(v0));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), bytes);
   const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));

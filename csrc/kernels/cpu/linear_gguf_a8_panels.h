@@ -4,14 +4,17 @@
 //
 // The rows kernel converts and scales each (weight row, input row) pair's eight lanes per block of
 // 32: three instructions for 32 products, and the block is decoded again for every 4 input rows.
-// Here a panel of 16 weight rows is decoded once per call (per chunk of input rows) into bytes in
-// vpdpbusd's layout: per block, two groups of 8 rows, and for each of the 8 steps of 4 inputs a
-// vector whose 32-bit lane r holds row r's 4 bytes. One vpdpbusd of that vector against input
-// row c's 4 bytes broadcast adds 4 products to each of 8 rows' sums, so a lane is one output's
-// whole block sum after 8 steps: its conversion and scaling are shared by 8 rows x 32 products.
-// Each block's sums start at -o * (sum of the row's inputs) (o the format's offset; signed
-// formats enter as u + 128 with o = 128), so u8 x s8 products give sum (u - o) * a exactly.
-// The formats with a scale per half block (Q3_K, Q6_K) convert after each half.
+// Here a panel of 32 weight rows is decoded once per call (per chunk of input rows) into bytes in
+// vpdpbusd's layout: per block, two groups of 16 rows, and for each of the 8 steps of 4 inputs a
+// zmm whose 32-bit lane r holds row r's 4 bytes. One vpdpbusd of that vector against input row
+// c's 4 bytes broadcast adds 4 products to each of 16 rows' sums, so a lane is one output's whole
+// block sum after 8 steps: one conversion and scaling per 16 rows x 32 products. Each block's
+// sums start at -o * (sum of the row's inputs) (o the format's offset; signed formats enter as
+// u + 128 with o = 128), so u8 x s8 products give sum (u - o) * a exactly. The formats with a
+// scale per half block (Q3_K, Q6_K) convert after each half. On an AMD EPYC (Zen 4 class), 2.2-2.8x
+// the float path's speed at 64 and 1024 rows (bench/RESULTS.md); the zmm form was 1.05x the ymm
+// one (Zen 4 runs a zmm vpdpbusd at about the rate of a ymm one: the broadcasts and the per-block
+// conversions share the vector pipes with it).
 //
 // The results are those of the inputs rounded as the rows kernel rounds them, up to float32
 // rounding of the per-block terms, which are added in another order than there: a row's bits
@@ -43,7 +46,7 @@ constexpr int offset() {
   return Bytes<F>::kSigned ? 128 : Bytes<F>::kOffset;
 }
 
-// A decoded panel: per block, the bytes (groups, steps, 32 bytes) and per weight row the scale of
+// A decoded panel: per block, the bytes (groups, steps, 64 bytes) and per weight row the scale of
 // the first (or only) half, of the second half, and the signed minimum.
 struct Panel {
   uint8_t* q;
