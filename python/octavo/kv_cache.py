@@ -32,7 +32,7 @@ def empty_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str | tor
         return torch.empty(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes < _HUGE_PAGE:
-        return torch.empty(shape, dtype=dtype)
+        return torch.zeros(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buffer.madvise(mmap.MADV_HUGEPAGE)

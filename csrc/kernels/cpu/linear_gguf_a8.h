@@ -245,19 +245,12 @@ OCTAVO_ALWAYS_INLINE void round_block(const T* x, int64_t size, float& d, int8_t
   }
   const float m = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
   d = static_cast<float>(m / 127.0);
-  // round_values' arithmetic on the vectors in hand: rint(x * inv) in double, clamped to +-127.
-  // The bytes stay in a register for the sums (read back from the two 16-byte stores, a 32-byte
-  // load missed store forwarding: a third of the rounding's time).
+  // round_values' arithmetic (round16) on the vectors in hand: the bytes stay in a register for
+  // the sums (read back from two 16-byte stores, a 32-byte load missed store forwarding: a third
+  // of the rounding's time).
   const __m512d inv = _mm512_set1_pd(m > 0.0f ? 127.0 / m : 0.0);
-  const auto round16 = [&inv](__m512 v) {
-    const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    const __m256i r0 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), inv));
-    const __m256i r1 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(high), inv));
-    const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
-    return _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(r, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127)));
-  };
   (void)size;  // the scalar levels' round_into takes it
-  const __m256i bytes = _mm256_set_m128i(round16(v1), round16(v0));
+  const __m256i bytes = _mm256_set_m128i(int8_inputs::round16(v1, inv), int8_inputs::round16(v0, inv));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(a), bytes);
   const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(lanes), sums);

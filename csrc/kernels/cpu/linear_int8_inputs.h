@@ -180,6 +180,17 @@ inline int8_t round_input(float x, double inv) {
   return static_cast<int8_t>(std::fmin(127.0, std::fmax(-127.0, r)));
 }
 
+#if defined(__AVX512F__)
+// 16 inputs rounded as round_input does: rint(v * f) in double, clamped to +-127, as bytes.
+inline __m128i round16(__m512 v, __m512d f) {
+  const __m256 v1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  const __m256i r0 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), f));
+  const __m256i r1 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(v1), f));
+  const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
+  return _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(r, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127)));
+}
+#endif
+
 // x[0, n) rounded as round_input does, into a: the vector levels convert to double, multiply and
 // round to nearest even (the default rounding mode, as nearbyint) 8 or 16 at a time, the same
 // operations, so every level writes the same bytes (the scalar rounding took a third of a
@@ -189,15 +200,8 @@ void round_values(const T* x, int64_t n, double inv, int8_t* a) {
   int64_t k = 0;
 #if defined(__AVX512F__)
   const __m512d f = _mm512_set1_pd(inv);
-  const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-  for (; k + 16 <= n; k += 16) {
-    const __m512 v = VecF::load(x + k).v;
-    const __m256 v1 = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-    const __m256i r0 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)), f));
-    const __m256i r1 = _mm512_cvtpd_epi32(_mm512_mul_pd(_mm512_cvtps_pd(v1), f));
-    const __m512i r = _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + k), _mm512_cvtepi32_epi8(_mm512_min_epi32(_mm512_max_epi32(r, lo), hi)));
-  }
+  for (; k + 16 <= n; k += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(a + k), round16(VecF::load(x + k).v, f));
 #elif defined(__AVX2__)
   const __m256d f = _mm256_set1_pd(inv);
   const __m128i lo = _mm_set1_epi32(-127), hi = _mm_set1_epi32(127);
