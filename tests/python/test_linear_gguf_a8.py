@@ -13,6 +13,7 @@ from test_linear_gguf import QTYPES, dequantized, inputs, quantized
 # From PANEL_ROWS rows the kernel takes decoded panels of 32 weight rows (on AVX512-VNNI levels):
 # shapes on both sides, with partial panels and input rows past a multiple of 4.
 PANEL_ROWS = 16
+SPLIT_ROWS = 128  # input rows per thread from which the threads split the rows, not the panels
 SHAPES = [(1, 1, 32), (1, 7, 64), (2, 33, 96), (3, 64, 576), (4, 9, 1536), (5, 130, 32), (9, 12, 512), (17, 20, 256),
           (16, 32, 64), (23, 70, 1536), (64, 33, 576)]
 
@@ -89,6 +90,26 @@ def test_a_row_of_a_batch_does_not_depend_on_the_rows_beside_it(fmt):
     for i in (0, 5, PANEL_ROWS, 2 * PANEL_ROWS + 2):
         others = torch.cat([x[i:i + 1], torch.randn(PANEL_ROWS, k)])
         assert torch.equal(product(others, q, fmt)[0], together[i]), f"row {i}"
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("fmt", ["q4_k", "q6_k", "q5_0"])
+def test_many_rows_split_over_the_threads_give_each_row_its_bits(fmt, threads):
+    """From SPLIT_ROWS rows per thread the threads share the rows (each rounding its own) instead of
+    the panels: the same product, and each row the bits it gets in a small batch."""
+    k = inputs(1536, fmt)
+    q = quantized(70, k, fmt)
+    x = torch.randn(SPLIT_ROWS * threads + 6, k)
+    previous = _C.get_num_threads()
+    _C.set_num_threads(threads)
+    try:
+        out = product(x, q, fmt)
+    finally:
+        _C.set_num_threads(previous)
+    assert_matches_rounded_inputs(out, x, dequantized(q, fmt), None, 2e-6)
+    for i in (0, SPLIT_ROWS + 1, x.shape[0] - 1):
+        small = torch.cat([x[i:i + 1], x[:PANEL_ROWS]])
+        assert torch.equal(product(small, q, fmt)[0], out[i]), f"row {i}"
 
 
 @pytest.mark.parametrize("rows", [3, PANEL_ROWS + 1])

@@ -260,10 +260,8 @@ OCTAVO_ALWAYS_INLINE void round_block(const T* x, int64_t size, float& d, int8_t
 #endif
 }
 
-// The rounded inputs and what one of the two kernels needs beside them: for the rows kernel
-// (panels false) offset_sums with the format's offset, for the panels half_offsets with theirs.
-template <typename T>
-void round_inputs(const LinearParams& p, bool panels, int offset, bool halves, RoundedInputs& r) {
+// Points r's arrays into the calling thread's scratch, sized for p.rows rows.
+inline void layout_inputs(const LinearParams& p, RoundedInputs& r) {
   r.blocks = p.in_features / kBlock;
   r.padded = r.blocks + kScaleBatch;
   const int64_t a_bytes = aligned64(p.rows * p.in_features), scale_bytes = aligned64(p.rows * r.padded * 4);
@@ -275,31 +273,46 @@ void round_inputs(const LinearParams& p, bool panels, int offset, bool halves, R
   r.dsum = reinterpret_cast<float*>(base + a_bytes + scale_bytes);
   r.offset_sums = reinterpret_cast<int32_t*>(base + a_bytes + 2 * scale_bytes);
   r.half_offsets = reinterpret_cast<int32_t*>(base + a_bytes + 2 * scale_bytes + sums_bytes);
+}
+
+// Input rows [begin, end) rounded into r, with what one of the two kernels needs beside them: for
+// the rows kernel (panels false) offset_sums with the format's offset, for the panels half_offsets
+// with theirs.
+template <typename T>
+void round_rows(const LinearParams& p, bool panels, int offset, bool halves, int64_t begin, int64_t end,
+                const RoundedInputs& r) {
   const T* input = static_cast<const T*>(p.input);
-  // Split over the threads from 16K inputs on (W4A8's rounding_grain waits for 64K): at 64 rows of
-  // 576 the rounding on one thread was a fifth of a panel product's time on two.
-  parallel_for(p.rows, grain_for(p.rows, p.in_features, 1 << 14, 1 << 12), [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      std::fill(r.d + i * r.padded + r.blocks, r.d + (i + 1) * r.padded, 0.0f);
-      std::fill(r.dsum + i * r.padded + r.blocks, r.dsum + (i + 1) * r.padded, 0.0f);
-      for (int64_t b = 0; b < r.blocks; ++b) {
-        float& d = r.d[i * r.padded + b];
-        int32_t lanes[kLanes];
-        // (A size GCC cannot fold: with the constant 32 it warns of the dead tails it inlines.)
-        const int64_t size = std::min<int64_t>(kBlock, p.in_features - b * kBlock);
-        round_block(input + i * p.in_stride + b * kBlock, size, d, r.a + i * p.in_features + b * kBlock, lanes);
-        const int32_t first = lanes[0] + lanes[1] + lanes[2] + lanes[3];
-        const int32_t second = lanes[4] + lanes[5] + lanes[6] + lanes[7];
-        r.dsum[i * r.padded + b] = d * static_cast<float>(first + second);
-        if (panels) {
-          int32_t* offsets = r.half_offsets + (i * r.blocks + b) * 2;
-          offsets[0] = -offset * (halves ? first : first + second);
-          offsets[1] = halves ? -offset * second : 0;
-        } else {
-          for (int l = 0; l < kLanes; ++l) r.offset_sums[(i * r.blocks + b) * kLanes + l] = -offset * lanes[l];
-        }
+  for (int64_t i = begin; i < end; ++i) {
+    std::fill(r.d + i * r.padded + r.blocks, r.d + (i + 1) * r.padded, 0.0f);
+    std::fill(r.dsum + i * r.padded + r.blocks, r.dsum + (i + 1) * r.padded, 0.0f);
+    for (int64_t b = 0; b < r.blocks; ++b) {
+      float& d = r.d[i * r.padded + b];
+      int32_t lanes[kLanes];
+      // (A size GCC cannot fold: with the constant 32 it warns of the dead tails it inlines.)
+      const int64_t size = std::min<int64_t>(kBlock, p.in_features - b * kBlock);
+      round_block(input + i * p.in_stride + b * kBlock, size, d, r.a + i * p.in_features + b * kBlock, lanes);
+      const int32_t first = lanes[0] + lanes[1] + lanes[2] + lanes[3];
+      const int32_t second = lanes[4] + lanes[5] + lanes[6] + lanes[7];
+      r.dsum[i * r.padded + b] = d * static_cast<float>(first + second);
+      if (panels) {
+        int32_t* offsets = r.half_offsets + (i * r.blocks + b) * 2;
+        offsets[0] = -offset * (halves ? first : first + second);
+        offsets[1] = halves ? -offset * second : 0;
+      } else {
+        for (int l = 0; l < kLanes; ++l) r.offset_sums[(i * r.blocks + b) * kLanes + l] = -offset * lanes[l];
       }
     }
+  }
+}
+
+// Every input row rounded (round_rows), split over the threads from 16K inputs on (W4A8's
+// rounding_grain waits for 64K): at 64 rows of 576 the rounding on one thread was a fifth of a
+// panel product's time on two.
+template <typename T>
+void round_inputs(const LinearParams& p, bool panels, int offset, bool halves, RoundedInputs& r) {
+  layout_inputs(p, r);
+  parallel_for(p.rows, grain_for(p.rows, p.in_features, 1 << 14, 1 << 12), [&](int64_t begin, int64_t end) {
+    round_rows<T>(p, panels, offset, halves, begin, end, r);
   });
 }
 

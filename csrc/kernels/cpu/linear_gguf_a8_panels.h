@@ -39,6 +39,7 @@ constexpr int kStepBytes = 64;
 constexpr int kBlockBytes = kGroups * kSteps * kStepBytes;
 constexpr int kInputRows = 4;                      // input rows per pass over a panel
 constexpr int64_t kChunkBytes = int64_t{1} << 18;  // rounded input rows kept in L2 across panels
+constexpr int64_t kSplitRowsFrom = 128;             // input rows per thread from which threads split rows
 
 // The offset the panels' unsigned bytes carry: signed values enter as u = w + 128.
 template <WeightFormat F>
@@ -209,32 +210,64 @@ void store(const LinearParams& p, int64_t i, int64_t n, int nr, const __m512 (&a
   }
 }
 
+// Panels [first, last) against input rows [begin, end), each panel decoded once.
 template <WeightFormat F, typename T>
-void linear_rows(const LinearParams& p, const RoundedInputs& r) {
+void multiply_panels(const LinearParams& p, const RoundedInputs& r, const Panel& panel, int64_t first, int64_t last,
+                     int64_t begin, int64_t end) {
+  for (int64_t pn = first; pn < last; ++pn) {
+    const int64_t n = pn * kPanelRows;
+    const int nr = static_cast<int>(std::min<int64_t>(kPanelRows, p.out_features - n));
+    decode_panel<F>(p, n, nr, r.blocks, panel);
+    int64_t i = begin;
+    for (; i + kInputRows <= end; i += kInputRows) {
+      __m512 acc[kInputRows][kGroups];
+      multiply<F, kInputRows>(panel, r, i, p.in_features, acc);
+      store<T, kInputRows>(p, i, n, nr, acc);
+    }
+    for (; i < end; ++i) {  // a row's sums do not depend on the rows it runs with
+      __m512 acc[1][kGroups];
+      multiply<F, 1>(panel, r, i, p.in_features, acc);
+      store<T, 1>(p, i, n, nr, acc);
+    }
+  }
+}
+
+// Input rows per chunk kept in L2 while the panels pass over it; each chunk decodes the panels
+// again (32 weight rows against at least 64 input rows per decode).
+inline int64_t chunk_rows(const LinearParams& p) {
+  return std::max<int64_t>(64, kChunkBytes / p.in_features / kInputRows * kInputRows);
+}
+
+// Few rows: the threads split the panels, and every thread passes over all the rows.
+template <WeightFormat F, typename T>
+void split_panels(const LinearParams& p, const RoundedInputs& r) {
   const int64_t panels = (p.out_features + kPanelRows - 1) / kPanelRows, threads = get_num_threads();
-  // Input rows in chunks that stay in L2 while the thread's panels pass over them; each chunk
-  // decodes the panels again (16 weight rows against at least 64 input rows per decode).
-  const int64_t chunk = std::max<int64_t>(64, kChunkBytes / p.in_features / kInputRows * kInputRows);
+  const int64_t chunk = chunk_rows(p);
   parallel_for(panels, (panels + threads - 1) / threads, [&](int64_t begin, int64_t end) {
     const Panel panel(thread_scratch(0, Panel::bytes(r.blocks)), r.blocks);
-    for (int64_t m_begin = 0; m_begin < p.rows; m_begin += chunk) {
-      const int64_t m_end = std::min(p.rows, m_begin + chunk);
-      for (int64_t pn = begin; pn < end; ++pn) {
-        const int64_t n = pn * kPanelRows;
-        const int nr = static_cast<int>(std::min<int64_t>(kPanelRows, p.out_features - n));
-        decode_panel<F>(p, n, nr, r.blocks, panel);
-        int64_t i = m_begin;
-        for (; i + kInputRows <= m_end; i += kInputRows) {
-          __m512 acc[kInputRows][kGroups];
-          multiply<F, kInputRows>(panel, r, i, p.in_features, acc);
-          store<T, kInputRows>(p, i, n, nr, acc);
-        }
-        for (; i < m_end; ++i) {  // a row's sums do not depend on the rows it runs with
-          __m512 acc[1][kGroups];
-          multiply<F, 1>(panel, r, i, p.in_features, acc);
-          store<T, 1>(p, i, n, nr, acc);
-        }
-      }
+    for (int64_t m_begin = 0; m_begin < p.rows; m_begin += chunk)
+      multiply_panels<F, T>(p, r, panel, begin, end, m_begin, std::min(p.rows, m_begin + chunk));
+  });
+}
+
+// Many rows: the threads split the rows, and each one rounds its own chunks and passes every
+// panel over them, so the rounded inputs stay in the core that wrote them. Splitting the panels
+// instead, each thread read the half of the inputs the other had rounded from the other core's
+// cache: at 1024 x 512 inputs, 0.5 ms more per product on two threads, a quarter of its time.
+template <WeightFormat F, typename T>
+void split_rows(const LinearParams& p, RoundedInputs& r) {
+  layout_inputs(p, r);
+  const int64_t panels = (p.out_features + kPanelRows - 1) / kPanelRows, threads = get_num_threads();
+  // Whole rounds of chunks over the threads, so none waits on a last odd chunk.
+  int64_t chunks = (p.rows + chunk_rows(p) - 1) / chunk_rows(p);
+  chunks = (chunks + threads - 1) / threads * threads;
+  const int64_t rows = ((p.rows + chunks - 1) / chunks + kInputRows - 1) / kInputRows * kInputRows;
+  parallel_for((p.rows + rows - 1) / rows, 1, [&](int64_t begin, int64_t end) {
+    const Panel panel(thread_scratch(0, Panel::bytes(r.blocks)), r.blocks);
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t m_begin = c * rows, m_end = std::min(p.rows, m_begin + rows);
+      round_rows<T>(p, true, offset<F>(), Bytes<F>::kHalves, m_begin, m_end, r);
+      multiply_panels<F, T>(p, r, panel, 0, panels, m_begin, m_end);
     }
   });
 }
@@ -247,8 +280,9 @@ void linear_typed(const LinearParams& p) {
   RoundedInputs r;
 #if defined(OCTAVO_GGUF_A8_PANELS)
   if (p.rows >= panels::kPanelsFromRows) {
+    if (p.rows >= panels::kSplitRowsFrom * get_num_threads()) return panels::split_rows<F, T>(p, r);
     round_inputs<T>(p, true, panels::offset<F>(), Bytes<F>::kHalves, r);
-    return panels::linear_rows<F, T>(p, r);
+    return panels::split_panels<F, T>(p, r);
   }
 #endif
   round_inputs<T>(p, false, Bytes<F>::kOffset, Bytes<F>::kHalves, r);
