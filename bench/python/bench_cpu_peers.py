@@ -116,7 +116,8 @@ def worker_octavo(args) -> dict:
     from octavo import LLM, SamplingParams
 
     build = lambda: LLM(model=args.model, dtype=args.dtype, kv_cache_memory_bytes=KV_CACHE_GIB << 30,
-                        max_model_len=MAX_MODEL_LEN, quantization=args.quantization, enforce_eager=args.enforce_eager)
+                        max_model_len=MAX_MODEL_LEN, quantization=args.quantization, enforce_eager=args.enforce_eager,
+                        kv_cache_dtype=args.kv_cache_dtype)
     startup, llm = timed(build)
     vocab = llm.llm_engine.model_config.vocab_size if args.vocab is None else args.vocab
 
@@ -384,12 +385,14 @@ def dummy_gguf(src: Path, dst: Path, shape: str) -> Path:
 
 
 def run_worker(python: str, engine: str, workloads: list[str], model: str, dtype: str, vocab: int,
-               env: dict) -> dict:
+               env: dict, kv_cache_dtype: str) -> dict:
     if model.endswith(".gguf"):  # random prompts from the file's own vocabulary (Gemma 3's is another)
         from octavo.loader.gguf_file import gguf_config
 
         vocab = gguf_config(Path(model)).vocab_size
     worker = {A8: ["octavo", "--quantization", "gguf_a8"], EAGER: ["octavo", "--enforce-eager"]}.get(engine, [engine])
+    if worker[0] == "octavo":
+        worker += ["--kv-cache-dtype", kv_cache_dtype]
     cmd = [python, __file__, "--worker", *worker, "--workload", *workloads, "--model", model, "--dtype", dtype,
            "--vocab", str(vocab)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
@@ -426,6 +429,8 @@ def main() -> None:
     parser.add_argument("--gemma3", action="store_true", help="also Gemma 3 270M's Q4_K_M file")
     parser.add_argument("--quantization", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--enforce-eager", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="Octavo's KV cache dtype (float16: as llama.cpp's default cache type)")
     parser.add_argument("--eager", action="store_true",
                         help="also Octavo with enforce_eager=True (no CPU graphs) wherever plain Octavo runs")
     parser.add_argument("--gguf-a8", action="store_true",
@@ -446,7 +451,8 @@ def drive(args) -> None:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     threads = len(os.sched_getaffinity(0))
     print(f"machine: {machine()}")
-    print(f"threads {threads}, KV cache {KV_CACHE_GIB} GiB each, max_model_len {MAX_MODEL_LEN}, {args.rounds} rounds")
+    print(f"threads {threads}, KV cache {KV_CACHE_GIB} GiB each (Octavo's kv_cache_dtype {args.kv_cache_dtype}), "
+          f"max_model_len {MAX_MODEL_LEN}, {args.rounds} rounds")
     # (engine, python, workloads, model path, dtype, env, label): one process each per round
     octavo_env = dict(os.environ)
     jobs = []
@@ -494,7 +500,7 @@ def drive(args) -> None:
     for r in range(args.rounds):
         order = jobs if r % 2 == 0 else jobs[::-1]  # alternate which engine goes first
         for engine, python, workloads, path, dtype, env, label in order:
-            res = run_worker(python, engine, workloads, path, dtype, vocab, env)
+            res = run_worker(python, engine, workloads, path, dtype, vocab, env, args.kv_cache_dtype)
             for workload in workloads:
                 key = f"{workload}_tok_s"
                 results.setdefault((f"{workload} {label}", engine), []).append(res)

@@ -56,6 +56,7 @@ struct CacheWriteParams {
   const void* slot_mapping;   // [tokens], int32 or int64 (slot_dtype); -1 = skip
   int64_t num_tokens, num_kv_heads, head_size, block_size, num_blocks, key_stride, value_stride;
   DType dtype, slot_dtype;
+  DType cache_dtype;          // the caches' (CPU: any float dtype, converted on write; CUDA: dtype)
 };
 
 struct PagedAttentionParams {
@@ -70,7 +71,8 @@ struct PagedAttentionParams {
   int64_t block_table_stride, max_blocks_per_seq, out_stride, query_stride;  // max_blocks_per_seq: the table's width
   int64_t sliding_window;          // 0: off
   float scale, softcap;            // softcap 0: off
-  DType dtype;
+  DType dtype;                     // the query's and out's
+  DType cache_dtype;               // the caches' (CPU: any float dtype; CUDA: dtype)
   const int32_t* tile_offsets;     // CUDA only: plan_paged_attention's [num_seqs + 1], or null
   int64_t num_decodes;             // the first num_decodes sequences have one query token each (0: not counted)
 };

@@ -20,6 +20,33 @@ import torch
 
 _HUGE_PAGE = 2 << 20
 
+# kv_cache_dtype values (vLLM's names; "float16" as llama.cpp's default cache type) and what they store.
+KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+                   "float32": torch.float32, "float": torch.float32}
+
+
+def check_kv_cache_dtype(name) -> torch.dtype | None:
+    """kv_cache_dtype ``name``'s dtype (None: "auto"); a ValueError for a name it does not know."""
+    if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
+        hint = " (fp8 KV caches are not supported yet)" if str(name).startswith("fp8") else ""
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                         f"got {name!r}{hint}")
+    return KV_CACHE_DTYPES[name]
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The dtype a KV cache of kv_cache_dtype ``name`` holds for a model of ``model_dtype``.
+
+    On the CPU the cache may hold another float dtype than the model's (the kernels convert K and V
+    as they are written and read: a 16-bit cache halves the bytes decode attention streams). The
+    CUDA kernels read caches of the model's dtype only.
+    """
+    dtype = check_kv_cache_dtype(name) or model_dtype
+    if device.type != "cpu" and dtype != model_dtype:
+        raise ValueError(f"kv_cache_dtype={name!r} with a {str(model_dtype).removeprefix('torch.')} model: "
+                         "on CUDA the KV cache holds the model's dtype (use 'auto')")
+    return dtype
+
 
 def empty_kv_cache(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device = "cpu") -> torch.Tensor:
     """A tensor for a paged KV cache ``[num_blocks, num_kv_heads, block_size, head_size]``.

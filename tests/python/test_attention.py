@@ -22,7 +22,7 @@ class Batch:
     in a shuffled order so that block tables are not the identity.
     """
 
-    def __init__(self, seqs, num_heads, num_kv_heads, head_size, block_size, dtype, gen):
+    def __init__(self, seqs, num_heads, num_kv_heads, head_size, block_size, dtype, gen, cache_dtype=None):
         self.seqs, self.block_size = seqs, block_size
         self.seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
         blocks_per_seq = [math.ceil(int(l) / block_size) for l in self.seq_lens]
@@ -35,8 +35,9 @@ class Batch:
             self.block_tables[b, :n] = order[used:used + n]
             used += n
         shape = (num_blocks, num_kv_heads, block_size, head_size)
-        self.key_cache = torch.full(shape, float("nan"), dtype=dtype)
-        self.value_cache = torch.full(shape, float("nan"), dtype=dtype)
+        # A cache of another dtype than the query (an engine's kv_cache_dtype) holds K and V rounded to it.
+        self.key_cache = torch.full(shape, float("nan"), dtype=cache_dtype or dtype)
+        self.value_cache = torch.full(shape, float("nan"), dtype=cache_dtype or dtype)
         total = int(self.seq_lens.sum())
         self.keys = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
         self.values = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
@@ -65,8 +66,8 @@ class Batch:
         start = 0
         for b, (_, n_q) in enumerate(self.seqs):
             length = int(self.seq_lens[b])
-            k = self.keys[start:start + length].double().repeat_interleave(group, dim=1)
-            v = self.values[start:start + length].double().repeat_interleave(group, dim=1)
+            k = self.keys[start:start + length].to(self.key_cache.dtype).double().repeat_interleave(group, dim=1)
+            v = self.values[start:start + length].to(self.key_cache.dtype).double().repeat_interleave(group, dim=1)
             start += length
             q0, q1 = int(self.query_start_loc[b]), int(self.query_start_loc[b + 1])
             s = torch.einsum("qhd,khd->hqk", self.query[q0:q1].double(), k) * scale
@@ -165,6 +166,39 @@ def test_counted_decodes_give_the_same_attention(isa, dtype):
         check(batch, dtype, sliding_window=300, num_decodes=num_decodes)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+def test_a_16_bit_cache_serves_float32_queries(isa, cache_dtype, head_size):
+    """kv_cache_dtype: float32 queries against K and V stored in 16 bits give float32's attention of
+    the stored K and V (decodes, prefill chunks, a sliding window, a long decode split over jobs)."""
+    gen = torch.Generator().manual_seed(head_size)
+    batch = Batch(MIXED + [(700, 1)], 8, 2, head_size, 16, torch.float32, gen, cache_dtype)
+    assert batch.key_cache.dtype == cache_dtype
+    check(batch, torch.float32, num_decodes=1)
+    check(batch, torch.float32, sliding_window=20)
+
+
+def test_a_16_bit_cache_serves_bfloat16_queries(isa):
+    gen = torch.Generator().manual_seed(3)
+    check(Batch(MIXED, 8, 2, 64, 16, torch.bfloat16, gen, torch.float16), torch.bfloat16)
+    check(Batch(MIXED, 8, 2, 64, 16, torch.bfloat16, gen, torch.float32), torch.bfloat16)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_reshape_and_cache_rounds_into_a_16_bit_cache(isa, cache_dtype):
+    """Each value rounded to nearest-even as torch rounds it, overflow to inf (float16) included."""
+    key = torch.randn(5, 2, 64) * torch.logspace(-8, 5, 5)[:, None, None]
+    value = -key
+    key[4, 1, :3] = torch.tensor([float("inf"), float("nan"), 1e6])
+    key_cache = torch.zeros(2, 2, 16, 64, dtype=cache_dtype)
+    value_cache = torch.zeros_like(key_cache)
+    _C.ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor([3, 17, 0, 31, 9], dtype=torch.int32))
+    for t, slot in enumerate([3, 17, 0, 31, 9]):
+        for cache, src in ((key_cache, key), (value_cache, value)):
+            torch.testing.assert_close(cache[slot // 16, :, slot % 16], src[t].to(cache_dtype), rtol=0, atol=0,
+                                       equal_nan=True)
+
+
 def test_result_does_not_depend_on_thread_count():
     gen = torch.Generator().manual_seed(19)
     batch = Batch([(2000, 1), (50, 40)], 8, 2, 64, 16, torch.float32, gen)
@@ -217,7 +251,12 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(TypeError, match="query"):
         call(query=b.query.double())
     with pytest.raises(TypeError, match="key_cache"):
-        call(key_cache=b.key_cache.bfloat16())
+        call(key_cache=b.key_cache.bfloat16())  # the value cache is float32
+    with pytest.raises(TypeError, match="key_cache"):
+        call(key_cache=b.key_cache.double(), value_cache=b.value_cache.double())
+    with pytest.raises(TypeError, match="value_cache"):
+        _C.ops.reshape_and_cache(b.keys[:2], b.values[:2], b.key_cache, b.value_cache.half(),
+                                 torch.tensor([0, 1], dtype=torch.int32))
     with pytest.raises(ValueError, match="head_size 48"):
         q = torch.randn(2, 4, 48)
         call(query=q, out=torch.empty_like(q), key_cache=torch.zeros(3, 2, 16, 48), value_cache=torch.zeros(3, 2, 16, 48))
@@ -247,6 +286,20 @@ def test_bad_arguments_raise_clear_errors():
     with pytest.raises(ValueError, match="value"):
         _C.ops.reshape_and_cache(b.keys[:2], b.values[:3], b.key_cache, b.value_cache,
                                  torch.tensor([0, 1], dtype=torch.int32))
+
+
+def test_kv_cache_dtype_names_and_devices():
+    from octavo.kv_cache import kv_cache_dtype
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    assert kv_cache_dtype("auto", torch.float32, cpu) == torch.float32
+    assert kv_cache_dtype("half", torch.float32, cpu) == torch.float16
+    assert kv_cache_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
+    assert kv_cache_dtype("bfloat16", torch.bfloat16, cuda) == torch.bfloat16
+    with pytest.raises(ValueError, match="on CUDA the KV cache holds the model's dtype"):
+        kv_cache_dtype("float16", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="fp8 KV caches are not supported yet"):
+        kv_cache_dtype("fp8_e4m3", torch.bfloat16, cpu)
 
 
 @pytest.mark.parametrize("num_blocks", [3, 400])  # below and above one huge page

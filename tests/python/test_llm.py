@@ -179,6 +179,34 @@ def test_logprobs_are_raw_log_softmax(tiny):
                         rel_tol=1e-6)
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float16"])
+def test_a_16_bit_kv_cache_holds_twice_the_tokens_at_float32s_logprobs(tiny, tiny_path, kv_cache_dtype):
+    """kv_cache_dtype as vLLM's: the same memory holds twice the blocks of a float32 model's cache,
+    and the logprobs stay those of transformers' float32 model up to K and V's 16-bit rounding."""
+    llm, reference, tokenizer = tiny
+    half = LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+               kv_cache_dtype=kv_cache_dtype)
+    assert half.llm_engine.info.num_blocks >= 2 * llm.llm_engine.info.num_blocks - 1
+    assert half.collective_rpc(lambda worker: str(worker.runner.kv_dtype)) == [f"torch.{kv_cache_dtype}"]
+    prompts = [tokenizer.encode(p) for p in ("Hello world", "Straße " * 12)]
+    outs = half.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
+                         use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        tokens = ids + list(out.outputs[0].token_ids)
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(torch.tensor([tokens])).logits[0].double(), -1)
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for token, value in entry.items():
+                assert math.isclose(value.logprob, float(logp[len(ids) - 1 + step, token]), abs_tol=2e-3)
+
+
+@pytest.mark.parametrize("bad", ["fp8", "int8", "float64", None])
+def test_an_unknown_kv_cache_dtype_is_refused(tiny_path, bad):
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of") as info:
+        LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, kv_cache_dtype=bad)
+    assert ("not supported yet" in str(info.value)) == (bad == "fp8")
+
+
 # Everything in one step; chunked prefill; logits made 5 prompt rows at a time.
 @pytest.mark.parametrize("budget,logits_rows", [(None, None), (16, None), (None, 5)])
 def test_prompt_logprobs_are_raw_log_softmax_of_every_prompt_token(tiny, tiny_path, budget, logits_rows, monkeypatch):

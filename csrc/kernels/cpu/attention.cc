@@ -155,11 +155,12 @@ inline void dot_8_keys_bf16(const bf16*, int64_t, const bf16*, int64_t, float, f
 
 #if defined(__AVX512F__)
 constexpr bool kFloat8Keys = true;
-// The same for float32 query rows (already scaled) and keys with vfmadd: a decode's scores cost
-// 4 multiply-adds per row and key of 64 plus a share of one reduce8, where dot_rows reduced each
-// sum on its own (SmolLM2's 64 decodes of 190 keys: see bench/RESULTS.md).
-template <int N>
-inline void dot_8_keys(const float* q, int64_t d, const float* kblk, int64_t j0, float* s, int64_t ld) {
+// The same for float32 query rows (already scaled) and keys of any float type (read as float32)
+// with vfmadd: a decode's scores cost 4 multiply-adds per row and key of 64 plus a share of one
+// reduce8, where dot_rows reduced each sum on its own (SmolLM2's 64 decodes of 190 keys: see
+// bench/RESULTS.md).
+template <int N, typename T>
+inline void dot_8_keys(const float* q, int64_t d, const T* kblk, int64_t j0, float* s, int64_t ld) {
   __m512 acc[N][8];
   for (int i = 0; i < N; ++i)
     for (int j = 0; j < 8; ++j) acc[i][j] = _mm512_setzero_ps();
@@ -167,7 +168,7 @@ inline void dot_8_keys(const float* q, int64_t d, const float* kblk, int64_t j0,
     __m512 qv[N];
     for (int i = 0; i < N; ++i) qv[i] = _mm512_loadu_ps(q + i * d + c);
     for (int j = 0; j < 8; ++j) {
-      const __m512 k = _mm512_loadu_ps(kblk + (j0 + j) * d + c);
+      const __m512 k = VecF::load(kblk + (j0 + j) * d + c).v;
       for (int i = 0; i < N; ++i) acc[i][j] = _mm512_fmadd_ps(qv[i], k, acc[i][j]);
     }
   }
@@ -175,11 +176,11 @@ inline void dot_8_keys(const float* q, int64_t d, const float* kblk, int64_t j0,
 }
 #else
 constexpr bool kFloat8Keys = false;
-template <int N>
-inline void dot_8_keys(const float*, int64_t, const float*, int64_t, float*, int64_t) {}
+template <int N, typename T>
+inline void dot_8_keys(const float*, int64_t, const T*, int64_t, float*, int64_t) {}
 #endif
 
-// With bf16 keys and vdpbf16ps (or float32 keys on AVX-512), 8 keys at a time in every 8-key
+// With bf16 query and keys and vdpbf16ps (or a float32 query on AVX-512), 8 keys at a time in every 8-key
 // group of the block that holds a key of [j0, j1) (the others' scores are masked later; every row
 // of a cache block is readable). Rows three at a time: 24 accumulators of 32 registers.
 template <typename T>
@@ -188,8 +189,10 @@ inline void scores_by_8_keys(const float* q, const bf16* qb, float scale, int64_
   const int64_t d = g.head_size, ld = g.padded_block;
   const auto dots = [&](auto n, int64_t r, int64_t k0) {
     constexpr int N = decltype(n)::value;
-    if constexpr (std::is_same<T, bf16>::value) dot_8_keys_bf16<N>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
-    else dot_8_keys<N>(q + r * d, d, kblk, k0, s + r * ld, ld);
+    if constexpr (std::is_same<T, bf16>::value) {
+      if (qb) return dot_8_keys_bf16<N>(qb + r * d, d, kblk, k0, scale, s + r * ld, ld);
+    }
+    dot_8_keys<N>(q + r * d, d, kblk, k0, s + r * ld, ld);
   };
   for (int64_t k0 = j0 / 8 * 8; k0 < j1; k0 += 8) {
     for (int64_t j = k0; j < k0 + 8; ++j) next.row(j);
@@ -209,10 +212,8 @@ void scores_by_rows(const float* q, const bf16* qb, float scale, int64_t rows, c
   if constexpr (std::is_same<T, bf16>::value) {
     if (qb && g.block_size % 8 == 0) return scores_by_8_keys(q, qb, scale, rows, g, kblk, j0, j1, next, s);
   }
-  if constexpr (std::is_same<T, float>::value) {
-    if (kFloat8Keys && g.block_size % 8 == 0 && d % 16 == 0)
-      return scores_by_8_keys(q, qb, scale, rows, g, kblk, j0, j1, next, s);
-  }
+  if (kFloat8Keys && g.block_size % 8 == 0 && d % 16 == 0)
+    return scores_by_8_keys(q, static_cast<const bf16*>(nullptr), scale, rows, g, kblk, j0, j1, next, s);
   for (int64_t j = j0; j < j1; ++j) {
     next.row(j);
     const T* krow = kblk + j * d;
@@ -371,15 +372,15 @@ inline int64_t first_query_position(const PagedAttentionParams& p, int64_t b) {
 }
 
 // Query rows as float, pre-multiplied by the softmax scale; row r = token r / G, head r % G.
-template <typename T>
+template <typename Q>
 void load_queries(const PagedAttentionParams& p, const Geometry& g, const Job& job, float* q) {
-  const T* query = static_cast<const T*>(p.query);
+  const Q* query = static_cast<const Q*>(p.query);
   const int64_t d = g.head_size;
   const VecF scale = VecF::set1(p.scale);
   for (int64_t t = job.q_begin; t < job.q_end; ++t) {
     const int64_t token = p.query_start_loc[job.seq] + t;
     for (int64_t h = 0; h < g.group; ++h) {
-      const T* src = query + token * p.query_stride + (job.kv_head * g.group + h) * d;
+      const Q* src = query + token * p.query_stride + (job.kv_head * g.group + h) * d;
       float* dst = q + ((t - job.q_begin) * g.group + h) * d;
       for (int64_t c = 0; c < d; c += kW) (VecF::load(src + c) * scale).store(dst + c);
     }
@@ -459,11 +460,17 @@ inline int64_t block_offset(const PagedAttentionParams& p, const Geometry& g, co
   return (static_cast<int64_t>(table[kblock]) * p.num_kv_heads + job.kv_head) * g.block_size * g.head_size;
 }
 
-// Whether a job runs on AMX tiles (attention_amx.h): prefill rows of bfloat16 caches.
-template <typename T>
+// Whether the bf16 dot products (vdpbf16ps) score the keys: bfloat16 queries and caches.
+template <typename Q, typename T>
+constexpr bool bf16_dots() {
+  return kBf16Dot && std::is_same<Q, bf16>::value && std::is_same<T, bf16>::value;
+}
+
+// Whether a job runs on AMX tiles (attention_amx.h): prefill rows of bfloat16 queries and caches.
+template <typename Q, typename T>
 bool tile_job(const Geometry& g, int64_t rows) {
 #if defined(__AMX_BF16__)
-  return std::is_same<T, bf16>::value && rows >= kTileFromRows && attention_tiles::takes(rows, g.block_size, g.head_size);
+  return bf16_dots<Q, T>() && rows >= kTileFromRows && attention_tiles::takes(rows, g.block_size, g.head_size);
 #else
   (void)g, (void)rows;
   return false;
@@ -471,7 +478,7 @@ bool tile_job(const Geometry& g, int64_t rows) {
 }
 
 // One cache block of keys [kbase + j0, kbase + j1) for every row of the job.
-template <typename T>
+template <typename Q, typename T>
 void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kblock, int64_t j0,
                   int64_t j1, int64_t rows, const Prefetch& next, const JobScratch& js) {
   const int64_t offset = block_offset(p, g, job, kblock);
@@ -481,7 +488,7 @@ void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& j
     transpose_keys(kblk, g, j0, j1, js.kt);
     scores_transposed(js.q, rows, g, js.kt, js.s);
   } else {
-    const bool bf16_dot = kBf16Dot && std::is_same<T, bf16>::value && g.head_size % 32 == 0;
+    const bool bf16_dot = bf16_dots<Q, T>() && g.head_size % 32 == 0;
     scores_by_rows(js.q, bf16_dot ? js.qb : nullptr, p.scale, rows, g, kblk, j0, j1, next, js.s);
   }
   online_softmax(p, g, job, kblock * g.block_size, j0, j1, rows, js);
@@ -494,17 +501,17 @@ void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& j
   }
 }
 
-template <typename T>
+template <typename Q>
 void write_output(const PagedAttentionParams& p, const Geometry& g, const Job& job, const float* acc,
                   const float* l) {
-  T* out = static_cast<T*>(p.out);
+  Q* out = static_cast<Q*>(p.out);
   const int64_t d = g.head_size;
   for (int64_t t = job.q_begin; t < job.q_end; ++t) {
     const int64_t token = p.query_start_loc[job.seq] + t;
     for (int64_t h = 0; h < g.group; ++h) {
       const int64_t r = (t - job.q_begin) * g.group + h;
       const VecF inv = VecF::set1(1.0f / l[r]);
-      T* dst = out + token * p.out_stride + (job.kv_head * g.group + h) * d;
+      Q* dst = out + token * p.out_stride + (job.kv_head * g.group + h) * d;
       for (int64_t c = 0; c < d; c += kW) (VecF::load(acc + r * d + c) * inv).store(dst + c);
     }
   }
@@ -539,11 +546,11 @@ Job head_job(const Job& job, int64_t h) {
 }
 
 // On tiles (`tiles`) only the bfloat16 query copy is read, its rows padded to a whole tile with zeros.
-template <typename T>
+template <typename Q, typename T>
 void start_head(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t rows, const JobScratch& js,
                 bool tiles = false) {
-  if (!tiles) load_queries<T>(p, g, job, js.q);
-  if constexpr (kBf16Dot && std::is_same<T, bf16>::value) copy_query_rows(p, g, job, js.qb);
+  if (!tiles) load_queries<Q>(p, g, job, js.q);
+  if constexpr (bf16_dots<Q, T>()) copy_query_rows(p, g, job, js.qb);
   if (tiles) std::fill(js.qb + rows * g.head_size, js.qb + (rows + 15) / 16 * 16 * g.head_size, bf16{});
   std::fill(js.m, js.m + rows, kNegInf);
   std::fill(js.l, js.l + rows, 0.0f);
@@ -598,36 +605,37 @@ void run_tile_job(const PagedAttentionParams& p, const Geometry& g, const Job& j
 }
 #endif
 
-template <typename T>
+template <typename Q>
 void finish_head(const PagedAttentionParams& p, const Geometry& g, const Job& one, int64_t rows, const JobScratch& js,
                  float* partials) {
-  if (one.part < 0) write_output<T>(p, g, one, js.acc, js.l);
+  if (one.part < 0) write_output<Q>(p, g, one, js.acc, js.l);
   else save_partial(g, rows, js, partials + one.part * g.part_floats);
 }
 
 // On AMX tiles the heads of a job run one after the other, each with the whole scratch (its
 // query rows padded to a tile).
-template <typename T>
+template <typename Q, typename T>
 void run_tile_heads(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t rows, float* partials) {
 #if defined(__AMX_BF16__)
   for (int64_t h = 0; h < job.num_kv_heads; ++h) {
     const Job one = head_job(job, h);
     const JobScratch js = job_scratch(g, rows);
-    start_head<T>(p, g, one, rows, js, /*tiles=*/true);
+    start_head<Q, T>(p, g, one, rows, js, /*tiles=*/true);
     run_tile_job(p, g, one, rows, js);
-    finish_head<T>(p, g, one, rows, js, partials);
+    finish_head<Q>(p, g, one, rows, js, partials);
   }
 #else
   (void)p, (void)g, (void)job, (void)rows, (void)partials;
 #endif
 }
 
-template <typename T>
+template <typename Q, typename T>
 void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, float* partials) {
   const int64_t rows = (job.q_end - job.q_begin) * g.group;  // per KV head
-  if (tile_job<T>(g, rows)) return run_tile_heads<T>(p, g, job, rows, partials);
+  if (tile_job<Q, T>(g, rows)) return run_tile_heads<Q, T>(p, g, job, rows, partials);
   const JobScratch all = job_scratch(g, rows * job.num_kv_heads);
-  for (int64_t h = 0; h < job.num_kv_heads; ++h) start_head<T>(p, g, head_job(job, h), rows, head_scratch(all, g, rows, h));
+  for (int64_t h = 0; h < job.num_kv_heads; ++h)
+    start_head<Q, T>(p, g, head_job(job, h), rows, head_scratch(all, g, rows, h));
   const int64_t last_block = (job.k_end - 1) / g.block_size;
   for (int64_t kb = job.k_begin / g.block_size; kb <= last_block; ++kb) {
     const int64_t kbase = kb * g.block_size;
@@ -636,15 +644,15 @@ void run_job(const PagedAttentionParams& p, const Geometry& g, const Job& job, f
     for (int64_t h = 0; h < job.num_kv_heads; ++h) {
       const Job one = head_job(job, h);
       const Prefetch next = prefetch_for<T>(p, g, one, kb + kPrefetchBlocks, last_block);
-      attend_block<T>(p, g, one, kb, j0, j1, rows, next, head_scratch(all, g, rows, h));
+      attend_block<Q, T>(p, g, one, kb, j0, j1, rows, next, head_scratch(all, g, rows, h));
     }
   }
   for (int64_t h = 0; h < job.num_kv_heads; ++h)
-    finish_head<T>(p, g, head_job(job, h), rows, head_scratch(all, g, rows, h), partials);
+    finish_head<Q>(p, g, head_job(job, h), rows, head_scratch(all, g, rows, h), partials);
 }
 
 // Combines the partial states of a split tile: weights exp(m_s - M) put them on one scale.
-template <typename T>
+template <typename Q>
 void merge_tile(const PagedAttentionParams& p, const Geometry& g, const SplitTile& tile, const float* partials) {
   const int64_t rows = (tile.q_end - tile.q_begin) * g.group, d = g.head_size;
   JobScratch js = job_scratch(g, rows);
@@ -666,7 +674,7 @@ void merge_tile(const PagedAttentionParams& p, const Geometry& g, const SplitTil
     js.l[r] = l;
   }
   const Job whole{tile.seq, tile.kv_head, tile.q_begin, tile.q_end, 0, 0, -1};
-  write_output<T>(p, g, whole, js.acc, js.l);
+  write_output<Q>(p, g, whole, js.acc, js.l);
 }
 
 // ---- planning ------------------------------------------------------------------------------
@@ -760,7 +768,8 @@ Plan make_plan(const PagedAttentionParams& p, const Geometry& g, int64_t tokens_
   return plan;
 }
 
-template <typename T>
+// Q: the query's and out's type; T: the caches'.
+template <typename Q, typename T>
 void attention(const PagedAttentionParams& p) {
   Geometry g{};
   g.group = p.num_heads / p.num_kv_heads;
@@ -772,20 +781,29 @@ void attention(const PagedAttentionParams& p) {
   g.part_floats = g.max_rows * (g.head_size + 2);
   const Plan plan = make_plan(p, g, tokens_per_tile);
   parallel_for(plan.num_jobs, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) run_job<T>(p, g, plan.jobs[i], plan.partials);
+    for (int64_t i = begin; i < end; ++i) run_job<Q, T>(p, g, plan.jobs[i], plan.partials);
   });
   parallel_for(plan.num_splits, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) merge_tile<T>(p, g, plan.splits[i], plan.partials);
+    for (int64_t i = begin; i < end; ++i) merge_tile<Q>(p, g, plan.splits[i], plan.partials);
   });
+}
+
+template <typename Q>
+void attention_on(const PagedAttentionParams& p) {
+  switch (p.cache_dtype) {
+    case DType::kFloat32: return attention<Q, float>(p);
+    case DType::kBFloat16: return attention<Q, bf16>(p);
+    default: return attention<Q, f16>(p);
+  }
 }
 
 }  // namespace
 
 void paged_attention(const PagedAttentionParams& p) {
   switch (p.dtype) {
-    case DType::kFloat32: attention<float>(p); break;
-    case DType::kBFloat16: attention<bf16>(p); break;
-    default: attention<f16>(p); break;
+    case DType::kFloat32: return attention_on<float>(p);
+    case DType::kBFloat16: return attention_on<bf16>(p);
+    default: return attention_on<f16>(p);
   }
 }
 

@@ -55,6 +55,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   for (int d = 0; d < 3; ++d) check_size(out, "out", d, query.shape[d]);
   ops::check_kv_cache(key_cache, "key_cache", query, "query");
   ops::check_kv_cache(value_cache, "value_cache", query, "query");
+  ops::check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   for (int d = 0; d < 4; ++d) check_size(value_cache, "value_cache", d, key_cache.shape[d]);
   check_size(key_cache, "key_cache", 3, query.shape[2]);
   const int64_t num_heads = query.shape[1], num_kv_heads = key_cache.shape[1], head_size = query.shape[2];
@@ -104,6 +105,7 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.scale = static_cast<float>(scale);
   p.softcap = static_cast<float>(softcap);
   p.dtype = query.dtype;
+  p.cache_dtype = key_cache.dtype;
   p.tile_offsets = plan != nullptr ? plan->data_as<int32_t>() : nullptr;
   p.num_decodes = num_decodes;
   if (ops::runs_on_cuda(query, "query")) {

@@ -32,6 +32,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   for (int d = 0; d < 3; ++d) check_size(value, "value", d, key.shape[d]);
   ops::check_kv_cache(key_cache, "key_cache", key, "key");
   ops::check_kv_cache(value_cache, "value_cache", key, "key");
+  ops::check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   for (int d = 0; d < 4; ++d) check_size(value_cache, "value_cache", d, key_cache.shape[d]);
   check_size(key_cache, "key_cache", 1, key.shape[1]);
   check_size(key_cache, "key_cache", 3, key.shape[2]);
@@ -59,6 +60,7 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   p.key_stride = k.stride;
   p.value_stride = v.stride;
   p.dtype = key.dtype;
+  p.cache_dtype = key_cache.dtype;
   p.slot_dtype = slot_mapping.dtype;
   if (ops::runs_on_cuda(key, "key")) cuda::reshape_and_cache(p);
   else cpu_dispatch(reshape_and_cache, p);

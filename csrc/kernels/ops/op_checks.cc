@@ -124,7 +124,10 @@ void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& 
   // The CUDA kernels move cache rows in 16-byte packs.
   OCTAVO_CHECK(!is_cuda(cache) || reinterpret_cast<uintptr_t>(cache.data) % 16 == 0,
                "argument '" << arg << "' must start on a 16-byte boundary on CUDA (a view with an odd offset?)");
-  check_same_dtype(cache, arg, ref, ref_arg);
+  // The CPU kernels convert between the query's dtype and a cache of any float dtype (an engine's
+  // kv_cache_dtype); the CUDA ones read caches of the query's.
+  if (is_cuda(cache)) check_same_dtype(cache, arg, ref, ref_arg);
+  else check_float(cache, arg);
   OCTAVO_CHECK(cache.ndim == 4, "argument '" << arg << "' must be [num_blocks, num_kv_heads, block_size, head_size], got "
                                              << cache.ndim << " dimension(s)");
   check_contiguous(cache, arg);

@@ -20,6 +20,7 @@ from .. import _C, structured_output
 from ..device import cpu_only_reason, resolve_device
 from ..executor.configs import WorkerConfig
 from ..generation_config import load_generation_config
+from ..kv_cache import check_kv_cache_dtype
 from ..logits_processor import resolve as resolve_logits_processors
 from ..outputs import RequestMetrics, RequestOutput
 from ..sampling_params import SamplingParams, check_utf8
@@ -50,7 +51,8 @@ class LLMEngine:
                  distributed_executor_backend: str | None = None, multiprocess: bool = False,
                  pipeline_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  tokenizer_path: str | Path | None = None, structured_outputs_config: dict | None = None,
-                 logits_processors: list | None = None, speculative_config: dict | None = None):
+                 logits_processors: list | None = None, speculative_config: dict | None = None,
+                 kv_cache_dtype: str = "auto"):
         """max_logprobs: the most logprobs a request may ask for, per token (-1: no limit);
         scheduling_policy: "fcfs" or "priority" (lower priority values first); generation_config:
         where sampling defaults come from ("auto", "vllm" or a folder); all as vLLM's.
@@ -66,7 +68,8 @@ class LLMEngine:
         structured_outputs_config: {"backend": "auto" | "xgrammar" | "guidance"}, as vLLM's;
         logits_processors: LogitsProcessor classes or "module:Class" names (logits_processor.py);
         speculative_config: vLLM's dict, e.g. {"method": "ngram", "num_speculative_tokens": 4,
-        "prompt_lookup_max": 3} (speculative.py)."""
+        "prompt_lookup_max": 3} (speculative.py); kv_cache_dtype: what the KV cache holds, "auto" (the
+        model's dtype), "bfloat16" or "float16" (CPU only: half a float32 model's cache bytes)."""
         self.model_path = Path(model)
         self.generation_config = load_generation_config(model, generation_config)
         if max_logprobs < -1:
@@ -77,13 +80,14 @@ class LLMEngine:
         self.device = _device(model, device, quantization)
         _check_parallel_sizes(self.device, tensor_parallel_size, pipeline_parallel_size, data_parallel_size,
                               distributed_executor_backend)
+        check_kv_cache_dtype(kv_cache_dtype)
         self.structured_outputs_backend = _structured_outputs_backend(structured_outputs_config)
         self.logits_processor_classes = resolve_logits_processors(logits_processors)
         self.speculative_config = speculative = _speculative_config(speculative_config, tensor_parallel_size,
                                                                     pipeline_parallel_size, logits_processors)
         worker = WorkerConfig(str(model), dtype, load_format, str(self.device), quantization, tensor_parallel_size,
                               pipeline_parallel_size, enable_expert_parallel, tuple(logits_processors or ()),
-                              speculative)
+                              speculative, kv_cache_dtype)
         self.core = make_client(EngineCoreConfig(
             worker, max_model_len, max_num_seqs, max_num_batched_tokens, enable_prefix_caching,
             enable_chunked_prefill, block_size, kv_cache_memory_bytes, gpu_memory_utilization, enforce_eager,

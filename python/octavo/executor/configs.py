@@ -23,6 +23,7 @@ class WorkerConfig:
     enable_expert_parallel: bool = False  # MoE layers: whole experts per tensor-parallel rank
     logits_processors: tuple = ()  # LogitsProcessor classes or "module:Class" names (logits_processor.py)
     speculative: SpeculativeConfig | None = None  # with method "draft_model", the driver loads the draft model
+    kv_cache_dtype: str = "auto"  # what the KV cache holds (kv_cache.py): "auto" = the model's dtype
 
     @property
     def world_size(self) -> int:

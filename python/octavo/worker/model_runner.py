@@ -16,11 +16,13 @@ from ..layers.attention import AttentionMetadata
 from .staging import Staging
 
 
-def kv_cache_block_bytes(model, block_size: int, groups: KVGroups | None = None) -> int:
+def kv_cache_block_bytes(model, block_size: int, groups: KVGroups | None = None,
+                         dtype: torch.dtype | None = None) -> int:
     """Bytes one block takes across the KV tensors (K and V) on this rank (its KV heads): one
-    per layer, or one per layer of a group (``groups``: a hybrid model's, kv_groups.py)."""
+    per layer, or one per layer of a group (``groups``: a hybrid model's, kv_groups.py), in
+    ``dtype`` (default: the model's)."""
     c = model.config
-    elem = torch.empty((), dtype=model.dtype).element_size()
+    elem = torch.empty((), dtype=dtype or model.dtype).element_size()
     num_tensors = groups.size if groups is not None else len(model.layers)
     return 2 * num_tensors * model.shard.num_kv_heads * block_size * c.head_dim * elem
 
@@ -35,8 +37,11 @@ class ModelRunner:
     of the tokens the scheduler wants sampled (on the model's device). A pipeline stage before
     the last sends its activations on and returns no logits."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, groups: KVGroups | None = None):
+    def __init__(self, model, num_blocks: int, block_size: int, groups: KVGroups | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        """kv_dtype: what the cache holds (default: the model's dtype; kv_cache.kv_cache_dtype)."""
         self.model, self.num_blocks, self.block_size = model, num_blocks, block_size
+        self.kv_dtype = kv_dtype or model.dtype
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
         self.cpu_graphs = None   # see record_cpu_graphs
@@ -51,7 +56,7 @@ class ModelRunner:
         self.groups = groups or plan_kv_groups([0] * len(layers))
         # Group g's i-th layer reads and writes KV tensor pair i through group g's block table.
         for i in range(self.groups.size):
-            cache = (empty_kv_cache(shape, model.dtype, self.device), empty_kv_cache(shape, model.dtype, self.device))
+            cache = tuple(empty_kv_cache(shape, self.kv_dtype, self.device) for _ in "kv")
             for g, members in enumerate(self.groups.layers):
                 layers[members[i]].kv_cache, layers[members[i]].kv_group = cache, g
 

@@ -14,6 +14,7 @@ from .. import _C
 from ..distributed.parallel_state import alone, init_model_parallel
 from ..executor.configs import CacheConfig, WorkerConfig
 from ..executor.step_io import PromptLogprobs, RowFailure, StepInput, StepOutput, StepTimes
+from ..kv_cache import kv_cache_dtype
 from ..kv_groups import model_kv_groups
 from ..layers import bf16_tiles
 from ..layers.crossover import calibrate as calibrate_linear
@@ -67,6 +68,7 @@ class Worker:
                                 c.tensor_parallel_size, self.pp_rank, c.pipeline_parallel_size,
                                 c.enable_expert_parallel)
         self.kv_groups = model_kv_groups(self.model)
+        self.kv_dtype = kv_cache_dtype(c.kv_cache_dtype, self.model.dtype, self.device)
         calibrate_linear(self.model)  # CPU: torch's GEMM or Octavo's kernel, by rows, on this machine
         if bf16_tiles.worth_packing(self.model):  # AMX: bfloat16 weights packed into tiles once
             bf16_tiles.pack_model(self.model)
@@ -88,14 +90,14 @@ class Worker:
                                         cache.max_model_len, cache.block_size, graphs, cache.num_speculative_tokens)
         budget = cache.kv_cache_memory_bytes or (self.memory.kv_cache_bytes(cache.gpu_memory_utilization)
                                                  if self.memory else DEFAULT_KV_CACHE_BYTES)
-        block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.kv_groups)
+        block_bytes = kv_cache_block_bytes(self.model, cache.block_size, self.kv_groups, self.kv_dtype)
         if self.draft_model is not None:  # its cache has a block for each of the target's
             block_bytes += kv_cache_block_bytes(self.draft_model, cache.block_size)
         return budget, block_bytes
 
     def initialize_cache(self, num_blocks: int, cache: CacheConfig) -> None:
         """Allocates the KV cache, captures the decode graphs and warms up (on a GPU)."""
-        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, self.kv_groups)
+        self.runner = ModelRunner(self.model, num_blocks, cache.block_size, self.kv_groups, self.kv_dtype)
         self._staging = Staging(self.runner.device)
         spec = self.config.speculative
         if self.draft_model is not None:

@@ -340,6 +340,7 @@ def served_model(args) -> ServedModel:
               generation_config=args.generation_config,
               max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
               enable_prefix_caching=args.enable_prefix_caching, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+              kv_cache_dtype=args.kv_cache_dtype,
               quantization=args.quantization, device=args.device, gpu_memory_utilization=args.gpu_memory_utilization,
               enforce_eager=args.enforce_eager, max_logprobs=args.max_logprobs,
               tensor_parallel_size=args.tensor_parallel_size, pipeline_parallel_size=args.pipeline_parallel_size,

@@ -15,7 +15,6 @@ UNSUPPORTED_VLLM_OPTIONS = {
     ("--kv-transfer-config",): "KV cache transfer (disaggregated prefill)",
     ("--cpu-offload-gb", "--kv-offloading-size"): "CPU offload",
     ("--limit-mm-per-prompt", "--mm-processor-kwargs"): "multimodal inputs",
-    ("--kv-cache-dtype",): "quantized KV caches",
     ("--enable-sleep-mode",): "sleep mode",
 }
 
@@ -51,6 +50,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="answer 503 with Retry-After while this many requests are waiting (default: no limit)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+                        help="what the KV cache holds: the model's dtype, or (CPU) bfloat16 / float16, half a float32 "
+                             "model's bytes")
     add_device_argument(parser)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many worker processes (tensor parallel)")
