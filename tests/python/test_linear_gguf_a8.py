@@ -112,6 +112,17 @@ def test_many_rows_split_over_the_threads_give_each_row_its_bits(fmt, threads):
         assert torch.equal(product(small, q, fmt)[0], out[i]), f"row {i}"
 
 
+def test_a_large_output_is_written_around_the_caches():
+    """From 16 MB of output the panels' stores bypass the caches: the values of a small product."""
+    k = 64
+    q = quantized(65536, k, "q8_0")
+    x = torch.randn(4 * PANEL_ROWS + 1, k)
+    out = product(x, q, "q8_0")
+    assert out.numel() * 4 >= 16 << 20
+    assert torch.equal(out[:, :96], product(x, q[:96], "q8_0"))
+    assert torch.equal(out[:, -40:], product(x, q[-40:], "q8_0"))
+
+
 @pytest.mark.parametrize("rows", [3, PANEL_ROWS + 1])
 @pytest.mark.parametrize("fmt", ["q4_0", "q5_1", "q3_k", "q6_k", "q8_0"])
 def test_a_non_finite_input_makes_only_its_row_nan(isa, fmt, rows):

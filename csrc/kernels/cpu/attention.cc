@@ -7,8 +7,10 @@
 // a tile's keys are split across jobs (flash-decoding) and the partial softmax states are merged
 // afterwards. Keys are visited one cache block at a time: scores S = Q K^T for the block, the
 // causal / sliding-window mask, the running max and sum, then acc += P V. On the amx level,
-// prefill jobs over bfloat16 caches compute S and P V on AMX tiles, 64 keys at a time
-// (attention_amx.h).
+// prefill jobs of bfloat16 queries over bfloat16 caches compute S and P V on AMX tiles, 64 keys
+// at a time (attention_amx.h). The caches may hold another float dtype than the query (an engine's
+// kv_cache_dtype: a float32 model over a float16 cache streams half the bytes): K and V are read as
+// float32, so the arithmetic is the query's float32 (or bf16 x bf16 for two bfloat16s).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -180,9 +182,9 @@ template <int N, typename T>
 inline void dot_8_keys(const float*, int64_t, const T*, int64_t, float*, int64_t) {}
 #endif
 
-// With bf16 query and keys and vdpbf16ps (or a float32 query on AVX-512), 8 keys at a time in every 8-key
-// group of the block that holds a key of [j0, j1) (the others' scores are masked later; every row
-// of a cache block is readable). Rows three at a time: 24 accumulators of 32 registers.
+// With bf16 query and keys and vdpbf16ps (or a float32 query on AVX-512), 8 keys at a time in
+// every 8-key group of the block that holds a key of [j0, j1) (the others' scores are masked
+// later; every row of a cache block is readable). Rows three at a time: 24 accumulators of 32 registers.
 template <typename T>
 inline void scores_by_8_keys(const float* q, const bf16* qb, float scale, int64_t rows, const Geometry& g,
                              const T* kblk, int64_t j0, int64_t j1, const Prefetch& next, float* s) {

@@ -199,9 +199,26 @@ OCTAVO_ALWAYS_INLINE void multiply(const Panel& panel, const RoundedInputs& r, i
   }
 }
 
+// Outputs of at least this many bytes are written around the caches (non-temporal stores): an LM
+// head's logits (Gemma 3's 64 x 262144 floats are 67 MB a step) are read once, by the sampler,
+// long after the cache would have dropped them, and a plain store first reads each line in.
+constexpr int64_t kStreamBytes = int64_t{16} << 20;
+
+inline bool streams(const LinearParams& p) {
+  return p.rows * p.out_features * 4 >= kStreamBytes && p.bias == nullptr &&
+         reinterpret_cast<uintptr_t>(p.out) % 64 == 0 && p.out_stride % 16 == 0;
+}
+
 template <typename T, int C>
-void store(const LinearParams& p, int64_t i, int64_t n, int nr, const __m512 (&acc)[C][kGroups]) {
+void store(const LinearParams& p, int64_t i, int64_t n, int nr, const __m512 (&acc)[C][kGroups], bool stream) {
   for (int c = 0; c < C; ++c) {
+    if constexpr (std::is_same<T, float>::value) {
+      if (stream && nr == kPanelRows) {
+        float* out = static_cast<float*>(p.out) + (i + c) * p.out_stride + n;
+        for (int g = 0; g < kGroups; ++g) _mm512_stream_ps(out + g * kGroupRows, acc[c][g]);
+        continue;
+      }
+    }
     alignas(64) float y[kPanelRows];
     for (int g = 0; g < kGroups; ++g) _mm512_store_ps(y + g * kGroupRows, acc[c][g]);
     T* out = static_cast<T*>(p.out) + (i + c) * p.out_stride + n;
@@ -214,6 +231,7 @@ void store(const LinearParams& p, int64_t i, int64_t n, int nr, const __m512 (&a
 template <WeightFormat F, typename T>
 void multiply_panels(const LinearParams& p, const RoundedInputs& r, const Panel& panel, int64_t first, int64_t last,
                      int64_t begin, int64_t end) {
+  const bool stream = streams(p);
   for (int64_t pn = first; pn < last; ++pn) {
     const int64_t n = pn * kPanelRows;
     const int nr = static_cast<int>(std::min<int64_t>(kPanelRows, p.out_features - n));
@@ -222,12 +240,12 @@ void multiply_panels(const LinearParams& p, const RoundedInputs& r, const Panel&
     for (; i + kInputRows <= end; i += kInputRows) {
       __m512 acc[kInputRows][kGroups];
       multiply<F, kInputRows>(panel, r, i, p.in_features, acc);
-      store<T, kInputRows>(p, i, n, nr, acc);
+      store<T, kInputRows>(p, i, n, nr, acc, stream);
     }
     for (; i < end; ++i) {  // a row's sums do not depend on the rows it runs with
       __m512 acc[1][kGroups];
       multiply<F, 1>(panel, r, i, p.in_features, acc);
-      store<T, 1>(p, i, n, nr, acc);
+      store<T, 1>(p, i, n, nr, acc, stream);
     }
   }
 }
@@ -247,6 +265,7 @@ void split_panels(const LinearParams& p, const RoundedInputs& r) {
     const Panel panel(thread_scratch(0, Panel::bytes(r.blocks)), r.blocks);
     for (int64_t m_begin = 0; m_begin < p.rows; m_begin += chunk)
       multiply_panels<F, T>(p, r, panel, begin, end, m_begin, std::min(p.rows, m_begin + chunk));
+    _mm_sfence();  // the streamed stores, before the pool's release of this chunk
   });
 }
 
@@ -269,6 +288,7 @@ void split_rows(const LinearParams& p, RoundedInputs& r) {
       round_rows<T>(p, true, offset<F>(), Bytes<F>::kHalves, m_begin, m_end, r);
       multiply_panels<F, T>(p, r, panel, 0, panels, m_begin, m_end);
     }
+    _mm_sfence();  // the streamed stores, before the pool's release of this chunk
   });
 }
 
