@@ -178,8 +178,8 @@ def test_large_batches_replay_only_when_they_nearly_fill_a_graph(tmp_path, monke
     steps = []
     run = cpu_graphs.CpuGraphs.run
 
-    def counted(self, out):
-        logits = run(self, out)
+    def counted(self, out, logits_out=None):
+        logits = run(self, out, logits_out)
         if out.total_num_scheduled_tokens == out.num_reqs:  # decode-only steps
             steps.append((out.num_reqs, logits is not None))
         return logits

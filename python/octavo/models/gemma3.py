@@ -113,8 +113,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed(input_ids) * self.embed_scale
 
-    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden, logits_indices)
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().compute_logits(hidden, logits_indices, out)
         cap = self.final_logit_softcapping
         return torch.tanh(logits / cap) * cap if cap else logits
 

@@ -209,8 +209,10 @@ class LlamaForCausalLM(torch.nn.Module):
         x = embedding(local.masked_fill(outside, 0), self.embed_tokens, self.dtype)
         return all_reduce(x.masked_fill_(outside[:, None], 0))
 
-    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
-        return gather_vocab(linear(hidden[logits_indices], self.lm_head).float(), self.vocab_sizes)
+    def compute_logits(self, hidden: torch.Tensor, logits_indices: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """out: where a quantized LM head may write this rank's logits (ModelRunner.logits_out)."""
+        return gather_vocab(linear(hidden[logits_indices], self.lm_head, out=out).float(), self.vocab_sizes)
 
     # ---- weights ------------------------------------------------------------------------------
 

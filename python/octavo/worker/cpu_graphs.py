@@ -133,7 +133,7 @@ class CpuGraphs:
         self.nbytes += mode.allocated
         return graph, hidden
 
-    def run(self, out) -> torch.Tensor | None:
+    def run(self, out, logits_out: torch.Tensor | None = None) -> torch.Tensor | None:
         """The logits of a decode-only step (one token per request), or None when the step is not
         one a graph was recorded for."""
         n, table = out.num_reqs, out.block_table
@@ -145,7 +145,7 @@ class CpuGraphs:
         self._stage_inputs(out, size)
         graph, hidden = self.graphs[size]
         graph.replay()
-        return self.model.compute_logits(hidden[:n], self.indices[:n])
+        return self.model.compute_logits(hidden[:n], self.indices[:n], logits_out)
 
     def _stage_inputs(self, out, size: int) -> None:
         """The step's n requests into the static buffers, rows n.. size padded. Table entries past

@@ -13,6 +13,7 @@ from ..distributed.parallel_state import recv_from_previous_stage, send_to_next_
 from ..kv_cache import empty_kv_cache
 from ..kv_groups import KVGroups, plan_kv_groups
 from ..layers.attention import AttentionMetadata
+from ..layers.linear import QuantizedWeight
 from .staging import Staging
 
 
@@ -45,6 +46,7 @@ class ModelRunner:
         self.device = model.embed_tokens.device
         self.cuda_graphs = None  # see capture_cuda_graphs
         self.cpu_graphs = None   # see record_cpu_graphs
+        self._logits = None      # see logits_out
         # An EAGLE head reads each step's hidden states (its final rows: ``hidden``; the model's
         # aux_hidden_states), so such steps run eagerly.
         self.keep_hidden, self.hidden = False, None
@@ -94,9 +96,9 @@ class ModelRunner:
         use_device(self.device)
         if len(out.block_copies):
             self.copy_blocks(out.block_copies)
-        graphs = self.cuda_graphs or self.cpu_graphs
-        if graphs is not None and extra_rows is None and not self.keep_hidden:
-            logits = graphs.run(out)
+        n = len(out.logits_indices)
+        if (self.cuda_graphs or self.cpu_graphs) is not None and extra_rows is None and not self.keep_hidden:
+            logits = self.cuda_graphs.run(out) if self.cuda_graphs else self.cpu_graphs.run(out, self.logits_out(n))
             if logits is not None:
                 return logits, None
         indices = out.logits_indices if extra_rows is None else np.concatenate([out.logits_indices, extra_rows])
@@ -106,13 +108,24 @@ class ModelRunner:
             return None, None
         if self.keep_hidden:
             self.hidden = hidden
-        n = len(out.logits_indices)
-        logits = self.model.compute_logits(hidden, indices[:n])
+        logits = self.model.compute_logits(hidden, indices[:n], self.logits_out(n))
         if extra_rows is None:
             return logits, None
         extra = indices[n:]
         return logits, torch.cat([self.model.compute_logits(hidden, extra[i:i + PROMPT_LOGITS_ROWS]).cpu()
                                   for i in range(0, len(extra), PROMPT_LOGITS_ROWS)])
+
+    def logits_out(self, rows: int) -> torch.Tensor | None:
+        """Where a step's logits go on the CPU when the LM head is quantized (its product writes
+        into it): one float32 buffer, grown to the most rows a step has had. A fresh tensor each
+        step (Gemma 3's 64 x 262144 logits are 67 MB) paid a page fault and the OS's zeroing for
+        every page: 26 ms of a 70 ms LM head. The logits are read within the step (sampling)."""
+        head = getattr(self.model, "lm_head", None)
+        if self.device.type != "cpu" or self.model.dtype != torch.float32 or not isinstance(head, QuantizedWeight):
+            return None
+        if self._logits is None or self._logits.shape[0] < rows:
+            self._logits = torch.empty(rows, head.shape[0])
+        return self._logits[:rows]
 
     def inputs(self, out, indices: np.ndarray):
         """A step's arrays on the device: (input_ids, positions, AttentionMetadata, indices)."""
