@@ -271,7 +271,8 @@ void bind_kernels(py::module_& ops) {
         });
       },
       py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
-      "Writes key/value [T, Hkv, D] into the paged caches [num_blocks, Hkv, block_size, D] by slot.");
+      "Writes key/value [T, Hkv, D] into the paged caches [num_blocks, Hkv, block_size, D] by slot. On the CPU "
+      "the caches may hold another float dtype than key/value (a kv_cache_dtype): each value is rounded to it.");
   ops.def(
       "paged_attention",
       [](py::handle out, py::handle query, py::handle key_cache, py::handle value_cache, py::handle query_start_loc,
@@ -289,7 +290,8 @@ void bind_kernels(py::module_& ops) {
       py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("query_start_loc"),
       py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("sliding_window") = 0,
       py::arg("softcap") = 0.0, py::arg("plan") = py::none(), py::arg("num_decodes") = 0,
-      "Causal attention of a mixed prefill/decode batch over the paged KV cache. plan: None, or "
+      "Causal attention of a mixed prefill/decode batch over the paged KV cache (on the CPU of any float dtype, "
+      "read as float32; on CUDA the query's). plan: None, or "
       "plan_paged_attention's result for this batch, on the query's device (used on CUDA, ignored on the CPU). "
       "num_decodes: how many leading sequences have one query token each (CUDA runs them in the decode kernels; "
       "0 says nothing).");
