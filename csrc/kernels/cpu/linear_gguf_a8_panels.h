@@ -272,7 +272,7 @@ void split_panels(const LinearParams& p, const RoundedInputs& r) {
 // Many rows: the threads split the rows, and each one rounds its own chunks and passes every
 // panel over them, so the rounded inputs stay in the core that wrote them. Splitting the panels
 // instead, each thread read the half of the inputs the other had rounded from the other core's
-// cache: at 1024 x 512 inputs, 0.5 ms more per product on two threads, a quarter of its time.
+// cache: Q6_K 960 x 512 at 1024 rows took 2.25 ms that way on two threads, 1.97 ms this way.
 template <WeightFormat F, typename T>
 void split_rows(const LinearParams& p, RoundedInputs& r) {
   layout_inputs(p, r);
