@@ -101,8 +101,10 @@ class LLMEngine:
         per = " per layer group" if info.kv_group_windows else ""
         blocks = _C.max_kv_blocks_per_request(self.max_model_len, info.block_size, info.kv_group_windows,
                                               info.max_step_tokens)
-        print(f"octavo: KV cache of {info.num_blocks} blocks = {tokens} tokens{per} ({gib:.2f} GiB on {info.device}); "
-              f"{(info.num_blocks - 1) / blocks:.1f}x concurrency at {self.max_model_len} tokens per request")
+        cache_dtype = "" if kv_cache_dtype == "auto" else f" {kv_cache_dtype}"
+        print(f"octavo: KV cache of {info.num_blocks} blocks = {tokens} tokens{per} ({gib:.2f} GiB{cache_dtype} on "
+              f"{info.device}); {(info.num_blocks - 1) / blocks:.1f}x concurrency at {self.max_model_len} tokens per "
+              "request")
         self.tokenizer = tokenizer
         self.output_processor = OutputProcessor(tokenizer)
         self._rng = np.random.default_rng(seed)
