@@ -188,16 +188,25 @@ def test_a_16_bit_kv_cache_holds_twice_the_tokens_at_float32s_logprobs(tiny, tin
                kv_cache_dtype=kv_cache_dtype)
     assert half.llm_engine.info.num_blocks >= 2 * llm.llm_engine.info.num_blocks - 1
     assert half.collective_rpc(lambda worker: str(worker.runner.kv_dtype)) == [f"torch.{kv_cache_dtype}"]
-    prompts = [tokenizer.encode(p) for p in ("Hello world", "Straße " * 12)]
-    outs = half.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3),
-                         use_tqdm=False)
-    for ids, out in zip(prompts, outs):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+
+    def check(ids, out):
         tokens = ids + list(out.outputs[0].token_ids)
         with torch.no_grad():
             logp = torch.log_softmax(reference(torch.tensor([tokens])).logits[0].double(), -1)
         for step, entry in enumerate(out.outputs[0].logprobs):
             for token, value in entry.items():
                 assert math.isclose(value.logprob, float(logp[len(ids) - 1 + step, token]), abs_tol=2e-3)
+
+    prompts = [tokenizer.encode(p) for p in ("Hello world", "Straße " * 12)]
+    outs = half.generate(prompts, params, use_tqdm=False)
+    for ids, out in zip(prompts, outs):
+        check(ids, out)
+    # A follow-up reads the first request's 16-bit blocks from the prefix cache.
+    follow_up = prompts[1] + list(outs[1].outputs[0].token_ids[:-1]) + [5, 6]
+    hits = half.llm_engine.scheduler.prefix_cache_stats["hits"]
+    check(follow_up, half.generate([follow_up], params, use_tqdm=False)[0])
+    assert half.llm_engine.scheduler.prefix_cache_stats["hits"] - hits == len(follow_up) - 2  # all but [5, 6]
 
 
 @pytest.mark.parametrize("bad", ["fp8", "int8", "float64", None])
