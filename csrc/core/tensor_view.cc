@@ -15,6 +15,7 @@ const char* dtype_name(DType dtype) {
     case DType::kInt32: return "int32";
     case DType::kInt64: return "int64";
     case DType::kBool: return "bool";
+    case DType::kFloat8E4M3: return "float8_e4m3fn";
   }
   return "unknown";
 }
@@ -29,7 +30,8 @@ size_t dtype_size(DType dtype) {
     case DType::kBFloat16: return 2;
     case DType::kInt8:
     case DType::kUInt8:
-    case DType::kBool: return 1;
+    case DType::kBool:
+    case DType::kFloat8E4M3: return 1;
   }
   return 0;
 }

@@ -263,35 +263,40 @@ void bind_kernels(py::module_& ops) {
           py::arg("weight_format"), "Weights per block in weight_format: 256 for the K-quants, else 32.");
   ops.def(
       "reshape_and_cache",
-      [](py::handle key, py::handle value, py::handle key_cache, py::handle value_cache, py::handle slot_mapping) {
+      [](py::handle key, py::handle value, py::handle key_cache, py::handle value_cache, py::handle slot_mapping,
+         double k_scale, double v_scale) {
         PyTensor k = tensor(key, "key"), v = tensor(value, "value"), kc = tensor(key_cache, "key_cache");
         PyTensor vc = tensor(value_cache, "value_cache"), s = tensor(slot_mapping, "slot_mapping");
         run_op([=] {
-          reshape_and_cache(k.view, v.view, kc.view, vc.view, s.view);
+          reshape_and_cache(k.view, v.view, kc.view, vc.view, s.view, k_scale, v_scale);
         });
       },
       py::arg("key"), py::arg("value"), py::arg("key_cache"), py::arg("value_cache"), py::arg("slot_mapping"),
+      py::kw_only(), py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
       "Writes key/value [T, Hkv, D] into the paged caches [num_blocks, Hkv, block_size, D] by slot. On the CPU "
-      "the caches may hold another float dtype than key/value (a kv_cache_dtype): each value is rounded to it.");
+      "the caches may hold another float dtype than key/value (a kv_cache_dtype): each value is rounded to it. "
+      "float8_e4m3fn caches (CPU and CUDA) hold key / k_scale and value / v_scale, saturated at +-448.");
   ops.def(
       "paged_attention",
       [](py::handle out, py::handle query, py::handle key_cache, py::handle value_cache, py::handle query_start_loc,
          py::handle seq_lens, py::handle block_tables, double scale, int64_t sliding_window, double softcap,
-         py::handle plan, int64_t num_decodes) {
+         py::handle plan, int64_t num_decodes, double k_scale, double v_scale) {
         PyTensor o = tensor(out, "out"), q = tensor(query, "query"), kc = tensor(key_cache, "key_cache");
         PyTensor vc = tensor(value_cache, "value_cache"), qsl = tensor(query_start_loc, "query_start_loc");
         PyTensor sl = tensor(seq_lens, "seq_lens"), bt = tensor(block_tables, "block_tables");
         OptTensor pl(plan, "plan");
         run_op([=] {
           paged_attention(o.view, q.view, kc.view, vc.view, qsl.view, sl.view, bt.view, scale, sliding_window, softcap,
-                          pl.view(), num_decodes);
+                          pl.view(), num_decodes, k_scale, v_scale);
         });
       },
       py::arg("out"), py::arg("query"), py::arg("key_cache"), py::arg("value_cache"), py::arg("query_start_loc"),
       py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("sliding_window") = 0,
-      py::arg("softcap") = 0.0, py::arg("plan") = py::none(), py::arg("num_decodes") = 0,
-      "Causal attention of a mixed prefill/decode batch over the paged KV cache (on the CPU of any float dtype, "
-      "read as float32; on CUDA the query's). plan: None, or "
+      py::arg("softcap") = 0.0, py::arg("plan") = py::none(), py::arg("num_decodes") = 0, py::kw_only(),
+      py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
+      "Causal attention of a mixed prefill/decode batch over the paged KV cache (on the CPU of any float dtype "
+      "or float8_e4m3fn, read as float32; on CUDA the query's). k_scale, v_scale: a float8_e4m3fn cache's "
+      "(reshape_and_cache's); other caches take 1.0. plan: None, or "
       "plan_paged_attention's result for this batch, on the query's device (used on CUDA, ignored on the CPU). "
       "num_decodes: how many leading sequences have one query token each (CUDA runs them in the decode kernels; "
       "0 says nothing).");

@@ -17,6 +17,7 @@ constexpr uint8_t kDLFloat = 2;
 constexpr uint8_t kDLBfloat = 4;
 constexpr uint8_t kDLComplex = 5;
 constexpr uint8_t kDLBool = 6;
+constexpr uint8_t kDLFloat8_e4m3fn = 10;  // DLPack 1.1
 
 struct DLDevice {
   int32_t device_type;  // DLDeviceType (a C enum, int-sized)

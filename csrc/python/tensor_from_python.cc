@@ -34,6 +34,9 @@ bool to_dtype(const dlpack::DLDataType& t, DType* out) {
     case dlpack::kDLBool:
       *out = DType::kBool;
       return t.bits == 8;
+    case dlpack::kDLFloat8_e4m3fn:
+      *out = DType::kFloat8E4M3;
+      return t.bits == 8;
     default:
       return false;
   }
@@ -41,7 +44,7 @@ bool to_dtype(const dlpack::DLDataType& t, DType* out) {
 
 std::string dtype_code_name(const dlpack::DLDataType& t) {
   static const char* names[] = {"int", "uint", "float", "opaque", "bfloat", "complex", "bool"};
-  std::string s = t.code < 7 ? names[t.code] : "code" + std::to_string(t.code);
+  std::string s = t.code < 7 ? names[t.code] : "code" + std::to_string(t.code) + " bits ";
   s += std::to_string(t.bits);
   if (t.lanes != 1) s += "x" + std::to_string(t.lanes);
   return s;
@@ -113,7 +116,7 @@ PyTensor tensor_view_from_python(py::handle obj, const char* arg) {
   OCTAVO_CHECK_TYPE(to_dtype(t.dtype, &v.dtype), "argument '" << arg << "' has unsupported dtype "
                                                               << dtype_code_name(t.dtype)
                                                               << "; Octavo accepts float16/32/64, bfloat16, "
-                                                                 "int8/32/64, uint8 and bool");
+                                                                 "float8_e4m3fn, int8/32/64, uint8 and bool");
   OCTAVO_CHECK(t.ndim >= 0 && t.ndim <= TensorView::kMaxDims,
                "argument '" << arg << "' has " << t.ndim << " dimensions; at most " << TensorView::kMaxDims
                             << " are supported");

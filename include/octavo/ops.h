@@ -45,8 +45,12 @@ void gelu_and_mul(const TensorView& out, const TensorView& input, GeluApproximat
 // Writes the step's new keys and values into the paged cache.
 // key, value: [T, Hkv, D]; key_cache, value_cache: [num_blocks, Hkv, block_size, D] (contiguous);
 // slot_mapping: [T] int32 or int64, block_id * block_size + offset, or -1 to skip the token.
+// The caches may hold another float dtype than key / value (rounded to it; CUDA: on the CPU only)
+// or fp8 (float8_e4m3fn, CPU and CUDA): then they hold key / k_scale and value / v_scale, rounded
+// to the nearest E4M3 value and saturated at +-448 (vLLM's fp8 KV cache). Other caches take scales of 1.
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping);
+                       const TensorView& value_cache, const TensorView& slot_mapping, double k_scale = 1.0,
+                       double v_scale = 1.0);
 
 // Attention over the paged cache for a flat batch mixing prefill chunks and decodes. Sequence b
 // owns query rows [query_start_loc[b], query_start_loc[b+1]); its seq_lens[b] tokens of context
@@ -64,10 +68,12 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 // the decode kernels, which split long contexts over the GPU, and the rest in the prefill
 // kernel. The CPU checks the count; CUDA cannot read the batch on the host, so a wrong count
 // there gives wrong rows (never a read outside the batch).
+// k_scale, v_scale: an fp8 cache's (reshape_and_cache); on the CPU only so far. Other caches take 1.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
                      const TensorView& block_tables, double scale, int64_t sliding_window = 0, double softcap = 0.0,
-                     const TensorView* plan = nullptr, int64_t num_decodes = 0);
+                     const TensorView* plan = nullptr, int64_t num_decodes = 0, double k_scale = 1.0,
+                     double v_scale = 1.0);
 
 // The host half of paged_attention on CUDA, computed once per step from the batch layout the
 // host already has: plan [B + 1] int32 (CPU) gets, for each sequence, the offset of its first

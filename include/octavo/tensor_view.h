@@ -8,7 +8,10 @@
 
 namespace octavo {
 
-enum class DType : uint8_t { kFloat32, kFloat16, kBFloat16, kFloat64, kInt8, kUInt8, kInt32, kInt64, kBool };
+// kFloat8E4M3: torch.float8_e4m3fn (4 exponent bits, 3 mantissa bits, no infinities; only a KV cache holds it).
+enum class DType : uint8_t {
+  kFloat32, kFloat16, kBFloat16, kFloat64, kInt8, kUInt8, kInt32, kInt64, kBool, kFloat8E4M3
+};
 enum class DeviceType : uint8_t { kCPU, kCUDA };
 
 struct Device {

@@ -21,14 +21,17 @@ import torch
 _HUGE_PAGE = 2 << 20
 
 # kv_cache_dtype values (vLLM's names; "float16" as llama.cpp's default cache type) and what they store.
+# "fp8" is vLLM's default fp8 format, E4M3: each layer's cache holds K / k_scale and V / v_scale
+# (Attention.kv_scales: 1.0, or the checkpoint's), rounded to E4M3 and saturated at +-448.
 KV_CACHE_DTYPES = {"auto": None, "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-                   "float32": torch.float32, "float": torch.float32}
+                   "float32": torch.float32, "float": torch.float32, "fp8": torch.float8_e4m3fn,
+                   "fp8_e4m3": torch.float8_e4m3fn}
 
 
 def check_kv_cache_dtype(name) -> torch.dtype | None:
     """kv_cache_dtype ``name``'s dtype (None: "auto"); a ValueError for a name it does not know."""
     if not isinstance(name, str) or name not in KV_CACHE_DTYPES:
-        hint = " (fp8 KV caches are not supported yet)" if str(name).startswith("fp8") else ""
+        hint = " (of the fp8 formats, E4M3 is supported: 'fp8')" if str(name).startswith("fp8") else ""
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
                          f"got {name!r}{hint}")
     return KV_CACHE_DTYPES[name]
@@ -37,9 +40,9 @@ def check_kv_cache_dtype(name) -> torch.dtype | None:
 def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The dtype a KV cache of kv_cache_dtype ``name`` holds for a model of ``model_dtype``.
 
-    On the CPU the cache may hold another float dtype than the model's (the kernels convert K and V
-    as they are written and read: a 16-bit cache halves the bytes decode attention streams). The
-    CUDA kernels read caches of the model's dtype only.
+    On the CPU the cache may hold another float dtype than the model's, or fp8 (the kernels convert K
+    and V as they are written and read: a 16-bit cache halves the bytes decode attention streams,
+    fp8 quarters them). The CUDA attention kernels read caches of the model's dtype only so far.
     """
     dtype = check_kv_cache_dtype(name) or model_dtype
     if device.type != "cpu" and dtype != model_dtype:

@@ -210,6 +210,36 @@ TEST(SimElementwise, ReshapeAndCacheWritesTheSameSlots) {
     }
 }
 
+// An fp8 cache (kv_cache_dtype="fp8") holds value / scale in E4M3: the CUDA kernel writes the
+// bytes the CPU kernel writes, saturated values (|x| / scale past 448) and subnormals included.
+TEST(SimElementwise, ReshapeAndCacheWritesTheSameFp8Bytes) {
+  std::mt19937 gen(13);
+  const int64_t num_blocks = 3, kv_heads = 2, block_size = 16, head_size = 64, tokens = 9;
+  for (DType dtype : sim_test::kFloatDTypes) {
+    SCOPED_TRACE(name(dtype));
+    const Tensor key = sim_test::randn({tokens, kv_heads, head_size}, dtype, gen, 30.0);
+    const Tensor value = sim_test::randn({tokens, kv_heads, head_size}, dtype, gen, 0.01);
+    Tensor slots({tokens}, DType::kInt32);
+    for (int64_t t = 0; t < tokens; ++t) slots.set(t, static_cast<double>(5 * t));
+    const std::vector<int64_t> shape = {num_blocks, kv_heads, block_size, head_size};
+    Tensor cpu_k(shape, DType::kFloat8E4M3), cpu_v(shape, DType::kFloat8E4M3);
+    Tensor gpu_k(shape, DType::kFloat8E4M3), gpu_v(shape, DType::kFloat8E4M3);
+    octavo::reshape_and_cache(key.cpu(), value.cpu(), cpu_k.cpu(), cpu_v.cpu(), slots.cpu(), 0.05, 2.0);
+    octavo::reshape_and_cache(key.cuda(), value.cuda(), gpu_k.cuda(), gpu_v.cuda(), slots.cuda(), 0.05, 2.0);
+    EXPECT_TRUE(gpu_k.same_bytes(cpu_k));
+    EXPECT_TRUE(gpu_v.same_bytes(cpu_v));
+    const auto* k_bytes = static_cast<const uint8_t*>(cpu_k.data());
+    const auto* v_bytes = static_cast<const uint8_t*>(cpu_v.data());
+    int saturated = 0, subnormal = 0;
+    for (int64_t i = 0; i < cpu_k.numel(); ++i) {
+      saturated += (k_bytes[i] & 0x7f) == 0x7e;  // |key| / 0.05 >= 448 (keys: sigma 30)
+      subnormal += v_bytes[i] != 0 && (v_bytes[i] & 0x78) == 0;  // |value| / 2 < 2^-6
+    }
+    EXPECT_GT(saturated, 0);
+    EXPECT_GT(subnormal, 0);
+  }
+}
+
 TEST(SimElementwise, ReshapeAndCacheSkipsSlotsOutsideTheCache) {
   std::mt19937 gen(12);
   const Tensor key = sim_test::randn({2, 1, 8}, DType::kFloat32, gen);

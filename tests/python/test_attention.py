@@ -11,6 +11,13 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 
 
+def fp8(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """x / scale as an fp8 KV cache holds it: E4M3, nearest even, saturated at +-448 (vLLM's)."""
+    x = x.float()
+    # A true division as the kernels' (torch divides by a Python number as a product with its reciprocal).
+    return (x / torch.full_like(x, scale)).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref).norm() / ref.norm()).item()
 
@@ -22,8 +29,9 @@ class Batch:
     in a shuffled order so that block tables are not the identity.
     """
 
-    def __init__(self, seqs, num_heads, num_kv_heads, head_size, block_size, dtype, gen, cache_dtype=None):
-        self.seqs, self.block_size = seqs, block_size
+    def __init__(self, seqs, num_heads, num_kv_heads, head_size, block_size, dtype, gen, cache_dtype=None,
+                 kv_scales=(1.0, 1.0)):
+        self.seqs, self.block_size, self.kv_scales = seqs, block_size, kv_scales
         self.seq_lens = torch.tensor([c + n for c, n in seqs], dtype=torch.int32)
         blocks_per_seq = [math.ceil(int(l) / block_size) for l in self.seq_lens]
         num_blocks = sum(blocks_per_seq) + 3  # spare blocks stay NaN: a stray read would show
@@ -41,7 +49,9 @@ class Batch:
         total = int(self.seq_lens.sum())
         self.keys = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
         self.values = torch.randn(total, num_kv_heads, head_size, generator=gen).to(dtype)
-        _C.ops.reshape_and_cache(self.keys, self.values, self.key_cache, self.value_cache, self.all_slots())
+        k_scale, v_scale = kv_scales
+        _C.ops.reshape_and_cache(self.keys, self.values, self.key_cache, self.value_cache, self.all_slots(),
+                                 k_scale=k_scale, v_scale=v_scale)
         n_q = [n for _, n in seqs]
         self.query_start_loc = torch.tensor([0] + n_q, dtype=torch.int32).cumsum(0).to(torch.int32)
         self.query = torch.randn(sum(n_q), num_heads, head_size, generator=gen).to(dtype)
@@ -57,8 +67,14 @@ class Batch:
         out = torch.empty_like(self.query)
         _C.ops.paged_attention(out, self.query, self.key_cache, self.value_cache, self.query_start_loc,
                                self.seq_lens, self.block_tables, scale, sliding_window, softcap,
-                               num_decodes=num_decodes)
+                               num_decodes=num_decodes, k_scale=self.kv_scales[0], v_scale=self.kv_scales[1])
         return out
+
+    def stored(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """What the cache holds of x, as float64: rounded to its dtype (fp8: x / scale, saturated)."""
+        if self.key_cache.dtype != torch.float8_e4m3fn:
+            return x.to(self.key_cache.dtype).double()
+        return fp8(x, scale).double() * scale
 
     def reference(self, scale, sliding_window=0, softcap=0.0):
         out = torch.zeros(self.query.shape, dtype=torch.float64)
@@ -66,8 +82,8 @@ class Batch:
         start = 0
         for b, (_, n_q) in enumerate(self.seqs):
             length = int(self.seq_lens[b])
-            k = self.keys[start:start + length].to(self.key_cache.dtype).double().repeat_interleave(group, dim=1)
-            v = self.values[start:start + length].to(self.key_cache.dtype).double().repeat_interleave(group, dim=1)
+            k = self.stored(self.keys[start:start + length], self.kv_scales[0]).repeat_interleave(group, dim=1)
+            v = self.stored(self.values[start:start + length], self.kv_scales[1]).repeat_interleave(group, dim=1)
             start += length
             q0, q1 = int(self.query_start_loc[b]), int(self.query_start_loc[b + 1])
             s = torch.einsum("qhd,khd->hqk", self.query[q0:q1].double(), k) * scale
@@ -298,8 +314,12 @@ def test_kv_cache_dtype_names_and_devices():
     assert kv_cache_dtype("bfloat16", torch.bfloat16, cuda) == torch.bfloat16
     with pytest.raises(ValueError, match="on CUDA the KV cache holds the model's dtype"):
         kv_cache_dtype("float16", torch.bfloat16, cuda)
-    with pytest.raises(ValueError, match="fp8 KV caches are not supported yet"):
-        kv_cache_dtype("fp8_e4m3", torch.bfloat16, cpu)
+    assert kv_cache_dtype("fp8", torch.float32, cpu) == torch.float8_e4m3fn
+    assert kv_cache_dtype("fp8_e4m3", torch.bfloat16, cpu) == torch.float8_e4m3fn
+    with pytest.raises(ValueError, match="on CUDA the KV cache holds the model's dtype"):
+        kv_cache_dtype("fp8", torch.bfloat16, cuda)
+    with pytest.raises(ValueError, match="of the fp8 formats, E4M3 is supported"):
+        kv_cache_dtype("fp8_e5m2", torch.bfloat16, cpu)
 
 
 @pytest.mark.parametrize("num_blocks", [3, 400])  # below and above one huge page
@@ -345,3 +365,80 @@ def test_plan_refuses_bad_arguments():
         _C.ops.plan_paged_attention(torch.empty(3, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), 6, 4)
     with pytest.raises(ValueError, match="by at most 16"):  # the CUDA kernels' largest GQA group
         _C.ops.plan_paged_attention(torch.empty(3, dtype=torch.int32), torch.tensor([0, 1, 2], dtype=torch.int32), 64, 2)
+
+
+FP8_SCALES = [(1.0, 1.0), (0.02, 0.3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_size", [64, 80, 128])
+@pytest.mark.parametrize("kv_scales", FP8_SCALES)
+def test_an_fp8_cache_serves_queries(isa, dtype, head_size, kv_scales):
+    """kv_cache_dtype="fp8": queries of each dtype against K / k_scale and V / v_scale stored in E4M3
+    give the attention of the stored K and V times their scales (decodes, prefill chunks, a sliding
+    window, a long decode split over jobs)."""
+    gen = torch.Generator().manual_seed(head_size + int(kv_scales[0] * 100))
+    batch = Batch(MIXED + [(700, 1)], 8, 2, head_size, 16, dtype, gen, torch.float8_e4m3fn, kv_scales)
+    check(batch, dtype, num_decodes=1)
+    check(batch, dtype, sliding_window=20)
+
+
+@pytest.mark.parametrize("kv_scales", FP8_SCALES)
+def test_reshape_and_cache_rounds_into_an_fp8_cache(isa, kv_scales):
+    """Each value / scale rounded to nearest-even E4M3 as torch rounds it, from subnormals (2^-9) to
+    448; past 448 (inf included) saturated to +-448 as vLLM's fp8 cache writes; NaN stays NaN."""
+    k_scale, v_scale = kv_scales
+    key = torch.randn(6, 2, 64, dtype=torch.float64) * torch.logspace(-4, 3, 6, dtype=torch.float64)[:, None, None]
+    key[5, 0] = torch.tensor([float(c) for c in range(64)]) * 2.0**-10  # midpoints of subnormal steps (ties)
+    key[5, 1, :6] = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e6, -449.0, 464.0])
+    key = (key * k_scale).float()
+    value = -key * (v_scale / k_scale)
+    key_cache = torch.zeros(2, 2, 16, 64, dtype=torch.float8_e4m3fn)
+    value_cache = torch.zeros_like(key_cache)
+    slots = [3, 17, 0, 31, 9, 20]
+    _C.ops.reshape_and_cache(key, value, key_cache, value_cache, torch.tensor(slots, dtype=torch.int32),
+                             k_scale=k_scale, v_scale=v_scale)
+    for t, slot in enumerate(slots):
+        for cache, src, scale in ((key_cache, key, k_scale), (value_cache, value, v_scale)):
+            stored = cache[slot // 16, :, slot % 16].view(torch.uint8)
+            want = fp8(src[t], scale)
+            want = torch.where(src[t].isnan(), torch.tensor(float("nan")).to(torch.float8_e4m3fn), want)
+            assert torch.equal(stored.view(torch.float8_e4m3fn).float().nan_to_num(7.0),
+                               want.float().nan_to_num(7.0)), (t, slot)
+    assert key_cache[20 // 16, 1, 20 % 16, :6].float().tolist()[:2] == [448.0, -448.0]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_fp8_code_reads_as_its_value(isa, dtype):
+    """A query that sees one key gets that key's value row times v_scale: here every one of the 256
+    E4M3 codes (subnormals, +-448, NaN) read through the attention kernel's loads."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(4, 1, 1, 64)
+    value_cache = torch.zeros(5, 1, 16, 64, dtype=torch.uint8)
+    value_cache[1:, :, :1] = codes
+    value_cache = value_cache.view(torch.float8_e4m3fn)
+    key_cache = torch.zeros_like(value_cache)
+    query = torch.randn(4, 2, 64).to(dtype)
+    out = torch.empty_like(query)
+    ones = torch.ones(4, dtype=torch.int32)
+    _C.ops.paged_attention(out, query, key_cache, value_cache, torch.arange(5, dtype=torch.int32), ones,
+                           torch.arange(1, 5, dtype=torch.int32)[:, None], 0.125, num_decodes=4, v_scale=0.5)
+    want = (codes.view(torch.float8_e4m3fn).float() * 0.5).view(4, 1, 64).expand(4, 2, 64).to(dtype)
+    torch.testing.assert_close(out, want, rtol=0, atol=0, equal_nan=True)
+
+
+def test_fp8_scales_are_checked():
+    b = Batch([(10, 2)], 4, 2, 64, 16, torch.float32, torch.Generator().manual_seed(5), torch.float8_e4m3fn)
+    out = torch.empty_like(b.query)
+    args = [out, b.query, b.key_cache, b.value_cache, b.query_start_loc, b.seq_lens, b.block_tables, 0.125]
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    for bad in (0.0, -1.0, float("inf"), float("nan"), 1e-50, 1e39):
+        with pytest.raises(ValueError, match="k_scale must be positive and finite"):
+            _C.ops.paged_attention(*args, k_scale=bad)
+        with pytest.raises(ValueError, match="v_scale must be positive and finite"):
+            _C.ops.reshape_and_cache(b.keys[:2], b.values[:2], b.key_cache, b.value_cache, slots, v_scale=bad)
+    plain = Batch([(10, 2)], 4, 2, 64, 16, torch.float32, torch.Generator().manual_seed(5))
+    with pytest.raises(ValueError, match="k_scale and v_scale scale an fp8 cache; a float32 cache takes 1.0"):
+        _C.ops.reshape_and_cache(plain.keys[:2], plain.values[:2], plain.key_cache, plain.value_cache, slots,
+                                 k_scale=2.0)
+    with pytest.raises(TypeError, match="value_cache"):  # fp8 beside a float cache
+        _C.ops.paged_attention(out, b.query, b.key_cache, plain.value_cache, *args[4:])

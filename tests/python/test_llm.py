@@ -209,11 +209,88 @@ def test_a_16_bit_kv_cache_holds_twice_the_tokens_at_float32s_logprobs(tiny, tin
     assert half.llm_engine.scheduler.prefix_cache_stats["hits"] - hits == len(follow_up) - 2  # all but [5, 6]
 
 
-@pytest.mark.parametrize("bad", ["fp8", "int8", "float64", None])
+def fp8_kv_reference(reference, kv_scales):
+    """transformers' model with each layer's K (after RoPE) and V rounded as an fp8 KV cache holds
+    them: x / scale to E4M3, saturated at +-448, times scale (kv_scales: (k, v) per layer)."""
+    from transformers.models.llama import modeling_llama
+
+    def fp8(x, scale):
+        return (x / torch.full_like(x, scale)).clamp(-448, 448).to(torch.float8_e4m3fn).float() * scale
+
+    rope, layer = modeling_llama.apply_rotary_pos_emb, iter([])
+
+    def rounded_rope(q, k, cos, sin, *args, **kwargs):
+        q, k = rope(q, k, cos, sin, *args, **kwargs)
+        return q, fp8(k, kv_scales[next(layer)][0])
+
+    def forward(ids):
+        nonlocal layer
+        layer = iter(range(len(kv_scales)))
+        hooks = [attn.self_attn.v_proj.register_forward_hook(lambda m, args, out, i=i: fp8(out, kv_scales[i][1]))
+                 for i, attn in enumerate(reference.model.layers)]
+        modeling_llama.apply_rotary_pos_emb = rounded_rope
+        try:
+            with torch.no_grad():
+                return reference(ids).logits
+        finally:
+            modeling_llama.apply_rotary_pos_emb = rope
+            for hook in hooks:
+                hook.remove()
+    return forward
+
+
+def with_kv_scales(src, dst, layers, kv_scales):
+    """A copy of checkpoint ``src`` at ``dst`` with per-layer k_scale / v_scale tensors (llm-compressor's names)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(dst / "model.safetensors")
+    for i in range(layers):
+        tensors[f"model.layers.{i}.self_attn.k_scale"] = torch.tensor(kv_scales[i][0])
+        tensors[f"model.layers.{i}.self_attn.v_scale"] = torch.tensor([kv_scales[i][1]])
+    save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("from_checkpoint", [False, True])
+def test_an_fp8_kv_cache_holds_four_times_the_tokens_at_fp8_rounded_logprobs(tiny, tiny_path, tmp_path,
+                                                                          from_checkpoint):
+    """kv_cache_dtype="fp8" (vLLM's, E4M3): the same memory holds four times the blocks of a float32
+    model's cache, and the logprobs are transformers' float32 model's with K and V rounded to fp8 by
+    each layer's scales: 1.0, or the checkpoint's k_scale / v_scale."""
+    llm, reference, tokenizer = tiny
+    layers = len(reference.model.layers)
+    kv_scales = [(0.01 * (i + 1), 0.02 * (i + 2)) for i in range(layers)] if from_checkpoint else [(1.0, 1.0)] * layers
+    path = with_kv_scales(tiny_path, tmp_path / "scaled", layers, kv_scales) if from_checkpoint else tiny_path
+    fp8 = LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, max_model_len=128,
+              kv_cache_dtype="fp8")
+    assert fp8.llm_engine.info.num_blocks >= 4 * llm.llm_engine.info.num_blocks - 3
+    scales = fp8.collective_rpc(lambda worker: [a.kv_scales for a in worker.model.attention_layers()])[0]
+    assert [pytest.approx(s) for s in scales] == kv_scales
+    forward = fp8_kv_reference(reference, kv_scales)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    prompts = [tokenizer.encode(p) for p in ("Hello world", "Straße " * 12)]
+    for ids, out in zip(prompts, fp8.generate(prompts, params, use_tqdm=False)):
+        tokens = ids + list(out.outputs[0].token_ids)
+        logp = torch.log_softmax(forward(torch.tensor([tokens]))[0].double(), -1)
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for token, value in entry.items():  # (without the rounding the reference is ~1e-2 away)
+                assert math.isclose(value.logprob, float(logp[len(ids) - 1 + step, token]), abs_tol=1e-4)
+
+
+def test_a_bad_kv_scale_in_a_checkpoint_is_refused(tiny, tiny_path, tmp_path):
+    layers = len(tiny[1].model.layers)
+    path = with_kv_scales(tiny_path, tmp_path / "bad", layers, [(1.0, -2.0)] * layers)
+    with pytest.raises(ValueError, match=r"'model.layers.0.self_attn.v_scale' must be one positive, finite KV cache "
+                                         r"scale, got -2.0"):
+        LLM(model=str(path), dtype="float32", kv_cache_memory_bytes=8 << 20, kv_cache_dtype="fp8")
+
+
+@pytest.mark.parametrize("bad", ["fp8_e5m2", "int8", "float64", None])
 def test_an_unknown_kv_cache_dtype_is_refused(tiny_path, bad):
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of") as info:
         LLM(model=str(tiny_path), dtype="float32", kv_cache_memory_bytes=8 << 20, kv_cache_dtype=bad)
-    assert ("not supported yet" in str(info.value)) == (bad == "fp8")
+    assert ("E4M3 is supported" in str(info.value)) == (bad == "fp8_e5m2")
 
 
 # Everything in one step; chunked prefill; logits made 5 prompt rows at a time.

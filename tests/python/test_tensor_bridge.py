@@ -32,7 +32,7 @@ def expect_numpy(a: np.ndarray, dtype: str) -> None:
 
 @pytest.mark.parametrize(
     "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.uint8,
-              torch.int32, torch.int64, torch.bool]
+              torch.int32, torch.int64, torch.bool, torch.float8_e4m3fn]
 )
 def test_torch_cpu_dtypes(dtype):
     expect_torch(torch.zeros(3, 5, dtype=dtype), str(dtype).removeprefix("torch."))
@@ -95,7 +95,8 @@ def test_type_name_in_message():
         describe_tensor([1, 2], name="x")
 
 
-@pytest.mark.parametrize("t", [torch.zeros(2, dtype=torch.complex64), np.zeros(2, dtype=np.uint16)])
+@pytest.mark.parametrize("t", [torch.zeros(2, dtype=torch.complex64), np.zeros(2, dtype=np.uint16),
+                               torch.zeros(2, dtype=torch.float8_e5m2)])
 def test_unsupported_dtype_raises_type_error(t):
     with pytest.raises(TypeError, match=r"argument 'w' has unsupported dtype"):
         describe_tensor(t, name="w")

@@ -10,7 +10,8 @@
 // prefill jobs of bfloat16 queries over bfloat16 caches compute S and P V on AMX tiles, 64 keys
 // at a time (attention_amx.h). The caches may hold another float dtype than the query (an engine's
 // kv_cache_dtype: a float32 model over a float16 cache streams half the bytes): K and V are read as
-// float32, so the arithmetic is the query's float32 (or bf16 x bf16 for two bfloat16s).
+// float32, so the arithmetic is the query's float32 (or bf16 x bf16 for two bfloat16s). An fp8
+// cache's scales come in as factors: k_scale of the softmax scale, v_scale of the output.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -512,7 +513,7 @@ void write_output(const PagedAttentionParams& p, const Geometry& g, const Job& j
     const int64_t token = p.query_start_loc[job.seq] + t;
     for (int64_t h = 0; h < g.group; ++h) {
       const int64_t r = (t - job.q_begin) * g.group + h;
-      const VecF inv = VecF::set1(1.0f / l[r]);
+      const VecF inv = VecF::set1(p.v_scale / l[r]);
       Q* dst = out + token * p.out_stride + (job.kv_head * g.group + h) * d;
       for (int64_t c = 0; c < d; c += kW) (VecF::load(acc + r * d + c) * inv).store(dst + c);
     }
@@ -772,7 +773,9 @@ Plan make_plan(const PagedAttentionParams& p, const Geometry& g, int64_t tokens_
 
 // Q: the query's and out's type; T: the caches'.
 template <typename Q, typename T>
-void attention(const PagedAttentionParams& p) {
+void attention(const PagedAttentionParams& params) {
+  PagedAttentionParams p = params;
+  p.scale *= p.k_scale;  // q . (k_scale k) = k_scale (q . k)
   Geometry g{};
   g.group = p.num_heads / p.num_kv_heads;
   g.head_size = p.head_size;
@@ -795,6 +798,7 @@ void attention_on(const PagedAttentionParams& p) {
   switch (p.cache_dtype) {
     case DType::kFloat32: return attention<Q, float>(p);
     case DType::kBFloat16: return attention<Q, bf16>(p);
+    case DType::kFloat8E4M3: return attention<Q, fp8e4m3>(p);
     default: return attention<Q, f16>(p);
   }
 }

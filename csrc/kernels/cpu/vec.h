@@ -17,6 +17,8 @@
 #include <immintrin.h>
 #endif
 
+#include "fp8_e4m3.h"
+
 #ifndef OCTAVO_ISA
 #error "vec.h is for per-ISA kernel sources; the build defines OCTAVO_ISA"
 #endif
@@ -75,6 +77,32 @@ inline bf16 from_float<bf16>(float f) { return to_bf16(f); }
 template <>
 inline f16 from_float<f16>(float f) { return to_f16(f); }
 
+// FP8 E4M3 as raw bits: what an fp8 KV cache holds (kv_cache_dtype="fp8"; fp8_e4m3.h).
+struct fp8e4m3 {
+  uint8_t bits;
+};
+inline float to_float(fp8e4m3 x) { return fp8_e4m3_to_float(x.bits); }
+template <>
+inline fp8e4m3 from_float<fp8e4m3>(float f) { return fp8e4m3{fp8_e4m3_from_float(f)}; }
+
+#if defined(__AVX2__)
+// E4M3 bytes widened to 16-bit lanes -> the float16 bits of 2^-8 times their values: exponent and
+// mantissa move up 7 bits (float16's exponent bias is 8 more than E4M3's, and subnormals line up
+// the same way), the sign to bit 15, and NaN (magnitude 0x7f) to a float16 NaN.
+inline __m256i fp8_half_bits(__m256i b) {
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+  const __m256i nan = _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7c00));
+  const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+  return _mm256_or_si256(_mm256_or_si256(_mm256_slli_epi16(mag, 7), sign), nan);
+}
+inline __m128i fp8_half_bits(__m128i b) {
+  const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
+  const __m128i nan = _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7c00));
+  const __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+  return _mm_or_si128(_mm_or_si128(_mm_slli_epi16(mag, 7), sign), nan);
+}
+#endif
+
 #if defined(__AVX512F__)
 
 struct VecF {
@@ -90,6 +118,10 @@ struct VecF {
   }
   static VecF load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+  }
+  static VecF load(const fp8e4m3* p) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_mul_ps(_mm512_cvtph_ps(fp8_half_bits(b)), _mm512_set1_ps(256.0f))};
   }
   // kWidth signed bytes as floats (quantized weights).
   static VecF load_i8(const int8_t* p) {
@@ -197,6 +229,10 @@ struct VecF {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
   static VecF load(const f16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
+  static VecF load(const fp8e4m3* p) {
+    const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_mul_ps(_mm256_cvtph_ps(fp8_half_bits(b)), _mm256_set1_ps(256.0f))};
+  }
   static VecF load_i8(const int8_t* p) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }

@@ -1,21 +1,30 @@
 // reshape_and_cache: one block per token copies its keys and values into their slot of the
 // paged cache [num_blocks, num_kv_heads, block_size, head_size], in 16-byte packs where the
-// layout allows. A slot of -1, or one outside the cache, is skipped (see cuda_kernels.h).
+// layout allows. A slot of -1, or one outside the cache, is skipped (see cuda_kernels.h). An fp8
+// cache (float8_e4m3fn) takes each value divided by its scale and rounded (fp8_e4m3.h), as the
+// CPU kernel writes it.
 #include "common.cuh"
 #include "cuda_kernels.h"
+#include "fp8_e4m3.h"
 
 namespace octavo::cuda {
 namespace {
 
 constexpr int64_t kMaxThreads = 512;
 
+// Block `token`'s cache slot, or -1 when it writes nothing.
+__device__ __forceinline__ int64_t token_slot(const CacheWriteParams& p, int64_t token) {
+  const int64_t slot = p.slot_dtype == DType::kInt32 ? static_cast<const int32_t*>(p.slot_mapping)[token]
+                                                    : static_cast<const int64_t*>(p.slot_mapping)[token];
+  return slot < p.num_blocks * p.block_size ? slot : -1;
+}
+
 template <typename T, bool kPacked>
 __global__ void cache_write_kernel(CacheWriteParams p) {
   constexpr int kStep = kPacked ? Pack<T>::kSize : 1;
   const int64_t token = blockIdx.x;
-  const int64_t slot = p.slot_dtype == DType::kInt32 ? static_cast<const int32_t*>(p.slot_mapping)[token]
-                                                    : static_cast<const int64_t*>(p.slot_mapping)[token];
-  if (slot < 0 || slot >= p.num_blocks * p.block_size) return;
+  const int64_t slot = token_slot(p, token);
+  if (slot < 0) return;
   const int64_t block = slot / p.block_size, offset = slot % p.block_size;
   const int64_t row = p.num_kv_heads * p.head_size;
   const T* key = static_cast<const T*>(p.key) + token * p.key_stride;
@@ -33,8 +42,31 @@ __global__ void cache_write_kernel(CacheWriteParams p) {
   }
 }
 
+// The same into an fp8 cache, a value per thread and step: a token's row is a few KiB.
+template <typename T>
+__global__ void cache_write_fp8_kernel(CacheWriteParams p) {
+  const int64_t token = blockIdx.x;
+  const int64_t slot = token_slot(p, token);
+  if (slot < 0) return;
+  const int64_t block = slot / p.block_size, offset = slot % p.block_size;
+  const T* key = static_cast<const T*>(p.key) + token * p.key_stride;
+  const T* value = static_cast<const T*>(p.value) + token * p.value_stride;
+  for (int64_t e = threadIdx.x; e < p.num_kv_heads * p.head_size; e += blockDim.x) {
+    const int64_t h = e / p.head_size, d = e % p.head_size;
+    const int64_t at = ((block * p.num_kv_heads + h) * p.block_size + offset) * p.head_size + d;
+    static_cast<uint8_t*>(p.key_cache)[at] = fp8_e4m3_from_float(to_float(key[e]) / p.k_scale);
+    static_cast<uint8_t*>(p.value_cache)[at] = fp8_e4m3_from_float(to_float(value[e]) / p.v_scale);
+  }
+}
+
 template <typename T>
 void launch(const CacheWriteParams& p) {
+  if (p.cache_dtype == DType::kFloat8E4M3) {
+    const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(p.num_kv_heads * p.head_size, 32) * 32));
+    launch_kernel(cache_write_fp8_kernel<T>, p.num_tokens, threads, 0, p);
+    check_launch("reshape_and_cache");
+    return;
+  }
   // A pack must not straddle two heads, whose cache rows are apart: head_size whole packs.
   const bool packed = packs_fit<T>(p.key, p.head_size, p.key_stride) &&
                       packs_fit<T>(p.value, p.head_size, p.value_stride) &&

@@ -44,7 +44,7 @@ void check_batch(const PagedAttentionParams& p) {
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,
                      const TensorView& block_tables, double scale, int64_t sliding_window, double softcap,
-                     const TensorView* plan, int64_t num_decodes) {
+                     const TensorView* plan, int64_t num_decodes, double k_scale, double v_scale) {
   ops::check_float(query, "query");
   check_ndim(query, "query", 3);
   const ops::Rows q = ops::as_rows(query, "query");
@@ -53,9 +53,10 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   check_ndim(out, "out", 3);
   const ops::Rows o = ops::as_rows(out, "out");
   for (int d = 0; d < 3; ++d) check_size(out, "out", d, query.shape[d]);
-  ops::check_kv_cache(key_cache, "key_cache", query, "query");
-  ops::check_kv_cache(value_cache, "value_cache", query, "query");
+  ops::check_kv_cache(key_cache, "key_cache", query, "query", /*cuda_fp8=*/false);
+  ops::check_kv_cache(value_cache, "value_cache", query, "query", /*cuda_fp8=*/false);
   ops::check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
+  ops::check_kv_scales(key_cache, k_scale, v_scale);
   for (int d = 0; d < 4; ++d) check_size(value_cache, "value_cache", d, key_cache.shape[d]);
   check_size(key_cache, "key_cache", 3, query.shape[2]);
   const int64_t num_heads = query.shape[1], num_kv_heads = key_cache.shape[1], head_size = query.shape[2];
@@ -106,6 +107,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   p.softcap = static_cast<float>(softcap);
   p.dtype = query.dtype;
   p.cache_dtype = key_cache.dtype;
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
   p.tile_offsets = plan != nullptr ? plan->data_as<int32_t>() : nullptr;
   p.num_decodes = num_decodes;
   if (ops::runs_on_cuda(query, "query")) {

@@ -21,7 +21,8 @@ void check_slots(const TensorView& slot_mapping, int64_t num_slots) {
 }  // namespace
 
 void reshape_and_cache(const TensorView& key, const TensorView& value, const TensorView& key_cache,
-                       const TensorView& value_cache, const TensorView& slot_mapping) {
+                       const TensorView& value_cache, const TensorView& slot_mapping, double k_scale,
+                       double v_scale) {
   ops::check_float(key, "key");
   check_ndim(key, "key", 3);
   const ops::Rows k = ops::as_rows(key, "key");
@@ -30,9 +31,10 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   check_ndim(value, "value", 3);
   const ops::Rows v = ops::as_rows(value, "value");
   for (int d = 0; d < 3; ++d) check_size(value, "value", d, key.shape[d]);
-  ops::check_kv_cache(key_cache, "key_cache", key, "key");
-  ops::check_kv_cache(value_cache, "value_cache", key, "key");
+  ops::check_kv_cache(key_cache, "key_cache", key, "key", /*cuda_fp8=*/true);
+  ops::check_kv_cache(value_cache, "value_cache", key, "key", /*cuda_fp8=*/true);
   ops::check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
+  ops::check_kv_scales(key_cache, k_scale, v_scale);
   for (int d = 0; d < 4; ++d) check_size(value_cache, "value_cache", d, key_cache.shape[d]);
   check_size(key_cache, "key_cache", 1, key.shape[1]);
   check_size(key_cache, "key_cache", 3, key.shape[2]);
@@ -61,6 +63,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   p.value_stride = v.stride;
   p.dtype = key.dtype;
   p.cache_dtype = key_cache.dtype;
+  p.k_scale = static_cast<float>(k_scale);
+  p.v_scale = static_cast<float>(v_scale);
   p.slot_dtype = slot_mapping.dtype;
   if (ops::runs_on_cuda(key, "key")) cuda::reshape_and_cache(p);
   else cpu_dispatch(reshape_and_cache, p);

@@ -1,6 +1,8 @@
 #include "op_checks.h"
 
+#include <cmath>
 #include <cstdint>
+#include <utility>
 
 #include "cuda/cuda_kernels.h"
 #include "octavo/cuda_info.h"
@@ -119,18 +121,40 @@ void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t siz
   check_contiguous(t, arg);
 }
 
-void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg) {
+void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg,
+                    bool cuda_fp8) {
   check_same_device(cache, arg, ref, ref_arg);
   // The CUDA kernels move cache rows in 16-byte packs.
   OCTAVO_CHECK(!is_cuda(cache) || reinterpret_cast<uintptr_t>(cache.data) % 16 == 0,
                "argument '" << arg << "' must start on a 16-byte boundary on CUDA (a view with an odd offset?)");
   // The CPU kernels convert between the query's dtype and a cache of any float dtype (an engine's
   // kv_cache_dtype); the CUDA ones read caches of the query's.
-  if (is_cuda(cache)) check_same_dtype(cache, arg, ref, ref_arg);
-  else check_float(cache, arg);
+  const bool fp8 = cache.dtype == DType::kFloat8E4M3;
+  if (is_cuda(cache) && !(fp8 && cuda_fp8)) {
+    OCTAVO_CHECK_TYPE(cache.dtype == ref.dtype, "argument '" << arg << "' must have the dtype of '" << ref_arg << "' ("
+                                                             << dtype_name(ref.dtype) << ") on CUDA"
+                                                             << (fp8 ? " (this op reads no fp8 cache there yet)" : "")
+                                                             << ", got " << dtype_name(cache.dtype));
+  } else if (!fp8) {
+    check_float(cache, arg);
+  }
   OCTAVO_CHECK(cache.ndim == 4, "argument '" << arg << "' must be [num_blocks, num_kv_heads, block_size, head_size], got "
                                              << cache.ndim << " dimension(s)");
   check_contiguous(cache, arg);
+}
+
+void check_kv_scales(const TensorView& cache, double k_scale, double v_scale) {
+  if (cache.dtype == DType::kFloat8E4M3) {
+    // The kernels hold scales as float32: a double that rounds to 0 or inf there is refused too.
+    for (const auto& [name, scale] : {std::pair{"k_scale", k_scale}, std::pair{"v_scale", v_scale}}) {
+      const auto f = static_cast<float>(scale);
+      OCTAVO_CHECK(std::isfinite(f) && f > 0, name << " must be positive and finite (as a float32), got " << scale);
+    }
+  } else {
+    OCTAVO_CHECK(k_scale == 1.0 && v_scale == 1.0, "k_scale and v_scale scale an fp8 cache; a "
+                                                       << dtype_name(cache.dtype) << " cache takes 1.0, got "
+                                                       << k_scale << " and " << v_scale);
+  }
 }
 
 }  // namespace octavo::ops

@@ -44,6 +44,9 @@ class Attention(torch.nn.Module):
         self.scale, self.sliding_window = scale, sliding_window
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.kv_group = 0  # the KV group whose block table this layer reads (set with kv_cache)
+        # An fp8 cache's (k_scale, v_scale): it holds K / k_scale and V / v_scale. 1.0 unless the
+        # checkpoint has the layer's (vLLM's default too); other caches ignore them.
+        self.kv_scales = (1.0, 1.0)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H * D], k and v [T, Hkv * D] (row-strided views are fine) -> [T, H * D]."""
@@ -51,11 +54,13 @@ class Attention(torch.nn.Module):
         key_cache, value_cache = self.kv_cache
         if meta.groups is not None:
             meta = meta.groups[self.kv_group]
+        k_scale, v_scale = self.kv_scales if key_cache.dtype == torch.float8_e4m3fn else (1.0, 1.0)
         _C.ops.reshape_and_cache(k.view(tokens, self.num_kv_heads, self.head_size),
                                  v.view(tokens, self.num_kv_heads, self.head_size),
-                                 key_cache, value_cache, meta.slot_mapping)
+                                 key_cache, value_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
         out = torch.empty(tokens, self.num_heads, self.head_size, dtype=q.dtype, device=q.device)
         _C.ops.paged_attention(out, q.view(tokens, self.num_heads, self.head_size), key_cache, value_cache,
                                meta.query_start_loc, meta.seq_lens, meta.block_tables, self.scale,
-                               self.sliding_window, plan=meta.plan, num_decodes=meta.num_decodes)
+                               self.sliding_window, plan=meta.plan, num_decodes=meta.num_decodes,
+                               k_scale=k_scale, v_scale=v_scale)
         return out.view(tokens, self.num_heads * self.head_size)

@@ -10,6 +10,7 @@ built from parts (its attention and its MLP), so an MoE model is a subclass that
 
 from __future__ import annotations
 
+import math
 from typing import Iterable
 
 import torch
@@ -113,6 +114,12 @@ class LlamaDecoderLayer(torch.nn.Module):
         x = self.self_attn(x, positions, rope, meta)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
+
+
+# A layer's fp8 KV cache scales in checkpoints (the names vLLM reads: llm-compressor's k_scale /
+# v_scale, older files' projection output scales, one kv_scale for both) -> which of (k, v) it sets.
+KV_SCALE_NAMES = {"self_attn.k_scale": (0,), "self_attn.v_scale": (1,), "self_attn.kv_scale": (0, 1),
+                  "self_attn.k_proj.output_scale": (0,), "self_attn.v_proj.output_scale": (1,)}
 
 
 class LlamaForCausalLM(torch.nn.Module):
@@ -270,6 +277,8 @@ class LlamaForCausalLM(torch.nn.Module):
         quantized loader has placed already (``place_quantized``) are neither filled nor missing."""
         targets, slices, seen = self.weight_targets(), self.shard_slices(), set()
         for name, tensor in weights:
+            if self.load_kv_scale(name, tensor):
+                continue
             if name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and self.config.tie_word_embeddings):
                 continue  # derived from the config / the same tensor as the embedding
             if name not in targets and self.held_by_another_rank(name):
@@ -293,6 +302,23 @@ class LlamaForCausalLM(torch.nn.Module):
         if missing:
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise ValueError(f"checkpoint lacks tensors {', '.join(missing[:5])}{more}")
+
+    def load_kv_scale(self, name: str, tensor: torch.Tensor) -> bool:
+        """Takes checkpoint tensor ``name`` if it is a layer's fp8 KV cache scale (a scalar, into
+        its Attention's ``kv_scales``); returns whether it was one."""
+        parts = name.split(".", 3)
+        which = KV_SCALE_NAMES.get(parts[3]) if len(parts) == 4 and parts[:2] == ["model", "layers"] else None
+        if which is None:
+            return False
+        if self.held_by_another_rank(name):
+            return True
+        value = float(tensor.float().reshape(-1)[0]) if tensor.numel() == 1 else None
+        if value is None or not (math.isfinite(value) and value > 0):
+            shown = tuple(tensor.shape) if value is None else value
+            raise ValueError(f"checkpoint tensor {name!r} must be one positive, finite KV cache scale, got {shown}")
+        attn = self.layers[int(parts[2]) - self.first_layer].self_attn.attn
+        attn.kv_scales = tuple(value if i in which else old for i, old in enumerate(attn.kv_scales))
+        return True
 
     def held_by_another_rank(self, name: str) -> bool:
         """Whether checkpoint tensor ``name`` (any HF name: weight, bias, a quantized weight's

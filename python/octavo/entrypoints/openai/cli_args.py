@@ -50,9 +50,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=None,
                         help="answer 503 with Retry-After while this many requests are waiting (default: no limit)")
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16"],
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"],
                         help="what the KV cache holds: the model's dtype, or (CPU) bfloat16 / float16, half a float32 "
-                             "model's bytes")
+                             "model's bytes, or fp8 (E4M3, scaled by the checkpoint's k_scale / v_scale or 1), a quarter")
     add_device_argument(parser)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many worker processes (tensor parallel)")
