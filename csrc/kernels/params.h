@@ -57,7 +57,7 @@ struct CacheWriteParams {
   int64_t num_tokens, num_kv_heads, head_size, block_size, num_blocks, key_stride, value_stride;
   DType dtype, slot_dtype;
   DType cache_dtype;          // the caches' (CPU: any float dtype, converted on write; CUDA: dtype or fp8)
-  float k_scale, v_scale;     // an fp8 cache holds key / k_scale and value / v_scale (else both 1)
+  float k_scale = 1.0f, v_scale = 1.0f;  // an fp8 cache holds key / k_scale and value / v_scale
 };
 
 struct PagedAttentionParams {
@@ -74,7 +74,7 @@ struct PagedAttentionParams {
   float scale, softcap;            // softcap 0: off
   DType dtype;                     // the query's and out's
   DType cache_dtype;               // the caches' (CPU: any float dtype; CUDA: dtype or fp8)
-  float k_scale, v_scale;          // an fp8 cache's values are these times what it holds (else both 1)
+  float k_scale = 1.0f, v_scale = 1.0f;  // an fp8 cache's values are these times what it holds
   const int32_t* tile_offsets;     // CUDA only: plan_paged_attention's [num_seqs + 1], or null
   int64_t num_decodes;             // the first num_decodes sequences have one query token each (0: not counted)
 };

@@ -294,8 +294,8 @@ void bind_kernels(py::module_& ops) {
       py::arg("seq_lens"), py::arg("block_tables"), py::arg("scale"), py::arg("sliding_window") = 0,
       py::arg("softcap") = 0.0, py::arg("plan") = py::none(), py::arg("num_decodes") = 0, py::kw_only(),
       py::arg("k_scale") = 1.0, py::arg("v_scale") = 1.0,
-      "Causal attention of a mixed prefill/decode batch over the paged KV cache (on the CPU of any float dtype "
-      "or float8_e4m3fn, read as float32; on CUDA the query's). k_scale, v_scale: a float8_e4m3fn cache's "
+      "Causal attention of a mixed prefill/decode batch over the paged KV cache (on the CPU of any float dtype, "
+      "read as float32; on CUDA the query's; or float8_e4m3fn on both). k_scale, v_scale: a float8_e4m3fn cache's "
       "(reshape_and_cache's); other caches take 1.0. plan: None, or "
       "plan_paged_attention's result for this batch, on the query's device (used on CUDA, ignored on the CPU). "
       "num_decodes: how many leading sequences have one query token each (CUDA runs them in the decode kernels; "

@@ -42,12 +42,12 @@ def kv_cache_dtype(name: str, model_dtype: torch.dtype, device: torch.device) ->
 
     On the CPU the cache may hold another float dtype than the model's, or fp8 (the kernels convert K
     and V as they are written and read: a 16-bit cache halves the bytes decode attention streams,
-    fp8 quarters them). The CUDA attention kernels read caches of the model's dtype only so far.
+    fp8 quarters them). On CUDA it holds the model's dtype or fp8.
     """
     dtype = check_kv_cache_dtype(name) or model_dtype
-    if device.type != "cpu" and dtype != model_dtype:
+    if device.type != "cpu" and dtype not in (model_dtype, torch.float8_e4m3fn):
         raise ValueError(f"kv_cache_dtype={name!r} with a {str(model_dtype).removeprefix('torch.')} model: "
-                         "on CUDA the KV cache holds the model's dtype (use 'auto')")
+                         "on CUDA the KV cache holds the model's dtype or fp8 (use 'auto' or 'fp8')")
     return dtype
 
 

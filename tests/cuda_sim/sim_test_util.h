@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "fp8_e4m3.h"
 #include "octavo/ops.h"
 #include "octavo/status.h"
 #include "octavo/tensor_view.h"
@@ -53,6 +54,7 @@ class Tensor {
       case DType::kFloat16: return __half2float(reinterpret_cast<const __half*>(data())[i]);
       case DType::kInt32: return static_cast<float>(reinterpret_cast<const int32_t*>(data())[i]);
       case DType::kInt64: return static_cast<float>(reinterpret_cast<const int64_t*>(data())[i]);
+      case DType::kFloat8E4M3: return octavo::fp8_e4m3_to_float(reinterpret_cast<const uint8_t*>(data())[i]);
       default: ADD_FAILURE() << "get: unsupported dtype"; return 0;
     }
   }
@@ -63,6 +65,7 @@ class Tensor {
       case DType::kFloat16: as<__half>()[i] = __float2half_rn(static_cast<float>(v)); break;
       case DType::kInt32: as<int32_t>()[i] = static_cast<int32_t>(v); break;
       case DType::kInt64: as<int64_t>()[i] = static_cast<int64_t>(v); break;
+      case DType::kFloat8E4M3: as<uint8_t>()[i] = octavo::fp8_e4m3_from_float(static_cast<float>(v)); break;
       default: ADD_FAILURE() << "set: unsupported dtype";
     }
   }

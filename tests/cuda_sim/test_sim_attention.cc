@@ -29,14 +29,17 @@ const Seqs kDecodes = {{37, 1}, {0, 1}, {64, 1}, {300, 1}, {1, 1}, {129, 1}};
 double tolerance(DType dtype) { return dtype == DType::kFloat32 ? 1e-5 : 1e-2; }
 
 // A paged KV cache holding a random context per sequence and the queries of one step, as
-// test_attention.py's Batch: blocks handed out in a shuffled order, spare blocks NaN.
+// test_attention.py's Batch: blocks handed out in a shuffled order, spare blocks NaN. With `fp8`
+// the cache holds K / k_scale and V / v_scale in E4M3 (kv_cache_dtype="fp8"), and keys / values
+// what it holds, times the scales (powers of two, so the query's dtype holds them exactly).
 struct Batch {
   Seqs seqs;
   int heads, kv_heads, head_size, block_size;
   DType dtype;
+  double k_scale = 1.0, v_scale = 1.0;
   Tensor key_cache, value_cache, keys, values, query, query_start_loc, seq_lens, block_tables;
 
-  Batch(Seqs s, int h, int kvh, int d, int bs, DType dt, std::mt19937& gen)
+  Batch(Seqs s, int h, int kvh, int d, int bs, DType dt, std::mt19937& gen, bool fp8 = false)
       : seqs(std::move(s)), heads(h), kv_heads(kvh), head_size(d), block_size(bs), dtype(dt) {
     const int num_seqs = static_cast<int>(seqs.size());
     std::vector<int> blocks(seqs.size());
@@ -66,12 +69,21 @@ struct Batch {
         slots.as<int64_t>()[t] = int64_t{block_tables.as<int32_t>()[b * width + pos / block_size]} * block_size +
                                  pos % block_size;
     }
-    key_cache = Tensor({num_blocks, kv_heads, block_size, head_size}, dtype);
-    value_cache = Tensor(key_cache.shape(), dtype);
+    const DType cache_dtype = fp8 ? DType::kFloat8E4M3 : dtype;
+    if (fp8) k_scale = 0.25, v_scale = 2.0;
+    key_cache = Tensor({num_blocks, kv_heads, block_size, head_size}, cache_dtype);
+    value_cache = Tensor(key_cache.shape(), cache_dtype);
     for (int64_t i = 0; i < key_cache.numel(); ++i) key_cache.set(i, NAN), value_cache.set(i, NAN);
     keys = sim_test::randn({total, kv_heads, head_size}, dtype, gen);
     values = sim_test::randn({total, kv_heads, head_size}, dtype, gen);
-    octavo::reshape_and_cache(keys.cpu(), values.cpu(), key_cache.cpu(), value_cache.cpu(), slots.cpu());
+    octavo::reshape_and_cache(keys.cpu(), values.cpu(), key_cache.cpu(), value_cache.cpu(), slots.cpu(), k_scale,
+                              v_scale);
+    if (fp8) {
+      for (int64_t i = 0; i < keys.numel(); ++i) {
+        keys.set(i, octavo::fp8_e4m3_to_float(octavo::fp8_e4m3_from_float(keys.get(i) / k_scale)) * k_scale);
+        values.set(i, octavo::fp8_e4m3_to_float(octavo::fp8_e4m3_from_float(values.get(i) / v_scale)) * v_scale);
+      }
+    }
     query = sim_test::randn({tokens, heads, head_size}, dtype, gen);
   }
 
@@ -137,7 +149,7 @@ struct Batch {
     q.strides[0] = row + pad;
     octavo::paged_attention(out.cuda(), q, key_cache.cuda(), value_cache.cuda(), query_start_loc.cuda(),
                             seq_lens.cuda(), block_tables.cuda(), scale, window, softcap, plan ? &plan_view : nullptr,
-                            num_decodes);
+                            num_decodes, k_scale, v_scale);
     return out;
   }
 };
@@ -320,6 +332,26 @@ TEST(SimAttention, SlidingWindowAndSoftcap) {
     for (int64_t i = 0; i < capped.query.numel(); ++i) capped.query.set(i, capped.query.get(i) * 8);
     check(capped, 0, 5.0);  // large scores, so that the cap matters
   }
+}
+
+// An fp8 cache (kv_cache_dtype="fp8") read by the split-KV kernel for every query token, with
+// its scales: decodes and prompt chunks of each query dtype, GQA groups of 1-8 (the tensor-core
+// kernels' groups included), every head size, a window and a cap, long contexts split over SMs.
+TEST(SimAttention, Fp8Cache) {
+  for (DType dtype : sim_test::kFloatDTypes)
+    for (int head_size : {64, 128, 256})
+      for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {16, 2}}) {
+        SCOPED_TRACE(name(dtype) + " head_size " + std::to_string(head_size) + " heads " + std::to_string(heads) +
+                     "/" + std::to_string(kv_heads));
+        std::mt19937 gen(head_size + heads);
+        check(Batch(kMixed, heads, kv_heads, head_size, 16, dtype, gen, /*fp8=*/true));
+        Batch decodes(kDecodes, heads, kv_heads, head_size, 24, dtype, gen, /*fp8=*/true);
+        check(decodes, 50);
+        for (int64_t i = 0; i < decodes.query.numel(); ++i) decodes.query.set(i, decodes.query.get(i) * 8);
+        check(decodes, 0, 5.0);
+      }
+  std::mt19937 gen(9);
+  check(Batch({{3000, 1}, {2047, 1}, {700, 3}}, 32, 8, 128, 16, DType::kBFloat16, gen, /*fp8=*/true), 700);
 }
 
 // Blocks smaller than a tile: a tile's keys span many table entries (64 of block size 1 in the

@@ -312,12 +312,11 @@ def test_kv_cache_dtype_names_and_devices():
     assert kv_cache_dtype("half", torch.float32, cpu) == torch.float16
     assert kv_cache_dtype("bfloat16", torch.float32, cpu) == torch.bfloat16
     assert kv_cache_dtype("bfloat16", torch.bfloat16, cuda) == torch.bfloat16
-    with pytest.raises(ValueError, match="on CUDA the KV cache holds the model's dtype"):
+    with pytest.raises(ValueError, match="on CUDA the KV cache holds the model's dtype or fp8"):
         kv_cache_dtype("float16", torch.bfloat16, cuda)
     assert kv_cache_dtype("fp8", torch.float32, cpu) == torch.float8_e4m3fn
     assert kv_cache_dtype("fp8_e4m3", torch.bfloat16, cpu) == torch.float8_e4m3fn
-    with pytest.raises(ValueError, match="on CUDA the KV cache holds the model's dtype"):
-        kv_cache_dtype("fp8", torch.bfloat16, cuda)
+    assert kv_cache_dtype("fp8", torch.bfloat16, cuda) == torch.float8_e4m3fn
     with pytest.raises(ValueError, match="of the fp8 formats, E4M3 is supported"):
         kv_cache_dtype("fp8_e5m2", torch.bfloat16, cpu)
 

@@ -98,6 +98,32 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
     assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
 
 
+@pytest.mark.cuda
+@needs_cuda_build
+@pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
+def test_an_fp8_kv_cache_gives_fp8_rounded_logprobs_on_the_gpu(enforce_eager, tmp_path):
+    """kv_cache_dtype="fp8" on CUDA (the split-KV kernel reads the cache for prompts and decodes):
+    the logprobs of transformers' float32 model with K and V rounded to fp8 (test_llm.py's
+    reference), a quarter of float32's cache bytes per block."""
+    from test_llm import fp8_kv_reference
+
+    tokenizer, reference = tiny_model_dir(tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=256)
+    reference = reference.cuda()
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cuda", kv_cache_memory_bytes=64 << 20,
+              max_num_seqs=8, enforce_eager=enforce_eager, kv_cache_dtype="fp8")
+    assert llm.collective_rpc(lambda worker: str(worker.runner.kv_dtype)) == ["torch.float8_e4m3fn"]
+    forward = fp8_kv_reference(reference, [(1.0, 1.0)] * len(reference.model.layers))
+    prompts = [tokenizer.encode(t) for t in ("Hello world", "Straße und Meer", "a longer prompt " * 12)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=3)
+    for ids, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        tokens = ids + list(out.outputs[0].token_ids)
+        logp = torch.log_softmax(forward(torch.tensor([tokens], device="cuda"))[0].double(), -1)
+        for step, entry in enumerate(out.outputs[0].logprobs):
+            for token, value in entry.items():
+                assert abs(value.logprob - float(logp[len(ids) - 1 + step, token])) < 1e-3
+    assert llm.llm_engine.scheduler.block_pool.num_used_blocks == 0
+
+
 # What bfloat16 rounding may move a near-tie by, in this model whose logits span about 2.5
 # (standard deviation 0.3; a token drawn at random lies about 1 below the top). The CPU kernels
 # pick transformers' top token at every step of the test below.

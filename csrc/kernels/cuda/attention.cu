@@ -114,8 +114,8 @@ size_t split_workspace_bytes(const PagedAttentionParams& p, int num_splits) {
 }
 
 // The decode kernels (one block per token and KV head, split over the keys when that fills the
-// GPU better), for any batch.
-template <typename T>
+// GPU better), for any batch. C: the cache's element type (T, or fp8e4m3: the split-KV kernel).
+template <typename T, typename C = T>
 void run_decodes(const PagedAttentionParams& p) {
   SplitOutputs splits{nullptr, nullptr, choose_splits(p)};
   if (splits.num_splits > 1) {
@@ -126,10 +126,10 @@ void run_decodes(const PagedAttentionParams& p) {
     splits.max_sum = workspace + p.num_tokens * p.num_heads * splits.num_splits * p.head_size;
   }
   dispatch_head_size(p.head_size, [&](auto d) {
-    if constexpr (!std::is_same_v<T, float>) {  // the tensor-core kernels take 16-bit types only
+    if constexpr (!std::is_same_v<T, float> && std::is_same_v<T, C>) {  // tensor cores: 16-bit caches only
       if (use_grouped_decode<T>(p)) return launch_grouped_decode<T, d()>(p, splits);
     }
-    launch_paged_attention<T, d()>(p, splits);
+    launch_paged_attention<T, d(), C>(p, splits);
   });
   if (splits.num_splits > 1) {
     const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_heads));
@@ -164,8 +164,13 @@ PagedAttentionParams after_leading_decodes(const PagedAttentionParams& p) {
 // leading decodes, when the caller counted them, go to the decode kernels instead, which split
 // a long context over the GPU (in the prefill kernel a decode is one block walking its whole
 // context alone).
+//
+// An fp8 cache is read by the split-KV kernel alone, which takes every query token as a decode
+// of its own (prompt tokens re-read their context, from L2 mostly): correct for any batch, the
+// tensor-core kernels' fp8 forms are still to come.
 template <typename T>
 void run(const PagedAttentionParams& p) {
+  if (p.cache_dtype == DType::kFloat8E4M3) return run_decodes<T, fp8e4m3>(p);
   if (!takes_prefill_kernel<T>(p)) return run_decodes<T>(p);
   if (p.num_decodes == 0) return run_prefill<T>(p);
   run_decodes<T>(leading_decodes(p));

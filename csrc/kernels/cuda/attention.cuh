@@ -47,7 +47,8 @@ __device__ inline bool skip_empty_split(const PagedAttentionParams& p, const Spl
   return true;
 }
 
-template <typename T, int kD>
+// T: the query's and output's type; C: the cache's (T, or fp8e4m3 for an fp8 cache).
+template <typename T, int kD, typename C = T>
 void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& splits);
 
 // Decodes of GQA groups this large or larger (bfloat16 / float16) go to the tensor-core kernel

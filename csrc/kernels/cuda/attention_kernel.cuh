@@ -9,6 +9,11 @@
 // the end. Every thread works through the same number of keys (masked ones included), so all
 // branches around the shuffles and barriers are uniform, and every warp is whole, so the
 // shuffles name all 32 lanes.
+//
+// The cache may hold fp8 (E4M3, kv_cache_dtype="fp8") beside a query of any float type: the
+// kernel's shape follows the cache's type C (its rows move in 16-byte packs), K and V are
+// converted to float as they are read from shared memory, and the cache's scales come in as
+// factors (k_scale of the query's scale, v_scale of the output).
 #pragma once
 
 #include <cfloat>
@@ -21,19 +26,20 @@ namespace attention_detail {
 
 constexpr int kChunk = 4;  // keys scored together before one softmax update
 
-template <typename T, int kD>
+// C: the cache's element type.
+template <typename C, int kD>
 struct DecodeShape {
-  static constexpr int kPack = Pack<T>::kSize;
+  static constexpr int kPack = Pack<C>::kSize;
   static constexpr int kLanes = kD / kPack < 32 ? kD / kPack : 32;  // threads per key row
   static constexpr int kVec = kD / kLanes;                          // elements per thread
-  static constexpr int kTileKeys = kDecodeTileBytes / (kD * static_cast<int>(sizeof(T)));
+  static constexpr int kTileKeys = kDecodeTileBytes / (kD * static_cast<int>(sizeof(C)));
   static constexpr int kTileElements = kTileKeys * kD;
   // K and V, two buffers each, then a flag per key of each buffer.
-  static constexpr size_t kSharedBytes = 4 * sizeof(T) * kTileElements + 2 * sizeof(int) * kTileKeys;
+  static constexpr size_t kTileBytes = 4 * sizeof(C) * kTileElements + 2 * sizeof(int) * kTileKeys;
   // The fold of the slices reuses the tiles' memory: (max, sum) and an accumulator per row.
   static constexpr size_t kFoldBytes = sizeof(float) * (kMaxDecodeThreads / kLanes) * (kD + 2);
+  static constexpr size_t kSharedBytes = kTileBytes > kFoldBytes ? kTileBytes : kFoldBytes;
   static_assert(kVec % kPack == 0 && kTileKeys % kChunk == 0, "whole packs per thread, whole chunks per tile");
-  static_assert(kFoldBytes <= 4 * sizeof(T) * kTileElements, "the slices' fold fits in the tiles' memory");
   static_assert(kSharedBytes <= 48 * 1024, "no opt-in for more shared memory needed");
 };
 
@@ -65,12 +71,12 @@ __device__ __forceinline__ void load_floats(const T* src, float (&dst)[kVec]) {
 }
 
 // Starts copying keys [start, start + kTileKeys) into buffer `buf` (see copy_kv_tile).
-template <typename T, int kD>
-__device__ void load_tile(const DecodeWork& w, int64_t start, int buf, int tid, int threads, T* k_s, T* v_s,
+template <typename C, int kD>
+__device__ void load_tile(const DecodeWork& w, int64_t start, int buf, int tid, int threads, C* k_s, C* v_s,
                           int* ok_s) {
-  using S = DecodeShape<T, kD>;
+  using S = DecodeShape<C, kD>;
   const int64_t at = buf * S::kTileElements;
-  copy_kv_tile<T, kD, S::kTileKeys, kD>(w.kv, start, k_s + at, v_s + at, ok_s + buf * S::kTileKeys, tid, threads);
+  copy_kv_tile<C, kD, S::kTileKeys, kD>(w.kv, start, k_s + at, v_s + at, ok_s + buf * S::kTileKeys, tid, threads);
   copy_async_commit();
 }
 
@@ -83,11 +89,11 @@ struct Running {
 };
 
 // Folds keys [j0, j0 + kChunk) of the tile in k_tile / v_tile into `run`.
-template <typename T, int kD>
-__device__ __forceinline__ void fold_chunk(const PagedAttentionParams& p, const float (&q)[DecodeShape<T, kD>::kVec],
-                                           const T* k_tile, const T* v_tile, const int* ok_tile, int j0, int lane,
-                                           Running<DecodeShape<T, kD>::kVec>& run) {
-  using S = DecodeShape<T, kD>;
+template <typename C, int kD>
+__device__ __forceinline__ void fold_chunk(const PagedAttentionParams& p, const float (&q)[DecodeShape<C, kD>::kVec],
+                                           const C* k_tile, const C* v_tile, const int* ok_tile, int j0, int lane,
+                                           Running<DecodeShape<C, kD>::kVec>& run) {
+  using S = DecodeShape<C, kD>;
   float s[kChunk];
 #pragma unroll
   for (int c = 0; c < kChunk; ++c) {
@@ -155,13 +161,14 @@ __device__ bool fold_slices(Running<kVec>& run, float* fold, int lane, int head,
 // variants (nvcc 13.0, sm_90); with it, 63-85 and no spills. For the usual 128-thread blocks in
 // 16 bits, shared memory (32 KiB of tiles each) still limits the blocks per SM before registers
 // do; float32 at head size 256 (85 registers) fits one block fewer than shared memory allows.
-template <typename T, int kD>
+// T: the query's and output's type; C: the cache's (T, or fp8).
+template <typename T, int kD, typename C>
 __global__ void __launch_bounds__(kMaxDecodeThreads, 1) paged_attention_kernel(PagedAttentionParams p,
                                                                                 SplitOutputs splits) {
-  using S = DecodeShape<T, kD>;
+  using S = DecodeShape<C, kD>;
   unsigned char* const smem = dynamic_shared_memory();
-  T* k_s = reinterpret_cast<T*>(smem);                                 // [2][kTileKeys][kD]
-  T* v_s = k_s + 2 * S::kTileElements;                                 // [2][kTileKeys][kD]
+  C* k_s = reinterpret_cast<C*>(smem);                                 // [2][kTileKeys][kD]
+  C* v_s = k_s + 2 * S::kTileElements;                                 // [2][kTileKeys][kD]
   int* ok_s = reinterpret_cast<int*>(v_s + 2 * S::kTileElements);      // [2][kTileKeys]
 
   const int lane = threadIdx.x, head = threadIdx.y, slice = threadIdx.z;  // head: within the group
@@ -169,7 +176,7 @@ __global__ void __launch_bounds__(kMaxDecodeThreads, 1) paged_attention_kernel(P
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int tid = lane + S::kLanes * (head + heads * slice), threads = S::kLanes * heads * slices;
   const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
-  const DecodeWork w = decode_work<T, kD, S::kTileKeys>(p, token, kv_head, split, splits.num_splits);
+  const DecodeWork w = decode_work<C, kD, S::kTileKeys>(p, token, kv_head, split, splits.num_splits);
   if (skip_empty_split(p, splits, w.k_begin, w.kv.k_end, token, kv_head, split, tid, threads)) return;
   const int64_t q_head = static_cast<int64_t>(kv_head) * group + head;
 
@@ -177,29 +184,31 @@ __global__ void __launch_bounds__(kMaxDecodeThreads, 1) paged_attention_kernel(P
   if (head < group) {
     const T* query = static_cast<const T*>(p.query) + token * p.query_stride + q_head * kD + lane * S::kVec;
 #pragma unroll
-    for (int e = 0; e < S::kVec; ++e) q[e] = to_float(query[e]) * p.scale;
+    for (int e = 0; e < S::kVec; ++e) q[e] = to_float(query[e]) * (p.scale * p.k_scale);
   }
 
   Running<S::kVec> run;
   const int per_slice = S::kTileKeys / slices;
-  if (w.k_begin < w.kv.k_end) load_tile<T, kD>(w, w.k_begin, 0, tid, threads, k_s, v_s, ok_s);
+  if (w.k_begin < w.kv.k_end) load_tile<C, kD>(w, w.k_begin, 0, tid, threads, k_s, v_s, ok_s);
   int buf = 0;
   for (int64_t start = w.k_begin; start < w.kv.k_end; start += S::kTileKeys, buf ^= 1) {
     if (start + S::kTileKeys < w.kv.k_end) {  // the next tile's copy runs while this one is used
-      load_tile<T, kD>(w, start + S::kTileKeys, buf ^ 1, tid, threads, k_s, v_s, ok_s);
+      load_tile<C, kD>(w, start + S::kTileKeys, buf ^ 1, tid, threads, k_s, v_s, ok_s);
       copy_async_wait<1>();
     } else {
       copy_async_wait<0>();
     }
     __syncthreads();  // every thread's copies into `buf` are done
-    const T* k_tile = k_s + buf * S::kTileElements;
-    const T* v_tile = v_s + buf * S::kTileElements;
+    const C* k_tile = k_s + buf * S::kTileElements;
+    const C* v_tile = v_s + buf * S::kTileElements;
     for (int j0 = slice * per_slice; j0 < (slice + 1) * per_slice; j0 += kChunk)
-      fold_chunk<T, kD>(p, q, k_tile, v_tile, ok_s + buf * S::kTileKeys, j0, lane, run);
+      fold_chunk<C, kD>(p, q, k_tile, v_tile, ok_s + buf * S::kTileKeys, j0, lane, run);
     __syncthreads();  // `buf` is refilled by the next iteration's copy
   }
   if (slices > 1 && !fold_slices<kD>(run, reinterpret_cast<float*>(smem), lane, head, slice, heads, slices)) return;
   if (head >= group) return;
+#pragma unroll
+  for (int e = 0; e < S::kVec; ++e) run.acc[e] *= p.v_scale;  // v = v_scale x what the cache holds
 
   if (splits.num_splits == 1) {
     T* out = static_cast<T*>(p.out) + token * p.out_stride + q_head * kD + lane * S::kVec;
@@ -219,9 +228,9 @@ __global__ void __launch_bounds__(kMaxDecodeThreads, 1) paged_attention_kernel(P
 }  // namespace attention_detail
 
 // Slices: as many as bring the block to kDecodeThreads, each with whole chunks of a tile.
-template <typename T, int kD>
+template <typename T, int kD, typename C>
 void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& splits) {
-  using S = attention_detail::DecodeShape<T, kD>;
+  using S = attention_detail::DecodeShape<C, kD>;
   const int heads = attention_detail::padded_heads<S::kLanes>(static_cast<int>(p.num_heads / p.num_kv_heads));
   int slices = 1;
   while (S::kLanes * heads * slices * 2 <= kDecodeThreads && slices * 2 * attention_detail::kChunk <= S::kTileKeys)
@@ -229,13 +238,16 @@ void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& s
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_kv_heads),
                   static_cast<unsigned>(splits.num_splits));
   const dim3 block(S::kLanes, static_cast<unsigned>(heads), static_cast<unsigned>(slices));
-  launch_kernel(attention_detail::paged_attention_kernel<T, kD>, grid, block, S::kSharedBytes, p, splits);
+  launch_kernel(attention_detail::paged_attention_kernel<T, kD, C>, grid, block, S::kSharedBytes, p, splits);
   check_launch("paged_attention");
 }
 
-#define OCTAVO_INSTANTIATE_PAGED_ATTENTION(D)                                                          \
-  template void launch_paged_attention<float, D>(const PagedAttentionParams&, const SplitOutputs&); \
-  template void launch_paged_attention<bf16, D>(const PagedAttentionParams&, const SplitOutputs&);  \
-  template void launch_paged_attention<f16, D>(const PagedAttentionParams&, const SplitOutputs&);
+#define OCTAVO_INSTANTIATE_PAGED_ATTENTION(D)                                                                      \
+  template void launch_paged_attention<float, D, float>(const PagedAttentionParams&, const SplitOutputs&);     \
+  template void launch_paged_attention<bf16, D, bf16>(const PagedAttentionParams&, const SplitOutputs&);       \
+  template void launch_paged_attention<f16, D, f16>(const PagedAttentionParams&, const SplitOutputs&);         \
+  template void launch_paged_attention<float, D, fp8e4m3>(const PagedAttentionParams&, const SplitOutputs&);   \
+  template void launch_paged_attention<bf16, D, fp8e4m3>(const PagedAttentionParams&, const SplitOutputs&);    \
+  template void launch_paged_attention<f16, D, fp8e4m3>(const PagedAttentionParams&, const SplitOutputs&);
 
 }  // namespace octavo::cuda

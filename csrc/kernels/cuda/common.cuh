@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "cuda_kernels.h"  // kMaxDevices, current_device
+#include "fp8_e4m3.h"
 #include "octavo/status.h"
 #include "octavo/tensor_view.h"
 
@@ -91,6 +92,13 @@ using f16 = __half;
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(bf16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_float(f16 x) { return __half2float(x); }
+
+// An fp8 KV cache's element (E4M3, kv_cache_dtype="fp8"): raw bits, a type of its own so that
+// templates tell it apart; fp8_e4m3.h converts as the CPU kernels do.
+struct fp8e4m3 {
+  uint8_t bits;
+};
+__device__ __forceinline__ float to_float(fp8e4m3 x) { return fp8_e4m3_to_float(x.bits); }
 
 // Round to nearest even, as the CPU kernels (and torch) round.
 template <typename T>

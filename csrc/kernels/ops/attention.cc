@@ -53,8 +53,8 @@ void paged_attention(const TensorView& out, const TensorView& query, const Tenso
   check_ndim(out, "out", 3);
   const ops::Rows o = ops::as_rows(out, "out");
   for (int d = 0; d < 3; ++d) check_size(out, "out", d, query.shape[d]);
-  ops::check_kv_cache(key_cache, "key_cache", query, "query", /*cuda_fp8=*/false);
-  ops::check_kv_cache(value_cache, "value_cache", query, "query", /*cuda_fp8=*/false);
+  ops::check_kv_cache(key_cache, "key_cache", query, "query");
+  ops::check_kv_cache(value_cache, "value_cache", query, "query");
   ops::check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   ops::check_kv_scales(key_cache, k_scale, v_scale);
   for (int d = 0; d < 4; ++d) check_size(value_cache, "value_cache", d, key_cache.shape[d]);

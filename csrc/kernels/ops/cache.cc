@@ -31,8 +31,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
   check_ndim(value, "value", 3);
   const ops::Rows v = ops::as_rows(value, "value");
   for (int d = 0; d < 3; ++d) check_size(value, "value", d, key.shape[d]);
-  ops::check_kv_cache(key_cache, "key_cache", key, "key", /*cuda_fp8=*/true);
-  ops::check_kv_cache(value_cache, "value_cache", key, "key", /*cuda_fp8=*/true);
+  ops::check_kv_cache(key_cache, "key_cache", key, "key");
+  ops::check_kv_cache(value_cache, "value_cache", key, "key");
   ops::check_same_dtype(value_cache, "value_cache", key_cache, "key_cache");
   ops::check_kv_scales(key_cache, k_scale, v_scale);
   for (int d = 0; d < 4; ++d) check_size(value_cache, "value_cache", d, key_cache.shape[d]);

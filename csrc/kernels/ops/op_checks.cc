@@ -121,20 +121,19 @@ void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t siz
   check_contiguous(t, arg);
 }
 
-void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg,
-                    bool cuda_fp8) {
+void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg) {
   check_same_device(cache, arg, ref, ref_arg);
   // The CUDA kernels move cache rows in 16-byte packs.
   OCTAVO_CHECK(!is_cuda(cache) || reinterpret_cast<uintptr_t>(cache.data) % 16 == 0,
                "argument '" << arg << "' must start on a 16-byte boundary on CUDA (a view with an odd offset?)");
   // The CPU kernels convert between the query's dtype and a cache of any float dtype (an engine's
-  // kv_cache_dtype); the CUDA ones read caches of the query's.
+  // kv_cache_dtype); the CUDA ones read caches of the query's dtype. Both read fp8 caches.
   const bool fp8 = cache.dtype == DType::kFloat8E4M3;
-  if (is_cuda(cache) && !(fp8 && cuda_fp8)) {
-    OCTAVO_CHECK_TYPE(cache.dtype == ref.dtype, "argument '" << arg << "' must have the dtype of '" << ref_arg << "' ("
-                                                             << dtype_name(ref.dtype) << ") on CUDA"
-                                                             << (fp8 ? " (this op reads no fp8 cache there yet)" : "")
-                                                             << ", got " << dtype_name(cache.dtype));
+  if (is_cuda(cache) && !fp8) {
+    OCTAVO_CHECK_TYPE(cache.dtype == ref.dtype, "argument '" << arg << "' must have the dtype of '" << ref_arg
+                                                             << "' (" << dtype_name(ref.dtype)
+                                                             << ") or be float8_e4m3fn on CUDA, got "
+                                                             << dtype_name(cache.dtype));
   } else if (!fp8) {
     check_float(cache, arg);
   }

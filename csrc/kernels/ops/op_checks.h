@@ -49,10 +49,8 @@ void check_vector(const TensorView& t, const char* arg, DType dtype, int64_t siz
                   const char* ref_arg);
 
 // A paged KV cache [num_blocks, num_kv_heads, block_size, head_size]: contiguous, on the device
-// of ref; on the CPU of any float dtype or fp8 (float8_e4m3fn), on CUDA of ref's dtype or, where
-// `cuda_fp8` (the op's CUDA kernel takes one), fp8.
-void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg,
-                    bool cuda_fp8);
+// of ref; on the CPU of any float dtype or fp8 (float8_e4m3fn), on CUDA of ref's dtype or fp8.
+void check_kv_cache(const TensorView& cache, const char* arg, const TensorView& ref, const char* ref_arg);
 // An fp8 cache's scales (what it holds = value / scale): positive and finite; 1 for other caches.
 void check_kv_scales(const TensorView& cache, double k_scale, double v_scale);
 
