@@ -121,7 +121,8 @@ def paged_batch(batch: int, context: int, heads: int, kv_heads: int, d: int, que
 def decode_attention(dtype, copy_bw: float, quick: bool) -> None:
     """Both decode kernels on each shape: the tensor-core one (what GQA groups of 4 and more get)
     and the split-KV one on CUDA cores, reached through a query whose rows are not 16-byte
-    aligned (the tensor-core kernel reads them in 16-byte packs; the split-KV kernel does not)."""
+    aligned (the tensor-core kernel reads them in 16-byte packs; the split-KV kernel does not);
+    then the split-KV kernel over an fp8 cache (kv_cache_dtype="fp8": half the bytes)."""
     d, heads = 128, 32
     size = torch.empty((), dtype=dtype).element_size()
     for kv_heads in (8, 4):
@@ -131,10 +132,12 @@ def decode_attention(dtype, copy_bw: float, quick: bool) -> None:
                 unaligned = torch.empty(batch, heads * d + 1, dtype=dtype, device="cuda")[:, 1:].view(batch, heads, d)
                 unaligned.copy_(query)
                 nbytes = 2 * batch * context * kv_heads * d * size
-                for kernel, q in (("tensor cores", query), ("split-KV", unaligned)):
+                fp8 = (kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))
+                for kernel, q, caches in (("tensor cores", query, (kc, vc)), ("split-KV", unaligned, (kc, vc)),
+                                          ("fp8 split-KV", query, fp8)):
                     out = torch.empty_like(query)
-                    ms = cuda_ms(lambda: _C.ops.paged_attention(out, q, kc, vc, qsl, lens, tables, d ** -0.5))
-                    bw = nbytes / (ms / 1e3)
+                    ms = cuda_ms(lambda: _C.ops.paged_attention(out, q, *caches, qsl, lens, tables, d ** -0.5))
+                    bw = nbytes * caches[0].element_size() / size / (ms / 1e3)
                     print(f"  decode GQA {heads // kv_heads}:1 batch {batch:3d} context {context:5d} {kernel:>12}: "
                           f"{ms * 1e3:8.1f} us {bw / 1e9:6.0f} GB/s = {bw / copy_bw:.2f} of copy")
 
@@ -152,11 +155,13 @@ def prefill_attention(dtype, matmul_flops: float, quick: bool) -> None:
         q = query.view(batch, length, heads, d).transpose(1, 2)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             sdpa = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=5)
+        kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)  # kv_cache_dtype="fp8": split-KV
+        fp8 = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc8, vc8, qsl, lens, tables, d ** -0.5), repeats=2)
         flops = 4 * batch * heads * d * length * length / 2  # causal: half the score matrix
         ours = flops / (ms / 1e3)
         print(f"  prefill batch {batch} x {length:5d}: octavo {ours / 1e12:6.1f} TFLOP/s "
               f"= {ours / matmul_flops:.2f} of matmul, SDPA flash {flops / (sdpa / 1e3) / 1e12:6.1f} TFLOP/s: "
-              f"{sdpa / ms:.2f}x")
+              f"{sdpa / ms:.2f}x; over an fp8 cache {flops / (fp8 / 1e3) / 1e12:6.1f} TFLOP/s")
 
 
 def random_weight(fmt: str, n: int, k: int, dtype):
@@ -173,6 +178,10 @@ def random_weight(fmt: str, n: int, k: int, dtype):
         return QuantizedWeight(data.view(torch.int8) if fmt == "int8" else data, fmt, k,
                                scales=scales.view(n) if fmt == "int8" else scales, zeros=zeros,
                                group_size=0 if fmt == "int8" else 128)
+    if fmt == "fp8":  # codes of magnitude below 0x78 (no NaN), one scale per row
+        data = torch.randint(0, 0x78, (n, k), dtype=torch.uint8, device="cuda")
+        return QuantizedWeight(data.view(torch.float8_e4m3fn), fmt, k, scales=torch.rand(n, 1, device="cuda") * 0.01,
+                               group_size=k)
     block = _C.ops.weight_block_bytes(fmt)
     data = torch.randint(0, 256, (n, k // 32, block), dtype=torch.uint8, device="cuda")
     halves = 2 if fmt == "q4_1" else 1
@@ -249,7 +258,7 @@ def linear_weights(dtype, copy_bw: float, quick: bool) -> None:
 
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
     x = torch.randn(1, 14336, dtype=dtype, device="cuda")
-    for fmt in ("dense", "int8", "int4", "q8_0", "q4_0", "q4_1"):
+    for fmt in ("dense", "int8", "fp8", "int4", "q8_0", "q4_0", "q4_1"):
         for name, (n, k) in shapes.items():
             w = random_weight(fmt, n, k, dtype)
             args = {} if fmt == "dense" else w.kernel_args()
