@@ -104,22 +104,27 @@ void plan_paged_attention(const TensorView& plan, const TensorView& query_start_
 // More GGUF formats (CPU and CUDA): kQ5_0, kQ5_1 and kIQ4_NL in blocks of 32 weights, and the
 // K-quants kQ3_K, kQ4_K, kQ5_K, kQ6_K in super-blocks of 256 (ggml's block_q5_0 ... block_q6_K):
 // weight uint8 [N, K / block_weights * block_bytes], K a multiple of the block's weights.
+//
+// kFp8: FP8 checkpoints' weights (E4M3), weight float8_e4m3fn [N, K] with float32 scales
+// [N, K / group_size] (w = q * s): group_size K for per-channel and per-tensor scales, 128 for
+// block-wise ones (each scale repeated over its block's rows). Multiplied with the activations'
+// dtype (weight-only), CPU and CUDA.
 enum class WeightFormat : uint8_t {
   kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4, kBf16Tiles, kInt4A8, kInt8A8,
-  kQ5_0, kQ5_1, kIQ4_NL, kQ3_K, kQ4_K, kQ5_K, kQ6_K
+  kQ5_0, kQ5_1, kIQ4_NL, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kFp8
 };
 // "dense", "q8_0", "q4_0", "q4_1", "int8", "int4", "bf16_tiles", "int4_a8", "int8_a8", "q5_0",
-// "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k"
+// "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k", "fp8"
 const char* weight_format_name(WeightFormat format);
 WeightFormat parse_weight_format(const char* name);   // the inverse; throws for an unknown name
 int64_t weight_block_weights(WeightFormat format);    // weights per block: 256 for K-quants, else 32
 int64_t weight_block_bytes(WeightFormat format);      // weight bytes per block; 0 for kDense
 
-// The scale / zero-point tensors of kInt8 and kInt4 weights (null members for other formats).
+// The scale / zero-point tensors of kInt8, kInt4 and kFp8 weights (null members for other formats).
 struct WeightQuant {
-  const TensorView* scales = nullptr;  // float32 (kInt8, kInt8A8: [N]; kInt4, kInt4A8: [N, groups])
+  const TensorView* scales = nullptr;  // float32 (kInt8, kInt8A8: [N]; kInt4, kInt4A8, kFp8: [N, groups])
   const TensorView* zeros = nullptr;   // uint8 (kInt4, kInt4A8)
-  int64_t group_size = 0;              // kInt4, kInt4A8
+  int64_t group_size = 0;              // kInt4, kInt4A8, kFp8
   // GGUF block formats on the CPU: `linear` rounds each input row to int8 per block of 32 inputs
   // (a = rint(x * 127 / m), m the block's largest |x|: llama.cpp's Q8_0 activations) and multiplies
   // integers (cpu/linear_gguf_a8.h); the result is that of x rounded so. dequantize ignores it.

@@ -23,7 +23,7 @@ METHODS = ("ngram", "draft_model", *EAGLE_METHODS)
 MODEL_METHODS = ("draft_model", *EAGLE_METHODS)  # a model drafts, run by the driver worker
 # Methods vLLM knows that Octavo does not run yet: a clear error rather than an unknown name.
 NOT_YET = ("medusa", "mlp_speculator", "mtp", "deepseek_mtp", "suffix")
-QUANTIZATIONS = ("int8", "int4", "q4_1", "w4a8", "w8a8", "gguf_a8")
+QUANTIZATIONS = ("int8", "int4", "q4_1", "w4a8", "w8a8", "fp8", "gguf_a8")
 
 
 @dataclass
@@ -39,7 +39,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int | None = None
     disable_by_batch_size: int | None = None  # no drafts while this many requests or more run
     model: str | None = None  # the draft model's directory (draft_model)
-    quantization: str | None = None  # the draft model's: int8 / int4 / q4_1 / w4a8 / w8a8, rounded at load
+    quantization: str | None = None  # the draft model's: int8 / int4 / q4_1 / w4a8 / w8a8 / fp8, rounded at load
 
     @classmethod
     def from_dict(cls, config: dict | SpeculativeConfig | None) -> SpeculativeConfig | None:

@@ -141,11 +141,12 @@ inline void expect_matches_cpu(const Tensor& gpu, const Tensor& cpu) {
 // Formats in blocks of 32 weights, then GGUF's K-quants (super-blocks of 256).
 inline const WeightFormat kBlocksOf32[] = {WeightFormat::kQ8_0, WeightFormat::kQ4_0,  WeightFormat::kQ4_1,
                                            WeightFormat::kQ5_0, WeightFormat::kQ5_1,  WeightFormat::kIQ4_NL,
-                                           WeightFormat::kInt8, WeightFormat::kInt4};
+                                           WeightFormat::kInt8, WeightFormat::kInt4,  WeightFormat::kFp8};
 inline const WeightFormat kQuantized[] = {WeightFormat::kQ8_0,   WeightFormat::kQ4_0, WeightFormat::kQ4_1,
                                           WeightFormat::kQ5_0,   WeightFormat::kQ5_1, WeightFormat::kIQ4_NL,
                                           WeightFormat::kQ3_K,   WeightFormat::kQ4_K, WeightFormat::kQ5_K,
-                                          WeightFormat::kQ6_K,   WeightFormat::kInt8, WeightFormat::kInt4};
+                                          WeightFormat::kQ6_K,   WeightFormat::kInt8, WeightFormat::kInt4,
+                                          WeightFormat::kFp8};
 
 // k rounded up to whole blocks of format f (test shapes are written for blocks of 32).
 inline int64_t whole_blocks(WeightFormat f, int64_t k) {
@@ -165,13 +166,15 @@ inline std::vector<int> gguf_halves(WeightFormat f) {
     case WeightFormat::kInt8:
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8:
-    case WeightFormat::kInt8A8: return {};
+    case WeightFormat::kInt8A8:
+    case WeightFormat::kFp8: return {};
     default: return {0};
   }
 }
 
 // A quantized weight of n rows standing for k inputs, with random quants and scales: GGUF blocks
-// get float16 scales (and minimums) of either sign written into the bytes.
+// get float16 scales (and minimums) of either sign written into the bytes. fp8 weights take every
+// E4M3 code but NaN (whose payload bits the CPU and CUDA decoders need not agree on).
 struct Weight {
   WeightFormat format;
   Tensor data, scales, zeros;
@@ -179,9 +182,14 @@ struct Weight {
 
   Weight(WeightFormat f, int64_t n, int64_t k, std::mt19937& gen) : format(f) {
     const int64_t block_bytes = octavo::weight_block_bytes(f), blocks = k / octavo::weight_block_weights(f);
-    data = Tensor({n, blocks * block_bytes}, f == WeightFormat::kInt8 ? DType::kInt8 : DType::kUInt8);
+    const bool fp8 = f == WeightFormat::kFp8;
+    data = Tensor({n, blocks * block_bytes}, f == WeightFormat::kInt8 ? DType::kInt8 : fp8 ? DType::kFloat8E4M3
+                                                                                            : DType::kUInt8);
     uint8_t* bytes = data.as<uint8_t>();
-    for (int64_t i = 0; i < data.numel(); ++i) bytes[i] = static_cast<uint8_t>(gen());
+    for (int64_t i = 0; i < data.numel(); ++i) {
+      bytes[i] = static_cast<uint8_t>(gen());
+      if (fp8 && (bytes[i] & 0x7f) == 0x7f) bytes[i] ^= 1;  // NaN -> +-448
+    }
     std::normal_distribution<float> normal(0.0f, 0.05f);
     if (!gguf_halves(f).empty()) {
       for (int64_t b = 0; b < n * blocks; ++b)
@@ -195,10 +203,10 @@ struct Weight {
     } else {
       group_size = k % 64 == 0 ? 64 : 32;
       scales = Tensor({n, k / group_size}, DType::kFloat32);
-      zeros = Tensor({n, k / group_size}, DType::kUInt8);
+      if (!fp8) zeros = Tensor({n, k / group_size}, DType::kUInt8);
       for (int64_t i = 0; i < scales.numel(); ++i) {
-        scales.set(i, std::fabs(normal(gen)) / 4);
-        zeros.as<uint8_t>()[i] = static_cast<uint8_t>(gen() % 16);
+        scales.set(i, std::fabs(normal(gen)) / (fp8 ? 400 : 4));  // fp8 quants reach 448
+        if (!fp8) zeros.as<uint8_t>()[i] = static_cast<uint8_t>(gen() % 16);
       }
     }
   }

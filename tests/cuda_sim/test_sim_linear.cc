@@ -109,7 +109,8 @@ TEST(SimLinear, QuantizedEqualsDenseOnTheDequantizedWeights) {
 // size the kernel splits differently (1, 2 and 4 input rows per CUDA block, and a remainder).
 TEST(SimLinear, RowsDoNotDependOnTheBatch) {
   std::mt19937 gen(35);
-  for (WeightFormat f : {WeightFormat::kQ4_0, WeightFormat::kQ6_K, WeightFormat::kInt4, WeightFormat::kDense})
+  for (WeightFormat f : {WeightFormat::kQ4_0, WeightFormat::kQ6_K, WeightFormat::kInt4, WeightFormat::kFp8,
+                         WeightFormat::kDense})
     for (DType dtype : sim_test::kFloatDTypes) {
       SCOPED_TRACE(name(f, dtype));
       const int64_t n = 10, k = 1536, batch = 11;

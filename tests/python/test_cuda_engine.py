@@ -172,7 +172,7 @@ def dequantized_reference(reference, model):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, needs_cuda_build])])
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_quantized_models_give_the_greedy_tokens_of_their_dequantized_weights(method, device, tmp_path):
     """On the GPU, prompts and decode steps of more than 16 rows (20 requests: a graph of 32) take
     torch's GEMM on dequantized weights, and the last steps of up to 16 rows the CUDA kernel; the

@@ -146,19 +146,19 @@ def test_reshape_and_cache_skips_slots_outside_the_cache():
 
 # ----------------------------------------------------------------------------- linear and dequantize
 
-QUANTIZED = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k", "int8", "int4"]
+QUANTIZED = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k", "int8", "int4", "fp8"]
 
 
 def random_quantized(fmt: str, n: int, k: int):
-    """A QuantizedWeight on the CPU: int8 / int4 from Octavo's quantizer, GGUF blocks as
+    """A QuantizedWeight on the CPU: int8 / int4 / fp8 from Octavo's quantizer, GGUF blocks as
     test_linear_gguf makes them (k rounded up to whole blocks of the format)."""
     from octavo.layers.linear import QuantizedWeight
-    from octavo.layers.quantize import quantize_int4, quantize_int8
+    from octavo.layers.quantize import quantize_fp8, quantize_int4, quantize_int8
     from test_linear_gguf import inputs, quantized
 
-    if fmt in ("int8", "int4"):
+    if fmt in ("int8", "int4", "fp8"):
         w = torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None]
-        return quantize_int8(w) if fmt == "int8" else quantize_int4(w, 64)
+        return {"int8": quantize_int8, "int4": lambda w: quantize_int4(w, 64), "fp8": quantize_fp8}[fmt](w)
     k = inputs(k, fmt)
     return QuantizedWeight(quantized(n, k, fmt), fmt, k)
 
@@ -192,7 +192,7 @@ def test_linear_matches_the_cpu(dtype, fmt, m, n, k, bias):
     assert_matches_cpu(run("cuda"), expected)
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "int4", "int8"])
+@pytest.mark.parametrize("fmt", ["q4_0", "int4", "int8", "fp8"])
 def test_linear_rows_do_not_depend_on_the_batch(fmt):
     weight = random_quantized(fmt, 100, 1536).to("cuda")
     x = torch.randn(11, 1536, device="cuda", dtype=torch.bfloat16)

@@ -127,8 +127,8 @@ def test_bad_quantization_arguments_are_named():
         _C.ops.linear(out, x, torch.zeros(8, 128, dtype=torch.int8), None, weight_format="int8")
     with pytest.raises(ValueError, match="must be int8"):
         _C.ops.linear(out, x, qw.qweight, None, weight_format="int8", scales=torch.ones(8))
-    with pytest.raises(ValueError, match="unsupported quantization method 'fp8'"):
-        quantize_model(torch.nn.Module(), "fp8")
+    with pytest.raises(ValueError, match="unsupported quantization method 'fp6'"):
+        quantize_model(torch.nn.Module(), "fp6")
 
 
 def test_quantize_model_replaces_the_projections():
@@ -147,7 +147,7 @@ def test_quantize_model_replaces_the_projections():
     assert isinstance(model.embed_tokens, torch.nn.Parameter)  # lookups stay float
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "q4_1"])
+@pytest.mark.parametrize("method", ["int8", "int4", "q4_1", "fp8"])
 @pytest.mark.parametrize("dtype,tied", [("float32", True), ("bfloat16", False)])
 def test_quantizing_while_loading_equals_quantizing_the_loaded_model(tmp_path, monkeypatch, method, dtype, tied):
     """load_model(quantization=) quantizes each projection as its parts arrive: the very weights
@@ -190,7 +190,7 @@ def test_quantizing_while_loading_refuses_what_it_cannot_do(tmp_path):
         load_model(tmp_path, device="cuda", quantization="int4")  # refused by load_model itself
 
 
-@pytest.mark.parametrize("method", ["int8", "int4", "q4_1"])
+@pytest.mark.parametrize("method", ["int8", "int4", "q4_1", "fp8"])
 def test_octavo_quantize_writes_a_checkpoint_that_loads_as_it_is(tmp_path, method):
     from octavo import LLM, SamplingParams
     from octavo.entrypoints.cli import main

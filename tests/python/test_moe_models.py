@@ -79,7 +79,7 @@ def test_output_is_the_same_alone_and_in_a_batch(checkpoint):
     assert_batch_invariant(checkpoint[0])
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "fp8"])
 def test_quantized_experts_compute_their_dequantized_floats(checkpoint, method):
     """Load-time quantization covers the experts (not the router); the model then computes what
     the float model computes on the dequantized weights, and quantizing while loading equals

@@ -123,7 +123,7 @@ def test_config_defaults_follow_vllm():
     ({"num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
     ({"num_speculative_tokens": 2, "method": "medusa"}, "'medusa' is not supported by Octavo yet"),
     ({"num_speculative_tokens": 2, "method": "draft_model"}, "needs the draft model's directory"),
-    ({"num_speculative_tokens": 2, "model": "/m", "quantization": "fp8"}, "quantization must be one of"),
+    ({"num_speculative_tokens": 2, "model": "/m", "quantization": "fp6"}, "quantization must be one of"),
     ({"num_speculative_tokens": 2, "model": "/m", "prompt_lookup_max": 3}, "belong to the 'ngram' method"),
     ({"num_speculative_tokens": 2, "method": "ngram", "model": "/m"}, "takes no 'model'"),
     ({"num_speculative_tokens": 2, "method": "lookahead"}, "unknown speculative method 'lookahead'"),

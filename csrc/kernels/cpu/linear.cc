@@ -203,37 +203,58 @@ struct Int8Rows {
   VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return VecF::load_i8(block(r, blk) + j) * sc.a; }
 };
 
-struct Int4Rows {
-  const uint8_t* row[kRows];
+// Float32 scales per row and group of group_size inputs (kInt4, kFp8). A block's group is
+// blk / blocks_per_group as a multiply and a shift instead of a 64-bit division (2-3% of int4
+// decode on the LM head, measured A/B when every block asked for its scale; a group index
+// counted by the callers measured no faster, 2026-11-24). Exact while blk < 2^32 /
+// blocks_per_group^2, which the adapter checks.
+struct GroupScales {
   const float* s[kRows];
-  const uint8_t* z[kRows];
-  int64_t row_bytes, blocks_per_group;
-  // blk / blocks_per_group as a multiply and a shift instead of a 64-bit division (2-3% of int4
-  // decode on the LM head, measured A/B when every block asked for its scale; a group index
-  // counted by the callers measured no faster, 2026-11-24). Exact while blk < 2^32 /
-  // blocks_per_group^2, which the adapter checks.
+  int64_t groups, blocks_per_group;
   uint64_t group_magic;
-  Int4Rows(const LinearParams& p, int64_t n, int nr)
-      : row_bytes(p.in_features / 2),
+  GroupScales(const LinearParams& p, int64_t n, int nr)
+      : groups(p.in_features / p.group_size),
         blocks_per_group(p.group_size / kBlock),
         group_magic(((uint64_t{1} << 32) + static_cast<uint64_t>(blocks_per_group) - 1) /
                     static_cast<uint64_t>(blocks_per_group)) {
-    const int64_t groups = p.in_features / p.group_size;
+    for (int r = 0; r < kRows; ++r) s[r] = p.scales + (n + (r < nr ? r : 0)) * groups;
+  }
+  uint64_t group(int64_t blk) const { return (static_cast<uint64_t>(blk) * group_magic) >> 32; }
+  int64_t blocks_per_scale() const { return blocks_per_group; }
+};
+
+struct Int4Rows : GroupScales {
+  const uint8_t* row[kRows];
+  const uint8_t* z[kRows];
+  int64_t row_bytes;
+  Int4Rows(const LinearParams& p, int64_t n, int nr) : GroupScales(p, n, nr), row_bytes(p.in_features / 2) {
     for (int r = 0; r < kRows; ++r) {
       const int64_t i = n + (r < nr ? r : 0);
       row[r] = static_cast<const uint8_t*>(p.weight) + i * row_bytes;
-      s[r] = p.scales + i * groups;
       z[r] = p.zeros + i * groups;
     }
   }
   const uint8_t* block(int r, int64_t blk) const { return row[r] + blk * (kBlock / 2); }
   BlockScale scale(int r, int64_t blk) const {
-    const uint64_t g = (static_cast<uint64_t>(blk) * group_magic) >> 32;
+    const uint64_t g = group(blk);
     return int4_scale(s[r][g], static_cast<float>(z[r][g]));
   }
-  int64_t blocks_per_scale() const { return blocks_per_group; }
   static constexpr bool kBlockScales = false;
   VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return int4_decode(block(r, blk), j, sc); }
+};
+
+// FP8 (E4M3) weights, w = q * s (kFp8: an FP8 checkpoint's per-tensor, per-channel or
+// block-wise scales).
+struct Fp8Rows : GroupScales {
+  const uint8_t* row[kRows];
+  int64_t row_bytes;
+  Fp8Rows(const LinearParams& p, int64_t n, int nr) : GroupScales(p, n, nr), row_bytes(p.in_features) {
+    for (int r = 0; r < kRows; ++r) row[r] = static_cast<const uint8_t*>(p.weight) + (n + (r < nr ? r : 0)) * row_bytes;
+  }
+  const fp8e4m3* block(int r, int64_t blk) const { return reinterpret_cast<const fp8e4m3*>(row[r] + blk * kBlock); }
+  BlockScale scale(int r, int64_t blk) const { return {VecF::set1(s[r][group(blk)]), VecF::zero()}; }
+  static constexpr bool kBlockScales = false;
+  VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return VecF::load(block(r, blk) + j) * sc.a; }
 };
 
 // kBf16Tiles read a value at a time: the portable path for levels without AMX (weights are packed
@@ -472,6 +493,7 @@ void dispatch_rows(const LinearParams& p, Fn&& fn) {
     case WeightFormat::kInt8A8: return fn(static_cast<Int8Rows*>(nullptr));
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return fn(static_cast<Int4Rows*>(nullptr));
+    case WeightFormat::kFp8: return fn(static_cast<Fp8Rows*>(nullptr));
     case WeightFormat::kBf16Tiles: return fn(static_cast<Bf16TileRows*>(nullptr));
     case WeightFormat::kDense: break;
   }

@@ -163,6 +163,7 @@ void dispatch_quantized(const LinearParams& p, Fn&& fn) {
     case WeightFormat::kInt8A8: return fn(static_cast<Int8Row*>(nullptr));  // int8_a8: dequantize only
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return fn(static_cast<Int4Row*>(nullptr));  // int4_a8: dequantize only
+    case WeightFormat::kFp8: return fn(static_cast<Fp8Row*>(nullptr));
     case WeightFormat::kBf16Tiles: break;  // refused before launch (ops/linear.cc): CPU only
     default: break;                        // dense
   }

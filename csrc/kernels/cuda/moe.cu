@@ -656,6 +656,7 @@ void dispatch_rows(const ExpertStack& w, Fn&& fn) {
     case WeightFormat::kDense: return fn(static_cast<DenseRow<T>*>(nullptr));
     case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
     case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
+    case WeightFormat::kFp8: return fn(static_cast<Fp8Row*>(nullptr));
     default: break;  // int4_a8, int8_a8, bf16_tiles: refused before launch (ops/moe.cc), CPU only
   }
   OCTAVO_CHECK(false, "fused_moe on CUDA: experts in " << weight_format_name(w.format)

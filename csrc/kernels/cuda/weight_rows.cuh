@@ -287,6 +287,28 @@ struct Int4Row {
   }
 };
 
+// fp8: FP8 checkpoints' E4M3 weights, w = q * s per row and group of group_size inputs.
+struct Fp8Row {
+  static constexpr int kAlign = 4;
+  const uint8_t* w;
+  const float* scales;
+  int32_t blocks_per_group;
+  __device__ Fp8Row(const LinearParams& p, int64_t n)
+      : w(static_cast<const uint8_t*>(p.weight) + n * p.in_features),
+        scales(p.scales + n * (p.in_features / p.group_size)),
+        blocks_per_group(static_cast<int32_t>(p.group_size / kBlockWeights)) {}
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const float scale = scales[static_cast<int32_t>(blk) / blocks_per_group];  // 32-bit divide, as Int4Row
+    const uint8_t* b = w + blk * kBlockWeights;
+    const uint32_t lo = load_u32(b + 4 * q), hi = load_u32(b + 16 + 4 * q);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[i] = __fmul_rn(fp8_e4m3_to_float(static_cast<uint8_t>(lo >> (8 * i))), scale);
+      out[4 + i] = __fmul_rn(fp8_e4m3_to_float(static_cast<uint8_t>(hi >> (8 * i))), scale);
+    }
+  }
+};
+
 // Calls fn(static_cast<Row*>(nullptr)) with the row decoder of a GGUF format and returns true;
 // false for the other formats.
 template <typename Fn>

@@ -46,7 +46,8 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
     return n;
   }
   const bool int8 = format == WeightFormat::kInt8 || format == WeightFormat::kInt8A8;
-  const DType stored = int8 ? DType::kInt8 : DType::kUInt8;
+  const bool grouped = format == WeightFormat::kInt4 || format == WeightFormat::kInt4A8 || format == WeightFormat::kFp8;
+  const DType stored = int8 ? DType::kInt8 : format == WeightFormat::kFp8 ? DType::kFloat8E4M3 : DType::kUInt8;
   OCTAVO_CHECK(weight.dtype == stored, "argument 'weight' in format " << weight_format_name(format) << " must be "
                                            << dtype_name(stored) << ", got " << dtype_name(weight.dtype));
   const int64_t block_weights = weight_block_weights(format);
@@ -62,20 +63,23 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
     // int8_a8's products are exact int32 sums of |q| <= 128 times |a| <= 127 (cpu/linear_int8_a8.h).
     OCTAVO_CHECK(format != WeightFormat::kInt8A8 || k <= (int64_t{1} << 17),
                  "weight format int8_a8 takes at most 131072 inputs, got " << k);
-  } else if (format == WeightFormat::kInt4 || format == WeightFormat::kInt4A8) {
+  } else if (grouped) {
     const int64_t g = quant.group_size;
     const char* name = weight_format_name(format);
+    const bool zeros = format != WeightFormat::kFp8;
     OCTAVO_CHECK(g > 0 && g % block_weights == 0 && k % g == 0,
                  "weight format " << name << " needs a group_size that is a multiple of 32 and divides " << k
                                   << ", got " << g);
-    OCTAVO_CHECK(quant.scales != nullptr && quant.zeros != nullptr, "weight format " << name << " needs scales and zeros");
-    // The kernel finds a block's group by multiplying (cpu/linear.cc, Int4Rows): exact below this.
+    OCTAVO_CHECK(quant.scales != nullptr && (quant.zeros != nullptr || !zeros),
+                 "weight format " << name << " needs scales" << (zeros ? " and zeros" : ""));
+    // The kernel finds a block's group by multiplying (cpu/linear.cc, GroupScales): exact below this.
     const int64_t blocks_per_group = g / block_weights;
     OCTAVO_CHECK(k / block_weights < (int64_t{1} << 32) / (blocks_per_group * blocks_per_group),
                  "weight format " << name << ": " << k << " inputs in groups of " << g
                                   << " is more than the kernel indexes");
     for (const auto& [t, name, dtype] : {std::tuple{quant.scales, "scales", DType::kFloat32},
                                          std::tuple{quant.zeros, "zeros", DType::kUInt8}}) {
+      if (t == quant.zeros && !zeros) continue;
       ops::check_same_device(*t, name, ref, ref_arg);
       OCTAVO_CHECK(t->dtype == dtype, "argument '" << name << "' must be " << dtype_name(dtype) << ", got "
                                                     << dtype_name(t->dtype));
@@ -85,7 +89,7 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
       check_size(*t, name, 1, k / g);
     }
     p.scales = static_cast<const float*>(quant.scales->data);
-    p.zeros = static_cast<const uint8_t*>(quant.zeros->data);
+    p.zeros = zeros ? static_cast<const uint8_t*>(quant.zeros->data) : nullptr;
     p.group_size = g;
   }
   return n;
@@ -111,16 +115,17 @@ const char* weight_format_name(WeightFormat format) {
     case WeightFormat::kQ4_K: return "q4_k";
     case WeightFormat::kQ5_K: return "q5_k";
     case WeightFormat::kQ6_K: return "q6_k";
+    case WeightFormat::kFp8: return "fp8";
   }
   return "?";
 }
 
 WeightFormat parse_weight_format(const char* name) {
-  for (int i = 0; i <= static_cast<int>(WeightFormat::kQ6_K); ++i)
+  for (int i = 0; i <= static_cast<int>(WeightFormat::kFp8); ++i)
     if (std::strcmp(name, weight_format_name(static_cast<WeightFormat>(i))) == 0) return static_cast<WeightFormat>(i);
   OCTAVO_CHECK(false, "unknown weight format '" << name << "' (expected dense, q8_0, q4_0, q4_1, q5_0, q5_1, "
-                                                << "iq4_nl, q3_k, q4_k, q5_k, q6_k, int8, int4, int4_a8, int8_a8 "
-                                                << "or bf16_tiles)");
+                                                << "iq4_nl, q3_k, q4_k, q5_k, q6_k, int8, int4, int4_a8, int8_a8, "
+                                                << "fp8 or bf16_tiles)");
   return WeightFormat::kDense;
 }
 
@@ -140,7 +145,8 @@ int64_t weight_block_bytes(WeightFormat format) {
     case WeightFormat::kQ4_0: return 2 + 16;      // float16 scale, 32 nibbles
     case WeightFormat::kQ4_1: return 2 + 2 + 16;  // float16 scale and minimum, 32 nibbles
     case WeightFormat::kInt8:
-    case WeightFormat::kInt8A8: return 32;        // scales kept apart
+    case WeightFormat::kInt8A8:
+    case WeightFormat::kFp8: return 32;           // scales kept apart
     case WeightFormat::kInt4:
     case WeightFormat::kInt4A8: return 16;        // scales and zero points kept apart
     case WeightFormat::kBf16Tiles: return 64;     // 32 bfloat16, reordered

@@ -94,7 +94,7 @@ def acceptance(before, after) -> dict:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="Hugging Face model directory (default: the default model)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--quantization", default=None, choices=["int8", "int4", "q4_1", "w4a8", "w8a8", "gguf_a8"],
+    p.add_argument("--quantization", default=None, choices=["int8", "int4", "q4_1", "w4a8", "w8a8", "fp8", "gguf_a8"],
                    help="quantize the projections at load time (round to nearest)")
     add_device_argument(p)
     p.add_argument("--dummy-shape", default=None, choices=list(SHAPES),

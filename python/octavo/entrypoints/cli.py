@@ -106,7 +106,7 @@ def add_quantize(subparsers) -> None:
                               "the LM head in int8) and write a checkpoint that LLM(DST) loads as it is.")
     p.add_argument("src", help="the float checkpoint directory")
     p.add_argument("dst", help="the directory to create (must not exist or be empty)")
-    p.add_argument("--method", "-q", required=True, choices=["int8", "int4", "q4_1", "w4a8", "w8a8"])
+    p.add_argument("--method", "-q", required=True, choices=["int8", "int4", "q4_1", "w4a8", "w8a8", "fp8"])
     p.set_defaults(func=_quantize)
 
 

@@ -18,6 +18,9 @@
   one scale for the whole row (dynamic per token) and multiplies integers, one scaling per output
   (vLLM's W8A8 int8, as compressed-tensors checkpoints hold it: loader/compressed_tensors.py). On
   AMX int8 tiles that is the fastest prefill of any format here. CPU only.
+- "fp8": E4M3 weights (format "fp8") with one float32 scale per output row: q = w / s rounded
+  to the nearest E4M3 value, s = max |w| / 448, the format FP8 checkpoints hold (loader/fp8.py
+  reads theirs as they are). Weight-only: the activations stay in the model's dtype; CPU and CUDA.
 
 - "gguf_a8": no weights change; a GGUF file's quantized weights (its blocks, as loaded) are
   multiplied by inputs rounded to int8 per block of 32 (llama.cpp's Q8_0 activations, as llama.cpp
@@ -38,7 +41,7 @@ import torch
 
 from .linear import QuantizedWeight
 
-METHODS = ("int8", "int4", "q4_1", "w4a8", "w8a8")
+METHODS = ("int8", "int4", "q4_1", "w4a8", "w8a8", "fp8")
 GGUF_A8 = "gguf_a8"  # not a weight format: int8 inputs for the blocks a GGUF file holds
 GGUF_FORMATS = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q3_k", "q4_k", "q5_k", "q6_k")
 INT4_FORMATS = ("int4", "int4_a8")  # the same stored weights
@@ -51,6 +54,20 @@ def quantize_int8(w: torch.Tensor, weight_format: str = "int8") -> QuantizedWeig
     scales[scales == 0] = 1.0  # an all-zero row: any scale gives q = 0
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return QuantizedWeight(q, weight_format, w.shape[1], scales=scales)
+
+
+FP8_MAX = 448.0  # E4M3's largest finite value
+
+
+def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
+    """E4M3 weights with one float32 scale per output row (per channel: vLLM's quantization="fp8"
+    takes one per tensor, which a row's scale can only match or beat): q = w / s rounded to the
+    nearest E4M3 value, s = the row's largest |w| / 448."""
+    w = w.float()
+    scales = w.abs().amax(dim=1) / FP8_MAX
+    scales[scales == 0] = 1.0  # an all-zero row: any scale gives q = 0
+    q = (w / scales[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(q, "fp8", w.shape[1], scales=scales[:, None], group_size=w.shape[1])
 
 
 def int4_group_size(in_features: int, wanted: int = 128) -> int:
@@ -107,6 +124,8 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
         return quantize_int4(w, weight_format="int4_a8")
     if method == "w8a8":
         return quantize_int8(w, weight_format="int8_a8")
+    if method == "fp8":
+        return quantize_fp8(w)
     raise ValueError(f"unsupported quantization method {method!r} (supported: {', '.join(METHODS)})")
 
 
@@ -121,6 +140,12 @@ def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight |
         return QuantizedWeight(w.qweight[:, begin // 2:end // 2], w.weight_format, end - begin,
                                scales=w.scales[:, begin // g:end // g], zeros=w.zeros[:, begin // g:end // g],
                                group_size=g)
+    if w.weight_format == "fp8" and begin % 32 == 0 and end % 32 == 0:
+        if w.scales.shape[1] == 1:  # one scale per row: any cut keeps it
+            return QuantizedWeight(w.qweight[:, begin:end], "fp8", end - begin, scales=w.scales, group_size=end - begin)
+        if begin % g == 0 and end % g == 0:
+            return QuantizedWeight(w.qweight[:, begin:end], "fp8", end - begin, scales=w.scales[:, begin // g:end // g],
+                                   group_size=g)
     if w.weight_format == "q4_1" and begin % 32 == 0 and end % 32 == 0:  # the one GGUF format saved here
         return QuantizedWeight(w.qweight[:, begin // 32 * 20:end // 32 * 20], "q4_1", end - begin)
     return None
@@ -288,7 +313,7 @@ def quantized_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], di
 # The tensors a saved quantized weight has, by format.
 _SAVED_PARTS = {"int8": ("qweight", "scales"), "int8_a8": ("qweight", "scales"),
                 "int4": ("qweight", "scales", "zeros"), "int4_a8": ("qweight", "scales", "zeros"),
-                "q4_1": ("qweight",)}
+                "q4_1": ("qweight",), "fp8": ("qweight", "scales")}
 
 
 def _whole_name(model: torch.nn.Module, local: str) -> str:

@@ -15,6 +15,8 @@ from ..layers.quantize import QUANT_METHOD, load_quantized_state, load_quantizin
 from ..models import model_class
 from .compressed_tensors import METHOD as COMPRESSED_TENSORS
 from .compressed_tensors import load_compressed_tensors
+from .fp8 import METHOD as FP8
+from .fp8 import load_fp8
 from .gptq_awq import METHODS as GPTQ_AWQ
 from .gptq_awq import load_gptq_awq
 
@@ -28,8 +30,8 @@ def reject_foreign_quantization(config: ModelConfig) -> None:
     method = quant_method(config)
     if method is not None:
         raise ValueError(f"quantization method {method!r} of this checkpoint is not supported "
-                         f"(Octavo reads {', '.join(GPTQ_AWQ)}, {COMPRESSED_TENSORS} int8 (W8A8, W8A16) and "
-                         f"{QUANT_METHOD!r} from `octavo quantize`)")
+                         f"(Octavo reads {', '.join(GPTQ_AWQ)}, {FP8}, {COMPRESSED_TENSORS} int8 (W8A8, W8A16) "
+                         f"and {QUANT_METHOD!r} from `octavo quantize`)")
 
 
 def _files(path: Path) -> list[Path]:
@@ -71,7 +73,7 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     memory. Models whose projections end up quantized are built in CPU memory and moved: there,
     float parameters that quantized weights replace before they are filled take no pages (on a
     GPU they would take their full size). GPTQ / AWQ and compressed-tensors int8 checkpoints keep
-    their integers (gptq_awq.py, compressed_tensors.py). ``tp_rank`` of ``tp_size``: build and
+    their integers, FP8 checkpoints their E4M3 weights (gptq_awq.py, compressed_tensors.py, fp8.py). ``tp_rank`` of ``tp_size``: build and
     fill only that tensor-parallel rank's part (distributed/shards.py), reading each checkpoint tensor's slice; ``pp_rank`` of
     ``pp_size``: only that pipeline stage's layers. ``expert_parallel``: mixture-of-experts
     layers hold whole experts of the tensor-parallel rank instead of a cut of every expert.
@@ -89,8 +91,8 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
         model = load_gguf_model(path, dtype, tp_rank, tp_size, pp_rank, pp_size, expert_parallel)
         return _quantized_after(model.to(device), quantization)
     config = ModelConfig.from_pretrained(path)
-    if quantization is not None and quant_method(config) == COMPRESSED_TENSORS:
-        raise ValueError(f"quantization={quantization!r} needs float weights, but {path} is a {COMPRESSED_TENSORS} "
+    if quantization is not None and quant_method(config) in (COMPRESSED_TENSORS, FP8):
+        raise ValueError(f"quantization={quantization!r} needs float weights, but {path} is a {quant_method(config)} "
                          f"checkpoint whose weights are quantized already: load it without quantization")
     if dtype == "auto":
         dtype = config.torch_dtype
@@ -113,6 +115,9 @@ def load_model(path: str | Path, dtype: torch.dtype | str = "auto", load_format:
     elif load_format == "safetensors" and quant_method(config) == COMPRESSED_TENSORS:
         tensors = {name: t for name, t in iter_safetensors(path) if not model.held_by_another_rank(name)}
         load_compressed_tensors(model, tensors, config.hf["quantization_config"])
+    elif load_format == "safetensors" and quant_method(config) == FP8:
+        tensors = {name: t for name, t in iter_safetensors(path) if not model.held_by_another_rank(name)}
+        load_fp8(model, tensors, config.hf["quantization_config"])
     elif load_format == "safetensors":
         reject_foreign_quantization(config)
         if quantization is not None:

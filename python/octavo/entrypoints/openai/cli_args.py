@@ -41,7 +41,7 @@ def add_arguments(parser) -> None:
                              "(default: the model argument)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--quantization", "-q", default=None,
-                        choices=["int8", "int4", "q4_1", "w4a8", "w8a8", "gguf_a8"],
+                        choices=["int8", "int4", "q4_1", "w4a8", "w8a8", "fp8", "gguf_a8"],
                         help="quantize the projections at load time (round to nearest; LM head in int8); gguf_a8: "
                              "int8 inputs for a GGUF file's blocks")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -53,7 +53,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto",
                         choices=["auto", "bfloat16", "float16", "fp8", "fp8_e4m3"],
                         help="what the KV cache holds: the model's dtype, or (CPU) bfloat16 / float16, half a float32 "
-                             "model's bytes, or fp8 (E4M3, scaled by the checkpoint's k_scale / v_scale or 1), a quarter")
+                             "model's bytes, or fp8 (E4M3, scaled by the checkpoint's k_scale / v_scale or 1), a "
+                             "quarter")
     add_device_argument(parser)
     parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                         help="split the model over this many worker processes (tensor parallel)")
