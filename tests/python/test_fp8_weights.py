@@ -77,11 +77,12 @@ def test_bad_fp8_arguments_are_named():
 
 # ---- FP8 checkpoints -------------------------------------------------------------------------
 
-def fp8_checkpoint(src, dst, scheme: str):
+def fp8_checkpoint(src, dst, scheme: str, method: str = "fp8"):
     """A copy of checkpoint ``src`` with its decoder projections in FP8, as vLLM's FP8 checkpoints
     hold them: "tensor" (one weight_scale each, and a static input_scale), "channel" (a scale per
-    output row) or "block" (weight_scale_inv per block of 32 x 64, DeepSeek-V3's layout). Returns
-    {projection name: the weight it stands for}."""
+    output row) or "block" (weight_scale_inv per block of 32 x 64, DeepSeek-V3's layout); with
+    ``method`` "compressed-tensors", as llm-compressor's FP8 (tensor) and FP8_DYNAMIC (channel)
+    schemes write them. Returns {projection name: the weight it stands for}."""
     from safetensors.torch import load_file, save_file
 
     shutil.copytree(src, dst)
@@ -107,17 +108,31 @@ def fp8_checkpoint(src, dst, scheme: str):
     config = json.loads((dst / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if scheme == "tensor"
                                      else "dynamic", **({"weight_block_size": [32, 64]} if scheme == "block" else {})}
+    if method == "compressed-tensors":
+        static = scheme == "tensor"
+        group = {"targets": ["Linear"],
+                 "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": scheme, "dynamic": False},
+                 "input_activations": {"num_bits": 8, "type": "float", "symmetric": True,
+                                       "strategy": "tensor" if static else "token", "dynamic": not static}}
+        config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                         "config_groups": {"group_0": group}, "ignore": ["lm_head"]}
     (dst / "config.json").write_text(json.dumps(config))
     return stands_for
 
 
-@pytest.mark.parametrize("scheme", ["tensor", "channel", "block"])
-def test_an_fp8_checkpoint_runs_on_its_e4m3_weights(tiny_path, tmp_path, scheme):
+@pytest.mark.parametrize("method,scheme", [("fp8", "tensor"), ("fp8", "channel"), ("fp8", "block"),
+                                           ("compressed-tensors", "tensor"), ("compressed-tensors", "channel")])
+def test_an_fp8_checkpoint_runs_on_its_e4m3_weights(tiny_path, tmp_path, method, scheme):
     """Every projection stays E4M3 (fused QKV and gate_up of parts with their own scales), and
     generation gives the tokens and logprobs of transformers' model on the dequantized weights."""
     import transformers
 
-    stands_for = fp8_checkpoint(tiny_path, tmp_path / "fp8", scheme)
+    stands_for = fp8_checkpoint(tiny_path, tmp_path / "fp8", scheme, method)
+    if method == "compressed-tensors":  # fp8 activations are not int8 ones: the checkpoint may run on a GPU
+        from octavo.loader.compressed_tensors import quantizes_activations
+
+        config = json.loads((tmp_path / "fp8" / "config.json").read_text())
+        assert not quantizes_activations(config["quantization_config"])
     llm = LLM(model=str(tmp_path / "fp8"), dtype="float32", kv_cache_memory_bytes=8 << 20)
     formats = llm.apply_model(lambda m: {name: (t.weight_format, t.group_size) for name, (t, _, _)
                                          in m.weight_targets().items() if isinstance(t, QuantizedWeight)})[0]

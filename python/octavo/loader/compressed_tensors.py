@@ -1,5 +1,6 @@
-"""compressed-tensors int8 checkpoints (llm-compressor's W8A8 and W8A16, the "...-quantized.w8a8"
-models vLLM runs), read into Octavo's int8 formats without dequantizing.
+"""compressed-tensors int8 and fp8 checkpoints (llm-compressor's W8A8 and W8A16, the
+"...-quantized.w8a8" models vLLM runs, and its FP8 / FP8_DYNAMIC schemes, the "...-FP8-dynamic"
+ones), read into Octavo's int8 and fp8 formats without dequantizing.
 
 The layout, as the compressed-tensors library writes it and vLLM reads it:
 - config.json ``quantization_config`` (older llm-compressor versions: ``compression_config``, which
@@ -23,12 +24,15 @@ The layout, as the compressed-tensors library writes it and vLLM reads it:
   rounds each activation row to int8 at run time: format "int8_a8" here, which does the same
   (CPU only for now). Weights-only int8 (no ``input_activations``, W8A16) is format "int8", which
   multiplies float activations.
+- FP8 ("float" 8-bit weights, float8_e4m3fn [N, K], per channel or per tensor; activations
+  "float" dynamic per token or static per tensor with an ``input_scale``) is format "fp8" here,
+  weight-only: the activations stay the model's dtype, so the ``input_scale`` is not used.
 
-Refused with a message naming the field: other compressors ("pack-quantized" int4, fp8, sparse,
-marlin), weights that are not 8-bit symmetric integers per channel or per tensor (asymmetric,
-group, block, 4-bit, float), activations that are not dynamic per-token symmetric int8 (static
-``input_scale``, per-tensor, asymmetric), output activations, KV cache schemes, sparse formats (a
-``sparsity_config`` of format "dense" is no sparsity) and transforms.
+Refused with a message naming the field: other compressors ("pack-quantized" int4, sparse,
+marlin), weights that are not 8-bit symmetric integers or floats per channel or per tensor
+(asymmetric, group, block, 4-bit), int8 activations that are not dynamic per-token symmetric
+(static ``input_scale``, per-tensor, asymmetric), output activations, KV cache schemes, sparse
+formats (a ``sparsity_config`` of format "dense" is no sparsity) and transforms.
 
 Sources: compressed-tensors' config/base.py (the formats), quantization/quant_args.py (the args and
 their defaults), quantization/lifecycle/initialize.py (scale shapes and dtype),
@@ -49,7 +53,7 @@ from ..layers.linear import QuantizedWeight
 from ..layers.quantize import place_quantized
 
 METHOD = "compressed-tensors"
-FORMATS = ("int-quantized", "naive-quantized")
+FORMATS = ("int-quantized", "naive-quantized", "float-quantized")
 _NOT_READ = ("kv_cache_scheme", "transform_config")
 
 
@@ -61,17 +65,22 @@ def _strategy(args: dict) -> str:
     return "tensor" if size is None else "channel" if size == -1 else "group"
 
 
-def _check_int8(where: str, args: dict, strategies: tuple[str, ...], dynamic: bool) -> None:
-    """One quantization args entry: 8-bit symmetric integers with one of ``strategies``."""
+def _is_float(args: dict) -> bool:
+    return str(args.get("type", "int")).lower() == "float"
+
+
+def _check_int8(where: str, args: dict, strategies: tuple[str, ...], dynamic: bool, types=("int",)) -> None:
+    """One quantization args entry: 8-bit symmetric numbers of ``types`` with one of ``strategies``."""
     if args.get("num_bits", 8) != 8:
         raise ValueError(f"compressed-tensors {where}.num_bits is {args.get('num_bits')}: Octavo reads 8-bit "
-                         f"integers only")
-    if str(args.get("type", "int")).lower() != "int":
-        raise ValueError(f"compressed-tensors {where}.type is {args.get('type')!r}: Octavo reads 'int' only")
+                         f"numbers only")
+    if str(args.get("type", "int")).lower() not in types:
+        raise ValueError(f"compressed-tensors {where}.type is {args.get('type')!r}: Octavo reads "
+                         f"{' or '.join(map(repr, types))}")
     if not args.get("symmetric", True):
         raise ValueError(f"compressed-tensors {where}.symmetric is false: asymmetric (zero-point) quantization "
                          f"is not supported, only symmetric")
-    if args.get("dynamic", False) is not dynamic:
+    if dynamic is not None and args.get("dynamic", False) is not dynamic:
         raise ValueError(f"compressed-tensors {where}.dynamic is {args.get('dynamic', False)!r}: "
                          + ("static activation scales (input_scale) are not supported; Octavo rounds each "
                             "activation row with its own scale at run time (dynamic: true)" if dynamic else
@@ -83,11 +92,12 @@ def _check_int8(where: str, args: dict, strategies: tuple[str, ...], dynamic: bo
 
 def check_config(quant: dict) -> None:
     """ValueError naming the field, for anything but int8 weights per channel or per tensor with
-    dynamic per-token int8 activations (W8A8) or float ones (W8A16)."""
+    dynamic per-token int8 activations (W8A8) or float ones (W8A16), or fp8 weights per channel or
+    per tensor with fp8 activations of any scheme or none (multiplied as floats)."""
     fmt = quant.get("format")
     if fmt not in FORMATS:
         raise ValueError(f"compressed-tensors format {fmt!r} is not supported (Octavo reads "
-                         f"{' and '.join(map(repr, FORMATS))}: int8 weights)")
+                         f"{' and '.join(map(repr, FORMATS))}: int8 and fp8 weights)")
     sparsity = quant.get("sparsity_config") or {}
     if sparsity.get("format", "dense") != "dense":
         raise ValueError(f"compressed-tensors sparsity_config format {sparsity.get('format')!r} is not supported "
@@ -106,8 +116,11 @@ def check_config(quant: dict) -> None:
         if not group.get("weights"):
             raise ValueError(f"compressed-tensors {where} has no weights: activation-only quantization is not "
                              f"supported")
-        _check_int8(f"{where}.weights", group["weights"], ("channel", "tensor"), dynamic=False)
-        if group.get("input_activations"):
+        _check_int8(f"{where}.weights", group["weights"], ("channel", "tensor"), dynamic=False, types=("int", "float"))
+        if group.get("input_activations") and _is_float(group["weights"]):  # not used: weight-only fp8
+            _check_int8(f"{where}.input_activations", group["input_activations"], ("token", "tensor"), dynamic=None,
+                        types=("float",))
+        elif group.get("input_activations"):
             _check_int8(f"{where}.input_activations", group["input_activations"], ("token",), dynamic=True)
         if group.get("output_activations"):
             raise ValueError(f"compressed-tensors {where}.output_activations is not supported")
@@ -115,7 +128,8 @@ def check_config(quant: dict) -> None:
 
 def quantizes_activations(quant: dict) -> bool:
     """Whether a compressed-tensors config rounds activations to int8 (W8A8) anywhere."""
-    return any(g.get("input_activations") for g in (quant.get("config_groups") or {}).values())
+    return any(g.get("input_activations") and not _is_float(g.get("weights") or {})
+               for g in (quant.get("config_groups") or {}).values())
 
 
 def _matches(name: str, target: str) -> bool:
@@ -123,20 +137,23 @@ def _matches(name: str, target: str) -> bool:
 
 
 def weight_format(layer: str, groups: dict) -> str:
-    """"int8_a8" or "int8": the format of quantized layer ``layer`` (an HF module name) by the
-    config group whose targets name it, else the first that targets its class (Linear)."""
+    """"int8_a8", "int8" or "fp8": the format of quantized layer ``layer`` (an HF module name) by
+    the config group whose targets name it, else the first that targets its class (Linear)."""
     by_name = [g for g in groups.values() if any(_matches(layer, t) for t in g.get("targets", ()))]
     by_class = [g for g in groups.values() if any(str(t).lower() == "linear" for t in g.get("targets", ()))]
     found = (by_name + by_class)[:1]
     if not found:
         raise ValueError(f"the checkpoint quantizes {layer}, which no compressed-tensors config_groups target "
                          f"names")
+    if _is_float(found[0].get("weights") or {}):
+        return "fp8"
     return "int8_a8" if found[0].get("input_activations") else "int8"
 
 
 @dataclass
 class Int8Rows:
-    """A quantized Linear's integers q int8 [N, K] and per-row float32 scales [N], w = q * scale."""
+    """A quantized Linear's q [N, K] (int8, or float8_e4m3fn for "fp8") and per-row float32 scales
+    [N], w = q * scale."""
 
     q: torch.Tensor
     scales: torch.Tensor
@@ -157,9 +174,11 @@ class Int8Rows:
 
 def read_layer(layer: str, tensors: dict[str, torch.Tensor], fmt: str) -> Int8Rows:
     q, scale = tensors[f"{layer}.weight"], tensors[f"{layer}.weight_scale"]
-    if q.dtype != torch.int8 or q.dim() != 2:
-        raise ValueError(f"{layer}.weight is {q.dtype} {list(q.shape)} beside its weight_scale, expected int8 "
-                         f"[N, K] (checkpoints whose quantized weights are stored as floats are not supported)")
+    dtype = torch.float8_e4m3fn if fmt == "fp8" else torch.int8
+    if q.dtype != dtype or q.dim() != 2:
+        raise ValueError(f"{layer}.weight is {q.dtype} {list(q.shape)} beside its weight_scale, expected "
+                         f"{str(dtype).removeprefix('torch.')} [N, K] as its config group says (checkpoints whose "
+                         f"quantized weights are stored in another dtype are not supported)")
     n = q.shape[0]
     if scale.numel() == 1:
         scales = scale.float().reshape(1).expand(n)
@@ -181,7 +200,10 @@ def quantized_weight(parts: list[Int8Rows]) -> QuantizedWeight | None:
     if k % 32 or any(p.weight_format != parts[0].weight_format for p in parts):
         return None
     q = torch.cat([p.q for p in parts]) if len(parts) > 1 else parts[0].q
-    return QuantizedWeight(q, parts[0].weight_format, k, scales=torch.cat([p.scales for p in parts]))
+    scales = torch.cat([p.scales for p in parts])
+    if parts[0].weight_format == "fp8":  # one group of the whole row
+        return QuantizedWeight(q, "fp8", k, scales=scales[:, None], group_size=k)
+    return QuantizedWeight(q, parts[0].weight_format, k, scales=scales)
 
 
 def load_compressed_tensors(model, tensors: dict[str, torch.Tensor], quant: dict) -> None:
@@ -205,9 +227,12 @@ def load_compressed_tensors(model, tensors: dict[str, torch.Tensor], quant: dict
             if part is not None:
                 parts[weight] = part
         elif name.endswith((".input_scale", ".input_zero_point")):
-            raise ValueError(f"the checkpoint has {name}: static activation scales are not supported")
-        elif tensor.dtype == torch.int8 and f"{name}_scale" not in tensors:
-            raise ValueError(f"the checkpoint has int8 {name} but no {name}_scale")
+            layer = name.rsplit(".", 1)[0]
+            if weight_format(layer, groups) != "fp8":  # fp8's activations stay floats: not used
+                raise ValueError(f"the checkpoint has {name}: static activation scales are not supported")
+        elif tensor.dtype in (torch.int8, torch.float8_e4m3fn) and f"{name}_scale" not in tensors:
+            raise ValueError(f"the checkpoint has {str(tensor.dtype).removeprefix('torch.')} {name} but no "
+                             f"{name}_scale")
         elif not (name.endswith(".weight_zero_point") or f"{name}_scale" in tensors):
             floats.append((name, tensor))
     shapes = {name: tuple(p.q.shape) for name, p in parts.items()}
