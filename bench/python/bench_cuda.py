@@ -122,7 +122,7 @@ def decode_attention(dtype, copy_bw: float, quick: bool) -> None:
     """Both decode kernels on each shape: the tensor-core one (what GQA groups of 4 and more get)
     and the split-KV one on CUDA cores, reached through a query whose rows are not 16-byte
     aligned (the tensor-core kernel reads them in 16-byte packs; the split-KV kernel does not);
-    then the split-KV kernel over an fp8 cache (kv_cache_dtype="fp8": half the bytes)."""
+    then the tensor-core one over an fp8 cache (kv_cache_dtype="fp8": half the bytes)."""
     d, heads = 128, 32
     size = torch.empty((), dtype=dtype).element_size()
     for kv_heads in (8, 4):
@@ -134,7 +134,7 @@ def decode_attention(dtype, copy_bw: float, quick: bool) -> None:
                 nbytes = 2 * batch * context * kv_heads * d * size
                 fp8 = (kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn))
                 for kernel, q, caches in (("tensor cores", query, (kc, vc)), ("split-KV", unaligned, (kc, vc)),
-                                          ("fp8 split-KV", query, fp8)):
+                                          ("fp8 cache", query, fp8)):
                     out = torch.empty_like(query)
                     ms = cuda_ms(lambda: _C.ops.paged_attention(out, q, *caches, qsl, lens, tables, d ** -0.5))
                     bw = nbytes * caches[0].element_size() / size / (ms / 1e3)
@@ -155,7 +155,7 @@ def prefill_attention(dtype, matmul_flops: float, quick: bool) -> None:
         q = query.view(batch, length, heads, d).transpose(1, 2)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             sdpa = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=5)
-        kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)  # kv_cache_dtype="fp8": split-KV
+        kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)  # kv_cache_dtype="fp8": decode kernels
         fp8 = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc8, vc8, qsl, lens, tables, d ** -0.5), repeats=2)
         flops = 4 * batch * heads * d * length * length / 2  # causal: half the score matrix
         ours = flops / (ms / 1e3)

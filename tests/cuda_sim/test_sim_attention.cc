@@ -334,12 +334,13 @@ TEST(SimAttention, SlidingWindowAndSoftcap) {
   }
 }
 
-// An fp8 cache (kv_cache_dtype="fp8") read by the split-KV kernel for every query token, with
-// its scales: decodes and prompt chunks of each query dtype, GQA groups of 1-8 (the tensor-core
-// kernels' groups included), every head size, a window and a cap, long contexts split over SMs.
+// An fp8 cache (kv_cache_dtype="fp8") read by the decode kernels for every query token, with its
+// scales: decodes and prompt chunks of each query dtype, GQA groups of 1 (split-KV) and 4, 8 (the
+// grouped decode kernel for 16-bit queries, float32 ones split-KV), every head size, a window and
+// a cap (every head size in bfloat16, 128 in the others); then long contexts split over the SMs.
 TEST(SimAttention, Fp8Cache) {
   for (DType dtype : sim_test::kFloatDTypes)
-    for (int head_size : {64, 128, 256})
+    for (int head_size : dtype == DType::kBFloat16 ? std::vector<int>{64, 128, 256} : std::vector<int>{128})
       for (auto [heads, kv_heads] : std::vector<std::pair<int, int>>{{4, 4}, {8, 2}, {16, 2}}) {
         SCOPED_TRACE(name(dtype) + " head_size " + std::to_string(head_size) + " heads " + std::to_string(heads) +
                      "/" + std::to_string(kv_heads));
@@ -350,8 +351,14 @@ TEST(SimAttention, Fp8Cache) {
         for (int64_t i = 0; i < decodes.query.numel(); ++i) decodes.query.set(i, decodes.query.get(i) * 8);
         check(decodes, 0, 5.0);
       }
-  std::mt19937 gen(9);
-  check(Batch({{3000, 1}, {2047, 1}, {700, 3}}, 32, 8, 128, 16, DType::kBFloat16, gen, /*fp8=*/true), 700);
+}
+
+TEST(SimAttention, Fp8CacheLongContexts) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    SCOPED_TRACE(name(dtype));
+    std::mt19937 gen(9);
+    check(Batch({{3000, 1}, {2047, 1}, {700, 3}}, 32, 8, 128, 16, dtype, gen, /*fp8=*/true), 700);
+  }
 }
 
 // Blocks smaller than a tile: a tile's keys span many table entries (64 of block size 1 in the

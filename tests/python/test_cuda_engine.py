@@ -102,9 +102,9 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
 @needs_cuda_build
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_an_fp8_kv_cache_gives_fp8_rounded_logprobs_on_the_gpu(enforce_eager, tmp_path):
-    """kv_cache_dtype="fp8" on CUDA (the split-KV kernel reads the cache for prompts and decodes):
-    the logprobs of transformers' float32 model with K and V rounded to fp8 (test_llm.py's
-    reference), a quarter of float32's cache bytes per block."""
+    """kv_cache_dtype="fp8" on CUDA (float32 queries: the split-KV kernel reads the cache for
+    prompts and decodes; test_cuda_attention.py runs the grouped decode kernel's fp8 form): the
+    logprobs of transformers' float32 model with K and V rounded to fp8 (test_llm.py's reference)."""
     from test_llm import fp8_kv_reference
 
     tokenizer, reference = tiny_model_dir(tmp_path, num_attention_heads=8, num_key_value_heads=2, hidden_size=256)

@@ -114,7 +114,7 @@ size_t split_workspace_bytes(const PagedAttentionParams& p, int num_splits) {
 }
 
 // The decode kernels (one block per token and KV head, split over the keys when that fills the
-// GPU better), for any batch. C: the cache's element type (T, or fp8e4m3: the split-KV kernel).
+// GPU better), for any batch. C: the cache's element type (T, or fp8e4m3).
 template <typename T, typename C = T>
 void run_decodes(const PagedAttentionParams& p) {
   SplitOutputs splits{nullptr, nullptr, choose_splits(p)};
@@ -126,8 +126,8 @@ void run_decodes(const PagedAttentionParams& p) {
     splits.max_sum = workspace + p.num_tokens * p.num_heads * splits.num_splits * p.head_size;
   }
   dispatch_head_size(p.head_size, [&](auto d) {
-    if constexpr (!std::is_same_v<T, float> && std::is_same_v<T, C>) {  // tensor cores: 16-bit caches only
-      if (use_grouped_decode<T>(p)) return launch_grouped_decode<T, d()>(p, splits);
+    if constexpr (!std::is_same_v<T, float>) {  // the tensor-core kernels take 16-bit queries only
+      if (use_grouped_decode<T>(p)) return launch_grouped_decode<T, d(), C>(p, splits);
     }
     launch_paged_attention<T, d(), C>(p, splits);
   });
@@ -165,9 +165,10 @@ PagedAttentionParams after_leading_decodes(const PagedAttentionParams& p) {
 // a long context over the GPU (in the prefill kernel a decode is one block walking its whole
 // context alone).
 //
-// An fp8 cache is read by the split-KV kernel alone, which takes every query token as a decode
-// of its own (prompt tokens re-read their context, from L2 mostly): correct for any batch, the
-// tensor-core kernels' fp8 forms are still to come.
+// An fp8 cache is read by the decode kernels alone (split-KV, or grouped decode for GQA groups of
+// kMinMmaGroup and more), which take every query token as a decode of its own (prompt tokens
+// re-read their context, from L2 mostly): correct for any batch; the prefill kernel's fp8 form is
+// still to come.
 template <typename T>
 void run(const PagedAttentionParams& p) {
   if (p.cache_dtype == DType::kFloat8E4M3) return run_decodes<T, fp8e4m3>(p);

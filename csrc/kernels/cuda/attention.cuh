@@ -51,10 +51,10 @@ __device__ inline bool skip_empty_split(const PagedAttentionParams& p, const Spl
 template <typename T, int kD, typename C = T>
 void launch_paged_attention(const PagedAttentionParams& p, const SplitOutputs& splits);
 
-// Decodes of GQA groups this large or larger (bfloat16 / float16) go to the tensor-core kernel
-// (grouped_decode_kernel.cuh), which takes the same splits.
+// Decodes of GQA groups this large or larger (bfloat16 / float16 queries, over a cache of their
+// type or fp8) go to the tensor-core kernel (grouped_decode_kernel.cuh), which takes the same splits.
 constexpr int kMinMmaGroup = 4;
-template <typename T, int kD>
+template <typename T, int kD, typename C = T>
 void launch_grouped_decode(const PagedAttentionParams& p, const SplitOutputs& splits);
 
 }  // namespace octavo::cuda

@@ -8,9 +8,16 @@
 // attention_mma.cuh, so K and V are read from memory once for the group and from shared memory
 // once per warp. At the end the warps' partial results are folded together through shared
 // memory, and written as the split-KV kernel writes them (so one merge serves both).
+//
+// An fp8 cache (kv_cache_dtype="fp8") is copied as it is into staging rows of bytes, two tiles
+// deep as the 16-bit tiles are, and each tile is converted into the query's type in shared memory
+// (E4M3 values are exact in bfloat16 and float16) before the warps read it: half the bytes from
+// memory, one more pass over shared memory. Its k_scale joins the softmax scale and v_scale the
+// output.
 #pragma once
 
 #include <atomic>
+#include <type_traits>
 
 #include "attention.cuh"
 #include "attention_mma.cuh"
@@ -22,19 +29,46 @@ namespace grouped_decode_detail {
 
 // Shared memory: the group's 16 query rows, then K and V twice (the next tile is copied while
 // this one is used); the keys' flags ride in the K rows' padding. The fold at the end reuses the
-// tiles.
-template <int kD>
+// tiles. With an fp8 cache (kFp8) the 16-bit K and V are one tile each, and the staging rows of
+// bytes (kD + 16 apart: the flag in the padding) two tiles each, after them.
+template <int kD, bool kFp8 = false>
 struct Shape {
   static constexpr int kKeys = kD == 256 ? 32 : 64;  // per tile, 16 per warp: shared memory under 80 KiB
   static constexpr int kWarps = kKeys / 16;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kLd = kD + 8;
   static constexpr int kTile = kKeys * kLd;
-  static constexpr int kK = 16 * kLd, kV = kK + 2 * kTile, kEnd = kV + 2 * kTile;
-  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd;
+  static constexpr int kBuffers = kFp8 ? 1 : 2;  // 16-bit tiles of K and of V
+  static constexpr int kK = 16 * kLd, kV = kK + kBuffers * kTile, kEnd = kV + kBuffers * kTile;
+  static constexpr int kStageLd = kD + 16;  // bytes
+  static constexpr int kStageTile = kKeys * kStageLd;
+  static constexpr size_t kStageBytes = kFp8 ? 4 * kStageTile : 0;  // K twice, then V twice
+  static constexpr size_t kBytes = sizeof(uint16_t) * kEnd + kStageBytes;
   static constexpr size_t kFoldBytes = sizeof(float) * kWarps * 16 * (kD + 2);
-  static_assert(kFoldBytes <= sizeof(uint16_t) * 4 * kTile, "the warps' fold fits in the tiles' memory");
+  static_assert(kFoldBytes <= sizeof(uint16_t) * 2 * kBuffers * kTile + kStageBytes,
+                "the warps' fold fits in the tiles' memory");
 };
+
+// Converts the staged fp8 tile (rows kStageLd bytes apart, flags in their padding) into the
+// 16-bit tile (rows kLd apart, flags likewise), 16 values a thread and step.
+template <typename T, int kD>
+__device__ void convert_stage(const uint8_t* stage, T* tile) {
+  using S = Shape<kD, true>;
+  constexpr int kPacksPerRow = kD / 16;
+  for (int i = threadIdx.x; i < S::kKeys * kPacksPerRow; i += S::kThreads) {
+    const int j = i / kPacksPerRow, d = (i % kPacksPerRow) * 16;
+    const Pack<uint8_t> bytes = load_pack(stage + j * S::kStageLd + d);
+    Pack<T> lo, hi;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      lo.v[e] = from_float<T>(fp8_e4m3_to_float(bytes.v[e]));
+      hi.v[e] = from_float<T>(fp8_e4m3_to_float(bytes.v[8 + e]));
+    }
+    store_pack(tile + j * S::kLd + d, lo);
+    store_pack(tile + j * S::kLd + d + 8, hi);
+    if (d == 0) *row_flag<kD, S::kLd>(tile, j) = *row_flag<kD, S::kStageLd>(stage, j);
+  }
+}
 
 // Folds the warps' (max, sum, o) of the group's rows into the block's result, through shared
 // memory at `fold`, and writes it: the normalized output with one split, else the split's
@@ -87,25 +121,44 @@ __device__ void fold_and_write(const PagedAttentionParams& p, const SplitOutputs
   }
 }
 
-template <typename T, int kD>
+// Starts copying keys [start, start + kKeys) into buffer `buf`: the 16-bit tiles, or with an fp8
+// cache (C) the staging rows.
+template <typename T, int kD, typename C>
+__device__ void copy_tile(const DecodeWork& w, int64_t start, int buf, T* k_s, T* v_s, uint8_t* stage) {
+  using S = Shape<kD, !std::is_same_v<T, C>>;
+  if constexpr (std::is_same_v<T, C>) {
+    copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, start, k_s + buf * S::kTile, v_s + buf * S::kTile, nullptr,
+                                          threadIdx.x, S::kThreads);
+  } else {
+    auto* k_stage = reinterpret_cast<C*>(stage + buf * S::kStageTile);
+    auto* v_stage = reinterpret_cast<C*>(stage + (2 + buf) * S::kStageTile);
+    copy_kv_tile<C, kD, S::kKeys, S::kStageLd>(w.kv, start, k_stage, v_stage, nullptr, threadIdx.x, S::kThreads);
+  }
+}
+
+// T: the query's and output's type; C: the cache's (T, or fp8e4m3).
+template <typename T, int kD, typename C>
 __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(PagedAttentionParams p,
                                                                             SplitOutputs splits) {
-  using S = Shape<kD>;
+  constexpr bool kFp8 = !std::is_same_v<T, C>;
+  using S = Shape<kD, kFp8>;
   unsigned char* const smem = dynamic_shared_memory();
   T* q_s = reinterpret_cast<T*>(smem);           // [16][kLd]
-  T* k_s = q_s + S::kK;                          // [2][kKeys][kLd]
-  T* v_s = q_s + S::kV;                          // [2][kKeys][kLd]
+  T* k_s = q_s + S::kK;                          // [kBuffers][kKeys][kLd]
+  T* v_s = q_s + S::kV;                          // [kBuffers][kKeys][kLd]
+  uint8_t* stage = reinterpret_cast<uint8_t*>(q_s + S::kEnd);  // fp8: [2][2][kKeys][kStageLd]
 
   const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const DecodeWork w = decode_work<T, kD, S::kKeys>(p, token, kv_head, split, splits.num_splits);
+  const DecodeWork w = decode_work<C, kD, S::kKeys>(p, token, kv_head, split, splits.num_splits);
   if (skip_empty_split(p, splits, w.k_begin, w.kv.k_end, token, kv_head, split, threadIdx.x, S::kThreads)) return;
+  PagedAttentionParams scaled = p;
+  scaled.scale *= p.k_scale;  // q . (k_scale k) = k_scale (q . k); 1 but for an fp8 cache
 
   // Row r is query head kv_head * group + r; rows past the group are zeros.
   mma_attention::copy_query_rows<T, kD, 16, S::kLd>(p, token, 1, kv_head, group, q_s, S::kThreads);
-  if (w.k_begin < w.kv.k_end)
-    copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, w.k_begin, k_s, v_s, nullptr, threadIdx.x, S::kThreads);
+  if (w.k_begin < w.kv.k_end) copy_tile<T, kD, C>(w, w.k_begin, 0, k_s, v_s, stage);
   copy_async_commit();  // the query rows and the first tile
 
   mma_attention::Outputs<1, kD> o = {};
@@ -113,37 +166,46 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
   int buf = 0;
   for (int64_t k0 = w.k_begin; k0 < w.kv.k_end; k0 += S::kKeys, buf ^= 1) {
     if (k0 + S::kKeys < w.kv.k_end) {  // the next tile's copy runs while this one is used
-      const int next = buf ^ 1;
-      copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, k0 + S::kKeys, k_s + next * S::kTile, v_s + next * S::kTile,
-                                            nullptr, threadIdx.x, S::kThreads);
+      copy_tile<T, kD, C>(w, k0 + S::kKeys, buf ^ 1, k_s, v_s, stage);
       copy_async_commit();
       copy_async_wait<1>();
     } else {
       copy_async_wait<0>();
     }
     __syncthreads();  // every thread's copies into `buf` are done
+    int at = buf * S::kTile;  // the 16-bit tiles' offset
+    if constexpr (kFp8) {
+      convert_stage<T, kD>(stage + buf * S::kStageTile, k_s);
+      convert_stage<T, kD>(stage + (2 + buf) * S::kStageTile, v_s);
+      at = 0;
+      __syncthreads();
+    }
     const int first = warp * 16;  // the warp's keys in the tile
-    const T* k_tile = k_s + buf * S::kTile + first * S::kLd;
+    const T* k_tile = k_s + at + first * S::kLd;
     mma_attention::Scores<1, 16> s;
     mma_attention::score_tile<T, 1, kD, 16, S::kLd>(q_s, k_tile, lane, s);
     // Every key of a decode split is in the query's range; only keys past its end or in a block
     // outside the cache are hidden.
     const auto visible = [k_tile](int, int, int j) { return *row_flag<kD, S::kLd>(k_tile, j) != 0; };
-    mma_attention::softmax_tile<1, kD, 16>(p, visible, lane, s, rows, o);
-    mma_attention::accumulate_tile<T, 1, kD, 16, S::kLd>(s, v_s + buf * S::kTile + first * S::kLd, lane, o);
+    mma_attention::softmax_tile<1, kD, 16>(scaled, visible, lane, s, rows, o);
+    mma_attention::accumulate_tile<T, 1, kD, 16, S::kLd>(s, v_s + at + first * S::kLd, lane, o);
     __syncthreads();  // `buf` is refilled by the next iteration's copy (and, after the last, folded into)
   }
   copy_async_wait<0>();  // with no key at all, the query's copies are still pending
   __syncthreads();
+#pragma unroll
+  for (int c = 0; c < kD / 8; ++c)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][c][e] *= p.v_scale;  // v = v_scale x what the cache holds
   fold_and_write<T, kD>(p, splits, token, kv_head, split, group, rows, o, reinterpret_cast<float*>(k_s));
 }
 
 }  // namespace grouped_decode_detail
 
-template <typename T, int kD>
+template <typename T, int kD, typename C>
 void launch_grouped_decode(const PagedAttentionParams& p, const SplitOutputs& splits) {
-  using S = grouped_decode_detail::Shape<kD>;
-  auto kernel = grouped_decode_detail::grouped_decode_kernel<T, kD>;
+  using S = grouped_decode_detail::Shape<kD, !std::is_same_v<T, C>>;
+  auto kernel = grouped_decode_detail::grouped_decode_kernel<T, kD, C>;
   static std::atomic<bool> opted_in[kMaxDevices] = {};
   allow_shared_memory(kernel, S::kBytes, opted_in, "paged_attention (grouped decode)");
   const dim3 grid(static_cast<unsigned>(p.num_tokens), static_cast<unsigned>(p.num_kv_heads),
@@ -152,8 +214,10 @@ void launch_grouped_decode(const PagedAttentionParams& p, const SplitOutputs& sp
   check_launch("paged_attention (grouped decode)");
 }
 
-#define OCTAVO_INSTANTIATE_GROUPED_DECODE(D)                                                         \
-  template void launch_grouped_decode<bf16, D>(const PagedAttentionParams&, const SplitOutputs&); \
-  template void launch_grouped_decode<f16, D>(const PagedAttentionParams&, const SplitOutputs&);
+#define OCTAVO_INSTANTIATE_GROUPED_DECODE(D)                                                                \
+  template void launch_grouped_decode<bf16, D, bf16>(const PagedAttentionParams&, const SplitOutputs&);    \
+  template void launch_grouped_decode<f16, D, f16>(const PagedAttentionParams&, const SplitOutputs&);      \
+  template void launch_grouped_decode<bf16, D, fp8e4m3>(const PagedAttentionParams&, const SplitOutputs&); \
+  template void launch_grouped_decode<f16, D, fp8e4m3>(const PagedAttentionParams&, const SplitOutputs&);
 
 }  // namespace octavo::cuda
