@@ -71,18 +71,21 @@ void dispatch_head_size(int64_t head_size, Fn&& fn) {
 
 // The tensor-core prefill kernel takes batches with at least one multi-token query (a sequence
 // of decodes alone is the decode kernels' case) in bfloat16 / float16, when query and output
-// rows can be read in 16-byte packs.
-template <typename T>
+// rows can be read in 16-byte packs; over an fp8 cache, where its shape fits the device too (a
+// 16-bit cache's always does on the devices Octavo runs on, and a smaller one is told so).
+template <typename T, typename C>
 bool takes_prefill_kernel(const PagedAttentionParams& p) {
   if constexpr (std::is_same_v<T, float>) {
     return false;
   } else {
-    return p.num_tokens != p.num_seqs && packs_fit<T>(p.query, p.head_size, p.query_stride) &&
+    bool fits = std::is_same_v<T, C>;
+    if (!fits) dispatch_head_size(p.head_size, [&](auto d) { fits = prefill_fits<T, d(), C>(); });
+    return fits && p.num_tokens != p.num_seqs && packs_fit<T>(p.query, p.head_size, p.query_stride) &&
            packs_fit<T>(p.out, p.head_size, p.out_stride);
   }
 }
 
-template <typename T>
+template <typename T, typename C>
 void run_prefill(const PagedAttentionParams& p) {
   if constexpr (!std::is_same_v<T, float>) {  // the tensor-core kernel takes 16-bit types only
     const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
@@ -95,7 +98,7 @@ void run_prefill(const PagedAttentionParams& p) {
       check_launch("paged_attention (prefill tiles)");
       offsets = laid_out;
     }
-    dispatch_head_size(p.head_size, [&](auto d) { launch_prefill_attention<T, d()>(p, offsets, max_tiles); });
+    dispatch_head_size(p.head_size, [&](auto d) { launch_prefill_attention<T, d(), C>(p, offsets, max_tiles); });
   }
 }
 
@@ -115,7 +118,7 @@ size_t split_workspace_bytes(const PagedAttentionParams& p, int num_splits) {
 
 // The decode kernels (one block per token and KV head, split over the keys when that fills the
 // GPU better), for any batch. C: the cache's element type (T, or fp8e4m3).
-template <typename T, typename C = T>
+template <typename T, typename C>
 void run_decodes(const PagedAttentionParams& p) {
   SplitOutputs splits{nullptr, nullptr, choose_splits(p)};
   if (splits.num_splits > 1) {
@@ -163,19 +166,20 @@ PagedAttentionParams after_leading_decodes(const PagedAttentionParams& p) {
 // A batch with prompt chunks goes to the prefill kernel, whose tiles fit long queries; its
 // leading decodes, when the caller counted them, go to the decode kernels instead, which split
 // a long context over the GPU (in the prefill kernel a decode is one block walking its whole
-// context alone).
-//
-// An fp8 cache is read by the decode kernels alone (split-KV, or grouped decode for GQA groups of
-// kMinMmaGroup and more), which take every query token as a decode of its own (prompt tokens
-// re-read their context, from L2 mostly): correct for any batch; the prefill kernel's fp8 form is
-// still to come.
+// context alone). C: the cache's element type (T, or fp8e4m3 for an fp8 cache: every kernel
+// reads one, staging its bytes and converting them to T in shared memory).
+template <typename T, typename C>
+void run_on(const PagedAttentionParams& p) {
+  if (!takes_prefill_kernel<T, C>(p)) return run_decodes<T, C>(p);
+  if (p.num_decodes == 0) return run_prefill<T, C>(p);
+  run_decodes<T, C>(leading_decodes(p));
+  run_prefill<T, C>(after_leading_decodes(p));
+}
+
 template <typename T>
 void run(const PagedAttentionParams& p) {
-  if (p.cache_dtype == DType::kFloat8E4M3) return run_decodes<T, fp8e4m3>(p);
-  if (!takes_prefill_kernel<T>(p)) return run_decodes<T>(p);
-  if (p.num_decodes == 0) return run_prefill<T>(p);
-  run_decodes<T>(leading_decodes(p));
-  run_prefill<T>(after_leading_decodes(p));
+  if (p.cache_dtype == DType::kFloat8E4M3) return run_on<T, fp8e4m3>(p);
+  run_on<T, T>(p);
 }
 
 }  // namespace

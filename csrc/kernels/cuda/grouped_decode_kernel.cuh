@@ -29,8 +29,8 @@ namespace grouped_decode_detail {
 
 // Shared memory: the group's 16 query rows, then K and V twice (the next tile is copied while
 // this one is used); the keys' flags ride in the K rows' padding. The fold at the end reuses the
-// tiles. With an fp8 cache (kFp8) the 16-bit K and V are one tile each, and the staging rows of
-// bytes (kD + 16 apart: the flag in the padding) two tiles each, after them.
+// tiles. With an fp8 cache (kFp8) the 16-bit K and V are one tile each, and its staging rows
+// (Fp8Stage) follow them.
 template <int kD, bool kFp8 = false>
 struct Shape {
   static constexpr int kKeys = kD == 256 ? 32 : 64;  // per tile, 16 per warp: shared memory under 80 KiB
@@ -40,35 +40,13 @@ struct Shape {
   static constexpr int kTile = kKeys * kLd;
   static constexpr int kBuffers = kFp8 ? 1 : 2;  // 16-bit tiles of K and of V
   static constexpr int kK = 16 * kLd, kV = kK + kBuffers * kTile, kEnd = kV + kBuffers * kTile;
-  static constexpr int kStageLd = kD + 16;  // bytes
-  static constexpr int kStageTile = kKeys * kStageLd;
-  static constexpr size_t kStageBytes = kFp8 ? 4 * kStageTile : 0;  // K twice, then V twice
+  using Stage = Fp8Stage<kD, kKeys>;
+  static constexpr size_t kStageBytes = kFp8 ? Stage::kBytes : 0;
   static constexpr size_t kBytes = sizeof(uint16_t) * kEnd + kStageBytes;
   static constexpr size_t kFoldBytes = sizeof(float) * kWarps * 16 * (kD + 2);
   static_assert(kFoldBytes <= sizeof(uint16_t) * 2 * kBuffers * kTile + kStageBytes,
                 "the warps' fold fits in the tiles' memory");
 };
-
-// Converts the staged fp8 tile (rows kStageLd bytes apart, flags in their padding) into the
-// 16-bit tile (rows kLd apart, flags likewise), 16 values a thread and step.
-template <typename T, int kD>
-__device__ void convert_stage(const uint8_t* stage, T* tile) {
-  using S = Shape<kD, true>;
-  constexpr int kPacksPerRow = kD / 16;
-  for (int i = threadIdx.x; i < S::kKeys * kPacksPerRow; i += S::kThreads) {
-    const int j = i / kPacksPerRow, d = (i % kPacksPerRow) * 16;
-    const Pack<uint8_t> bytes = load_pack(stage + j * S::kStageLd + d);
-    Pack<T> lo, hi;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      lo.v[e] = from_float<T>(fp8_e4m3_to_float(bytes.v[e]));
-      hi.v[e] = from_float<T>(fp8_e4m3_to_float(bytes.v[8 + e]));
-    }
-    store_pack(tile + j * S::kLd + d, lo);
-    store_pack(tile + j * S::kLd + d + 8, hi);
-    if (d == 0) *row_flag<kD, S::kLd>(tile, j) = *row_flag<kD, S::kStageLd>(stage, j);
-  }
-}
 
 // Folds the warps' (max, sum, o) of the group's rows into the block's result, through shared
 // memory at `fold`, and writes it: the normalized output with one split, else the split's
@@ -124,15 +102,14 @@ __device__ void fold_and_write(const PagedAttentionParams& p, const SplitOutputs
 // Starts copying keys [start, start + kKeys) into buffer `buf`: the 16-bit tiles, or with an fp8
 // cache (C) the staging rows.
 template <typename T, int kD, typename C>
-__device__ void copy_tile(const DecodeWork& w, int64_t start, int buf, T* k_s, T* v_s, uint8_t* stage) {
+__device__ void copy_tile(const DecodeWork& w, int64_t start, int buf, T* k_s, T* v_s,
+                          const typename Shape<kD, true>::Stage& stage) {
   using S = Shape<kD, !std::is_same_v<T, C>>;
   if constexpr (std::is_same_v<T, C>) {
     copy_kv_tile<T, kD, S::kKeys, S::kLd>(w.kv, start, k_s + buf * S::kTile, v_s + buf * S::kTile, nullptr,
                                           threadIdx.x, S::kThreads);
   } else {
-    auto* k_stage = reinterpret_cast<C*>(stage + buf * S::kStageTile);
-    auto* v_stage = reinterpret_cast<C*>(stage + (2 + buf) * S::kStageTile);
-    copy_kv_tile<C, kD, S::kKeys, S::kStageLd>(w.kv, start, k_stage, v_stage, nullptr, threadIdx.x, S::kThreads);
+    stage.copy(w.kv, start, buf, S::kThreads);
   }
 }
 
@@ -146,7 +123,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
   T* q_s = reinterpret_cast<T*>(smem);           // [16][kLd]
   T* k_s = q_s + S::kK;                          // [kBuffers][kKeys][kLd]
   T* v_s = q_s + S::kV;                          // [kBuffers][kKeys][kLd]
-  uint8_t* stage = reinterpret_cast<uint8_t*>(q_s + S::kEnd);  // fp8: [2][2][kKeys][kStageLd]
+  const typename Shape<kD, true>::Stage stage{reinterpret_cast<uint8_t*>(q_s + S::kEnd)};  // fp8 only
 
   const int token = blockIdx.x, kv_head = blockIdx.y, split = blockIdx.z;
   const int group = static_cast<int>(p.num_heads / p.num_kv_heads);
@@ -175,8 +152,7 @@ __global__ void __launch_bounds__(Shape<kD>::kThreads) grouped_decode_kernel(Pag
     __syncthreads();  // every thread's copies into `buf` are done
     int at = buf * S::kTile;  // the 16-bit tiles' offset
     if constexpr (kFp8) {
-      convert_stage<T, kD>(stage + buf * S::kStageTile, k_s);
-      convert_stage<T, kD>(stage + (2 + buf) * S::kStageTile, v_s);
+      stage.template convert<T, S::kLd>(buf, k_s, v_s, S::kThreads);
       at = 0;
       __syncthreads();
     }

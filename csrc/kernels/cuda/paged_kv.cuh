@@ -131,4 +131,49 @@ __device__ bool copy_kv_tile(const PagedKv& kv, int64_t start, T* k_dst, T* v_ds
   return any_masked;
 }
 
+// An fp8 cache's tiles on their way into shared memory (kv_cache_dtype="fp8"): copy_kv_tile
+// copies the bytes as they are into staging rows (K twice, then V twice: the next tile is copied
+// while this one is converted), kStageLd bytes apart with the keys' flags in their padding; then
+// convert() turns buffer `buf` into the query's 16-bit type in the kernel's own tiles (rows kLd
+// elements apart, flags likewise). E4M3 values are exact in bfloat16 and float16.
+template <int kD, int kKeys>
+struct Fp8Stage {
+  static constexpr int kStageLd = kD + 16;
+  static constexpr int kTileBytes = kKeys * kStageLd;
+  static constexpr size_t kBytes = 4 * kTileBytes;
+  uint8_t* at;  // kBytes of shared memory, 16-byte aligned
+
+  // Starts copying keys [start, start + kKeys) into buffer `buf` (see copy_kv_tile, whose result it returns).
+  __device__ bool copy(const PagedKv& kv, int64_t start, int buf, int threads) const {
+    auto* k = reinterpret_cast<fp8e4m3*>(at + buf * kTileBytes);
+    auto* v = reinterpret_cast<fp8e4m3*>(at + (2 + buf) * kTileBytes);
+    return copy_kv_tile<fp8e4m3, kD, kKeys, kStageLd>(kv, start, k, v, nullptr, threadIdx.x, threads);
+  }
+
+  template <typename T, int kLd>
+  __device__ void convert(int buf, T* k_tile, T* v_tile, int threads) const {
+    convert_rows<T, kLd>(at + buf * kTileBytes, k_tile, threads);
+    convert_rows<T, kLd>(at + (2 + buf) * kTileBytes, v_tile, threads);
+  }
+
+  // 16 values a thread and step.
+  template <typename T, int kLd>
+  __device__ static void convert_rows(const uint8_t* stage, T* tile, int threads) {
+    constexpr int kPacksPerRow = kD / 16;
+    for (int i = threadIdx.x; i < kKeys * kPacksPerRow; i += threads) {
+      const int j = i / kPacksPerRow, d = (i % kPacksPerRow) * 16;
+      const Pack<uint8_t> bytes = load_pack(stage + j * kStageLd + d);
+      Pack<T> lo, hi;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        lo.v[e] = from_float<T>(fp8_e4m3_to_float(bytes.v[e]));
+        hi.v[e] = from_float<T>(fp8_e4m3_to_float(bytes.v[8 + e]));
+      }
+      store_pack(tile + j * kLd + d, lo);
+      store_pack(tile + j * kLd + d + 8, hi);
+      if (d == 0) *row_flag<kD, kLd>(tile, j) = *row_flag<kD, kStageLd>(stage, j);
+    }
+  }
+};
+
 }  // namespace octavo::cuda

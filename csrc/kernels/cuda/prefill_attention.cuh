@@ -18,7 +18,12 @@
 
 namespace octavo::cuda {
 
-template <typename T, int kD>
+// C: the cache's element type (T, or fp8e4m3).
+template <typename T, int kD, typename C = T>
 void launch_prefill_attention(const PagedAttentionParams& p, const int32_t* tile_offsets, int64_t max_tiles);
+// Whether launch_prefill_attention<T, kD, C> has a shape that fits the current device's shared
+// memory (all do but head size 256 over an fp8 cache on a 99 KiB device).
+template <typename T, int kD, typename C = T>
+bool prefill_fits();
 
 }  // namespace octavo::cuda
