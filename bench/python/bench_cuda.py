@@ -155,7 +155,7 @@ def prefill_attention(dtype, matmul_flops: float, quick: bool) -> None:
         q = query.view(batch, length, heads, d).transpose(1, 2)
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
             sdpa = cuda_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), repeats=5)
-        kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)  # kv_cache_dtype="fp8": decode kernels
+        kc8, vc8 = kc.to(torch.float8_e4m3fn), vc.to(torch.float8_e4m3fn)  # kv_cache_dtype="fp8"
         fp8 = cuda_ms(lambda: _C.ops.paged_attention(out, query, kc8, vc8, qsl, lens, tables, d ** -0.5), repeats=2)
         flops = 4 * batch * heads * d * length * length / 2  # causal: half the score matrix
         ours = flops / (ms / 1e3)

@@ -68,8 +68,8 @@ void reshape_and_cache(const TensorView& key, const TensorView& value, const Ten
 // the decode kernels, which split long contexts over the GPU, and the rest in the prefill
 // kernel. The CPU checks the count; CUDA cannot read the batch on the host, so a wrong count
 // there gives wrong rows (never a read outside the batch).
-// The caches may hold another float dtype than the query (CPU only), or fp8 (CPU and CUDA; on CUDA
-// the decode kernels read them, for every query token). k_scale, v_scale: an fp8 cache's
+// The caches may hold another float dtype than the query (CPU only), or fp8 (CPU and CUDA).
+// k_scale, v_scale: an fp8 cache's
 // (reshape_and_cache); other caches take 1.
 void paged_attention(const TensorView& out, const TensorView& query, const TensorView& key_cache,
                      const TensorView& value_cache, const TensorView& query_start_loc, const TensorView& seq_lens,

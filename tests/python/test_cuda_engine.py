@@ -103,7 +103,7 @@ def test_greedy_tokens_match_transformers_on_the_gpu(kind, enforce_eager, tmp_pa
 @pytest.mark.parametrize("enforce_eager", [False, True], ids=["graphs", "eager"])
 def test_an_fp8_kv_cache_gives_fp8_rounded_logprobs_on_the_gpu(enforce_eager, tmp_path):
     """kv_cache_dtype="fp8" on CUDA (float32 queries: the split-KV kernel reads the cache for
-    prompts and decodes; test_cuda_attention.py runs the grouped decode kernel's fp8 form): the
+    prompts and decodes; test_cuda_attention.py runs the tensor-core kernels' fp8 forms): the
     logprobs of transformers' float32 model with K and V rounded to fp8 (test_llm.py's reference)."""
     from test_llm import fp8_kv_reference
 
