@@ -3,6 +3,7 @@ torch's scaled_dot_product_attention on the same data laid out contiguously.
 
     python bench/python/bench_attention.py [--quick]
     python bench/python/bench_attention.py --levels avx512_bf16 amx [--repeats 9]
+    python bench/python/bench_attention.py --cache-dtypes [--repeats 9]
 
 Decode reads every cached key and value once, so its speed is bytes of KV read per second,
 reported as a fraction of the bandwidth of a large copy measured in the same run (at its start,
@@ -12,6 +13,9 @@ compute-bound: GFLOP/s of the causal attention (2 * 2 * T^2 / 2 * D * H flops) f
 --levels compares Octavo's kernel levels (octavo.cpu_isa() names) on bfloat16 prefill of whole
 prompts at the default model's attention shape (9 query / 3 KV heads, head size 64) and at
 Llama-3-8B's (32 / 8, 128): the best of --repeats calls of each level, taken in turn.
+
+--cache-dtypes compares decode of float32 queries over caches of each kv_cache_dtype (float32,
+bfloat16, float16, fp8): what a 16-bit or fp8 cache saves a float32 model's attention.
 """
 import argparse
 import math
@@ -59,10 +63,12 @@ def paged_cache(num_seqs: int, context: int, num_kv_heads: int, dtype, head_size
 
 
 def attention_inputs(num_seqs: int, context: int, num_heads: int, num_kv_heads: int, dtype,
-                     head_size: int = HEAD_SIZE, prefill: bool = False) -> dict:
+                     head_size: int = HEAD_SIZE, prefill: bool = False, cache_dtype=None) -> dict:
     """paged_attention's arguments for num_seqs sequences of `context` cached tokens, each querying
-    its last token (a decode) or, with prefill, every one of its tokens (a whole prompt)."""
-    key_cache, value_cache, tables = paged_cache(num_seqs, context, num_kv_heads, dtype, head_size)
+    its last token (a decode) or, with prefill, every one of its tokens (a whole prompt). The cache
+    holds cache_dtype (default: the query's)."""
+    caches = paged_cache(num_seqs, context, num_kv_heads, cache_dtype or dtype, head_size)
+    key_cache, value_cache, tables = caches
     new = context if prefill else 1
     query = torch.randn(num_seqs * new, num_heads, head_size).to(dtype)
     return dict(out=torch.empty_like(query), query=query, key_cache=key_cache, value_cache=value_cache,
@@ -129,15 +135,36 @@ def compare_levels(levels: list[str], repeats: int) -> None:
     _C.set_cpu_isa(previous)
 
 
+def compare_cache_dtypes(repeats: int) -> None:
+    dtypes = (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn)
+    print(f"threads {_C.get_num_threads()}, cpu isa {_C.cpu_isa()}; decode of float32 queries over each cache "
+          f"dtype, block {BLOCK_SIZE}: median of {repeats} calls, ms (KV GB/s)")
+    for num_seqs, context, heads, kv_heads, head_size in ((1, 2048, 9, 3, 64), (64, 256, 9, 3, 64),
+                                                          (64, 1024, 9, 3, 64), (16, 2048, 32, 8, 128)):
+        cells = []
+        for cache_dtype in dtypes:
+            args = attention_inputs(num_seqs, context, heads, kv_heads, torch.float32, head_size,
+                                    cache_dtype=cache_dtype)
+            seconds = median_seconds(lambda: _C.ops.paged_attention(**args), repeats)
+            kv_bytes = 2 * num_seqs * context * kv_heads * head_size * args["key_cache"].element_size()
+            name = str(cache_dtype).removeprefix("torch.")
+            cells.append(f"{name} {seconds * 1e3:7.2f} ({kv_bytes / seconds / 1e9:5.1f})")
+        shape = f"{heads}:{kv_heads} d{head_size} batch {num_seqs:>2} context {context:>4}"
+        print(f"{shape}  {'  '.join(cells)}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="fewer shapes and repeats")
     parser.add_argument("--levels", nargs="+", help="compare these kernel levels on prefill instead")
-    parser.add_argument("--repeats", type=int, default=9, help="with --levels")
+    parser.add_argument("--cache-dtypes", action="store_true", help="compare KV cache dtypes on decode instead")
+    parser.add_argument("--repeats", type=int, default=9, help="with --levels or --cache-dtypes")
     args = parser.parse_args()
     torch.set_num_threads(_C.get_num_threads())
     if args.levels:
         return compare_levels(args.levels, args.repeats)
+    if args.cache_dtypes:
+        return compare_cache_dtypes(args.repeats)
     repeats = 3 if args.quick else 7
     print(f"threads {_C.get_num_threads()}, cpu isa {_C.cpu_isa()}, torch {torch.__version__}")
     bandwidth = copy_bandwidth()
