@@ -108,7 +108,7 @@ void plan_paged_attention(const TensorView& plan, const TensorView& query_start_
 // kFp8: FP8 checkpoints' weights (E4M3), weight float8_e4m3fn [N, K] with float32 scales
 // [N, K / group_size] (w = q * s): group_size K for per-channel and per-tensor scales, 128 for
 // block-wise ones (each scale repeated over its block's rows). Multiplied with the activations'
-// dtype (weight-only), CPU and CUDA.
+// dtype (weight-only), CPU and CUDA. NaN codes are not weights: the CPU reads them as +-480 s.
 enum class WeightFormat : uint8_t {
   kDense, kQ8_0, kQ4_0, kQ4_1, kInt8, kInt4, kBf16Tiles, kInt4A8, kInt8A8,
   kQ5_0, kQ5_1, kIQ4_NL, kQ3_K, kQ4_K, kQ5_K, kQ6_K, kFp8

@@ -155,9 +155,18 @@ def test_an_fp8_checkpoint_runs_on_its_e4m3_weights(tiny_path, tmp_path, method,
 
 
 def test_fp8_checkpoints_that_cannot_load_are_named(tiny_path, tmp_path):
+    from safetensors.torch import load_file, save_file
+
     fp8_checkpoint(tiny_path, tmp_path / "fp8", "channel")
     with pytest.raises(ValueError, match="needs float weights, but .* is a fp8 checkpoint"):
         LLM(model=str(tmp_path / "fp8"), quantization="int8", kv_cache_memory_bytes=8 << 20)
+    # A NaN code (the CPU kernel would read it as 480 times the scale).
+    tensors = load_file(tmp_path / "fp8" / "model.safetensors")
+    name = "model.layers.1.mlp.down_proj.weight"
+    tensors[name].view(torch.uint8)[3, 7] = 0xFF
+    save_file(tensors, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"checkpoint tensor '{name}' holds NaN"):
+        LLM(model=str(tmp_path / "fp8"), kv_cache_memory_bytes=8 << 20)
     config_path = tmp_path / "fp8" / "config.json"
     config = json.loads(config_path.read_text())
     config["quantization_config"]["fmt"] = "e5m2"

@@ -244,17 +244,21 @@ struct Int4Rows : GroupScales {
 };
 
 // FP8 (E4M3) weights, w = q * s (kFp8: an FP8 checkpoint's per-tensor, per-channel or
-// block-wise scales).
+// block-wise scales). Decoded as (q / 256) * (s * 256), which is q * s exactly (powers of two),
+// so that the 256 costs no product per weight (VecF::load_fp8_weight). NaN codes decode as
+// +-480 s: the loaders refuse weights that hold one.
 struct Fp8Rows : GroupScales {
   const uint8_t* row[kRows];
   int64_t row_bytes;
   Fp8Rows(const LinearParams& p, int64_t n, int nr) : GroupScales(p, n, nr), row_bytes(p.in_features) {
     for (int r = 0; r < kRows; ++r) row[r] = static_cast<const uint8_t*>(p.weight) + (n + (r < nr ? r : 0)) * row_bytes;
   }
-  const fp8e4m3* block(int r, int64_t blk) const { return reinterpret_cast<const fp8e4m3*>(row[r] + blk * kBlock); }
-  BlockScale scale(int r, int64_t blk) const { return {VecF::set1(s[r][group(blk)]), VecF::zero()}; }
+  const uint8_t* block(int r, int64_t blk) const { return row[r] + blk * kBlock; }
+  BlockScale scale(int r, int64_t blk) const { return {VecF::set1(s[r][group(blk)] * 256.0f), VecF::zero()}; }
   static constexpr bool kBlockScales = false;
-  VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const { return VecF::load(block(r, blk) + j) * sc.a; }
+  VecF decode(int r, int64_t blk, int j, const BlockScale& sc) const {
+    return VecF::load_fp8_weight(block(r, blk) + j) * sc.a;
+  }
 };
 
 // kBf16Tiles read a value at a time: the portable path for levels without AMX (weights are packed

@@ -84,6 +84,12 @@ struct fp8e4m3 {
 inline float to_float(fp8e4m3 x) { return fp8_e4m3_to_float(x.bits); }
 template <>
 inline fp8e4m3 from_float<fp8e4m3>(float f) { return fp8e4m3{fp8_e4m3_from_float(f)}; }
+// 2^-8 times an E4M3 weight, NaN codes read as +-1.875 (+-480 / 256): VecF::load_fp8_weight's
+// scalar form.
+inline float fp8_weight_over_256(uint8_t b) {
+  const float v = (b & 0x7f) == 0x7f ? 480.0f : std::fabs(fp8_e4m3_to_float(b));
+  return (b & 0x80 ? -v : v) * (1.0f / 256.0f);
+}
 
 #if defined(__AVX2__)
 // E4M3 bytes widened to 16-bit lanes -> the float16 bits of 2^-8 times their values: exponent and
@@ -122,6 +128,14 @@ struct VecF {
   static VecF load(const fp8e4m3* p) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
     return {_mm512_mul_ps(_mm512_cvtph_ps(fp8_half_bits(b)), _mm512_set1_ps(256.0f))};
+  }
+  // kWidth FP8 weights times 2^-8 (the caller's scale carries the 256), NaN codes read as +-480 / 256
+  // (weights hold none: the loaders refuse them). Three integer operations where load takes eight:
+  // the bytes sign-extended to 16 bits and shifted up 7 put the sign at bit 15 and exponent and
+  // mantissa at float16's place (bit 14, a copy of the sign, is masked off).
+  static VecF load_fp8_weight(const uint8_t* p) {
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return {_mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(x, 7), _mm256_set1_epi16(int16_t(0xBF80))))};
   }
   // kWidth signed bytes as floats (quantized weights).
   static VecF load_i8(const int8_t* p) {
@@ -233,6 +247,10 @@ struct VecF {
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_mul_ps(_mm256_cvtph_ps(fp8_half_bits(b)), _mm256_set1_ps(256.0f))};
   }
+  static VecF load_fp8_weight(const uint8_t* p) {  // as the AVX-512 level's
+    const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+    return {_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(int16_t(0xBF80))))};
+  }
   static VecF load_i8(const int8_t* p) {
     return {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))))};
   }
@@ -330,6 +348,7 @@ struct VecF {
   static VecF load(const T* p) { return {to_float(*p)}; }
   static VecF load_i8(const int8_t* p) { return {static_cast<float>(*p)}; }
   static VecF load_u4(const uint8_t* p, int shift) { return {static_cast<float>((*p >> shift) & 15)}; }
+  static VecF load_fp8_weight(const uint8_t* p) { return {fp8_weight_over_256(*p)}; }
   template <typename T>
   void store(T* p) const { *p = from_float<T>(v); }
 

@@ -51,6 +51,7 @@ import torch
 
 from ..layers.linear import QuantizedWeight
 from ..layers.quantize import place_quantized
+from .fp8 import check_codes
 
 METHOD = "compressed-tensors"
 FORMATS = ("int-quantized", "naive-quantized", "float-quantized")
@@ -179,6 +180,8 @@ def read_layer(layer: str, tensors: dict[str, torch.Tensor], fmt: str) -> Int8Ro
         raise ValueError(f"{layer}.weight is {q.dtype} {list(q.shape)} beside its weight_scale, expected "
                          f"{str(dtype).removeprefix('torch.')} [N, K] as its config group says (checkpoints whose "
                          f"quantized weights are stored in another dtype are not supported)")
+    if fmt == "fp8":
+        check_codes(f"{layer}.weight", q)
     n = q.shape[0]
     if scale.numel() == 1:
         scales = scale.float().reshape(1).expand(n)

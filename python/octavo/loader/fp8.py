@@ -38,6 +38,7 @@ def check_config(quant: dict) -> None:
 def read_weight(prefix: str, tensors: dict[str, torch.Tensor], quant: dict) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(q [N, K] float8_e4m3fn, scales float32 [N, K / g], g) of the Linear at ``prefix``."""
     q = tensors[f"{prefix}.weight"]
+    check_codes(f"{prefix}.weight", q)
     n, k = q.shape
     if f"{prefix}.weight_scale_inv" in tensors:
         rows, inputs = quant.get("weight_block_size") or (None, None)
@@ -52,6 +53,13 @@ def read_weight(prefix: str, tensors: dict[str, torch.Tensor], quant: dict) -> t
     if scale.numel() not in (1, n):
         raise ValueError(f"{prefix}.weight_scale has {scale.numel()} values; expected 1 or {n} (one per output)")
     return q, scale.expand(n)[:, None].contiguous(), k
+
+
+def check_codes(name: str, q: torch.Tensor) -> None:
+    """FP8 weights hold no NaN (quantizers saturate): the CPU kernel reads a NaN code as +-480 (it
+    skips the test per weight), so a checkpoint that holds one is refused here."""
+    if bool(((q.view(torch.uint8) & 0x7F) == 0x7F).any()):
+        raise ValueError(f"checkpoint tensor {name!r} holds NaN")
 
 
 def dequantized(q: torch.Tensor, scales: torch.Tensor, g: int) -> torch.Tensor:
