@@ -70,6 +70,18 @@ def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
     return QuantizedWeight(q, "fp8", w.shape[1], scales=scales[:, None], group_size=w.shape[1])
 
 
+def fp8_input_columns(q: torch.Tensor, scales: torch.Tensor, g: int, begin: int, end: int):
+    """Inputs [begin, end) of an fp8 weight's parts (q [N, K], scales [N, K / g], g), or None off
+    the 32-input blocks or inside a group of scales. One scale per row keeps every cut."""
+    if begin % 32 or end % 32:
+        return None
+    if scales.shape[1] == 1:
+        return q[:, begin:end], scales, end - begin
+    if begin % g or end % g:
+        return None
+    return q[:, begin:end], scales[:, begin // g:end // g], g
+
+
 def int4_group_size(in_features: int, wanted: int = 128) -> int:
     for g in range(wanted - wanted % 32, 31, -32):
         if in_features % g == 0:
@@ -140,12 +152,11 @@ def input_columns(w: QuantizedWeight, begin: int, end: int) -> QuantizedWeight |
         return QuantizedWeight(w.qweight[:, begin // 2:end // 2], w.weight_format, end - begin,
                                scales=w.scales[:, begin // g:end // g], zeros=w.zeros[:, begin // g:end // g],
                                group_size=g)
-    if w.weight_format == "fp8" and begin % 32 == 0 and end % 32 == 0:
-        if w.scales.shape[1] == 1:  # one scale per row: any cut keeps it
-            return QuantizedWeight(w.qweight[:, begin:end], "fp8", end - begin, scales=w.scales, group_size=end - begin)
-        if begin % g == 0 and end % g == 0:
-            return QuantizedWeight(w.qweight[:, begin:end], "fp8", end - begin, scales=w.scales[:, begin // g:end // g],
-                                   group_size=g)
+    if w.weight_format == "fp8":
+        part = fp8_input_columns(w.qweight, w.scales, g, begin, end)
+        if part is None:
+            return None
+        return QuantizedWeight(part[0], "fp8", end - begin, scales=part[1], group_size=part[2])
     if w.weight_format == "q4_1" and begin % 32 == 0 and end % 32 == 0:  # the one GGUF format saved here
         return QuantizedWeight(w.qweight[:, begin // 32 * 20:end // 32 * 20], "q4_1", end - begin)
     return None

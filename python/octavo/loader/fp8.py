@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..layers.linear import QuantizedWeight
-from ..layers.quantize import place_quantized
+from ..layers.quantize import fp8_input_columns, place_quantized
 
 METHOD = "fp8"
 SCALE_SUFFIXES = (".weight_scale", ".weight_scale_inv", ".input_scale")
@@ -73,13 +73,7 @@ def cut(part: tuple[torch.Tensor, torch.Tensor, int], dim: int, begin: int, end:
     q, scales, g = part
     if dim == 0:
         return q[begin:end], scales[begin:end], g
-    if begin % 32 or end % 32:
-        return None
-    if scales.shape[1] == 1:  # one scale per row: every cut keeps it
-        return q[:, begin:end], scales, end - begin
-    if begin % g or end % g:
-        return None
-    return q[:, begin:end], scales[:, begin // g:end // g], g
+    return fp8_input_columns(q, scales, g, begin, end)
 
 
 def quantized_weight(parts: list[tuple[torch.Tensor, torch.Tensor, int]]) -> QuantizedWeight | None:
