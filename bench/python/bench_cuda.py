@@ -13,11 +13,18 @@ fraction of them:
   in one kernel and with the decodes counted (num_decodes: they run in the decode kernels), against
   the same decodes and chunk run apart (goal: decodes counted <= 1.1x apart);
 - linear at M = 1 on Llama-3-8B's projections, every weight format: weight bytes read per second
-  against the copy bandwidth (dense also against torch's cuBLAS); dense from M = 1 to 16 against
+  against the copy bandwidth (dense also against torch's cuBLAS; quantized formats also on tensor
+  cores, linear's tensor_cores=True); dense from M = 1 to 16 against
   cuBLAS with weights beyond L2, in the benchmark's dtype and float32 (where
   CUDA_DENSE_KERNEL_MAX_ROWS should sit); then,
-  for int4 and Q4_0, the kernel against torch's GEMM on dequantized weights (layers/linear.py's
-  other path) as M grows, which is where CUDA_KERNEL_MAX_ROWS should sit.
+  for int4 and Q4_0, the kernel and the tensor-core kernel against torch's GEMM on dequantized
+  weights (layers/linear.py's other path) as M grows, which is where CUDA_KERNEL_MAX_ROWS and
+  CUDA_TENSOR_CORE_MAX_ROWS should sit (goal of the tensor-core kernel, issue #29: M <= 16 within
+  1.3x its M = 1 time);
+- fp8 weights W8A8 (layers.linear.fp8_gemm: rows rounded to E4M3, torch._scaled_mm on FP8 tensor
+  cores) from M = 16 to 8192 against cuBLAS bfloat16 on the same shapes and the weight-only path
+  (dequantize + cuBLAS), which is where CUDA_FP8_GEMM_FROM_ROWS should sit (goal: >= 1.6x
+  bfloat16 at M >= 512). bfloat16 only.
 
     python bench/python/bench_cuda.py [--dtype bfloat16] [--quick]
 
@@ -270,6 +277,9 @@ def linear_weights(dtype, copy_bw: float, quick: bool) -> None:
                    f"{bw / copy_bw:.2f} of copy"
             if fmt == "dense":
                 line += f"; cuBLAS {cuda_ms(lambda: F.linear(x[:, :k], w), repeats=50) * 1e3:7.1f} us"
+            else:
+                mma = cuda_ms(lambda: _C.ops.linear(out, x[:, :k], data, None, **args, tensor_cores=True), repeats=50)
+                line += f"; tensor cores {mma * 1e3:7.1f} us = {weight_bytes(w) / (mma / 1e3) / copy_bw:.2f} of copy"
             print(line)
     n, k = shapes["gate_up"]
     for fmt in ("int4", "q4_0"):
@@ -278,9 +288,35 @@ def linear_weights(dtype, copy_bw: float, quick: bool) -> None:
             xm = torch.randn(m, k, dtype=dtype, device="cuda")
             out = torch.empty(m, n, dtype=dtype, device="cuda")
             kernel = cuda_ms(lambda: _C.ops.linear(out, xm, w.qweight, None, **w.kernel_args()), repeats=20)
+            mma = cuda_ms(lambda: _C.ops.linear(out, xm, w.qweight, None, **w.kernel_args(), tensor_cores=True),
+                          repeats=20)
             gemm = cuda_ms(lambda: layer._gemm_on_dequantized(xm, w, None), repeats=20)
-            print(f"  linear {fmt} gate_up M={m:3d}: kernel {kernel * 1e3:7.1f} us, dequantize + cuBLAS "
-                  f"{gemm * 1e3:7.1f} us (CUDA_KERNEL_MAX_ROWS = {layer.CUDA_KERNEL_MAX_ROWS})")
+            print(f"  linear {fmt} gate_up M={m:3d}: kernel {kernel * 1e3:7.1f} us, tensor cores {mma * 1e3:7.1f} us, "
+                  f"dequantize + cuBLAS {gemm * 1e3:7.1f} us (CUDA_KERNEL_MAX_ROWS = {layer.CUDA_KERNEL_MAX_ROWS}, "
+                  f"CUDA_TENSOR_CORE_MAX_ROWS = {layer.CUDA_TENSOR_CORE_MAX_ROWS})")
+
+
+def fp8_gemm_rows(quick: bool) -> None:
+    """W8A8 on Llama-3-8B's projections as M grows: fp8_gemm whole (the rows' rounding included)
+    and its _scaled_mm alone, against bfloat16 cuBLAS and the weight-only fp8 path."""
+    from octavo.layers import linear as layer
+
+    shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    for name, (n, k) in shapes.items():
+        w = random_weight("fp8", n, k, torch.bfloat16)
+        dense = w.dequantize(torch.bfloat16)
+        for m in ((512, 4096) if quick else (16, 64, 256, 512, 1024, 2048, 4096, 8192)):
+            x = torch.randn(m, k, dtype=torch.bfloat16, device="cuda")
+            q, scale = x.to(torch.float8_e4m3fn), torch.ones(m, 1, device="cuda")
+            w8a8 = cuda_ms(lambda: layer.fp8_gemm(x, w, None), repeats=10)
+            mm = cuda_ms(lambda: torch._scaled_mm(q, w.qweight.t(), scale_a=scale, scale_b=w.scales.reshape(1, -1),
+                                                  out_dtype=torch.bfloat16), repeats=10)
+            bf16 = cuda_ms(lambda: F.linear(x, dense), repeats=10)
+            weight_only = cuda_ms(lambda: layer._gemm_on_dequantized(x, w, None), repeats=10)
+            tflops = 2 * m * n * k / 1e12
+            print(f"  fp8 W8A8 {name:>7} M={m:5d}: fp8_gemm {w8a8 * 1e3:8.1f} us "
+                  f"({tflops / (w8a8 / 1e3):5.0f} TFLOP/s, {bf16 / w8a8:.2f}x bf16), _scaled_mm {mm * 1e3:8.1f} us ({bf16 / mm:.2f}x), cuBLAS bf16 "
+                  f"{bf16 * 1e3:8.1f} us, weight-only {weight_only * 1e3:8.1f} us")
 
 
 def main() -> None:
@@ -298,6 +334,7 @@ def main() -> None:
     for dense_dtype in (dtype, torch.float32):
         dense_crossover(dense_dtype, args.quick)
     linear_weights(dtype, copy_bw, args.quick)
+    fp8_gemm_rows(args.quick)
 
 
 if __name__ == "__main__":

@@ -90,6 +90,7 @@ struct LinearParams {
   DType dtype;           // of out, input and bias (and of a dense weight); dequantize: of out
   WeightFormat weight_format;
   bool int8_inputs;      // GGUF formats on the CPU: inputs rounded to int8 per block of 32 (linear_gguf_a8.h)
+  bool tensor_cores;     // CUDA, 16-bit inputs: linear_mma.cu's kernel (WeightQuant::tensor_cores)
 };
 
 struct TopkParams {

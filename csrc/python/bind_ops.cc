@@ -154,23 +154,26 @@ void bind_kernels(py::module_& ops) {
   ops.def(
       "linear",
       [](py::handle out, py::handle input, py::handle weight, py::handle bias, const std::string& weight_format,
-         py::handle scales, py::handle zeros, int64_t group_size, bool int8_inputs) {
+         py::handle scales, py::handle zeros, int64_t group_size, bool int8_inputs, bool tensor_cores) {
         PyTensor o = tensor(out, "out"), i = tensor(input, "input"), w = tensor(weight, "weight");
         OptTensor b(bias, "bias"), s(scales, "scales"), z(zeros, "zeros");
         const WeightFormat f = parse_weight_format(weight_format.c_str());
         run_op([=] {  // the quantization fields point into this lambda's own copies of s and z
-          linear(o.view, i.view, w.view, b.view(), f, WeightQuant{s.view(), z.view(), group_size, int8_inputs});
+          linear(o.view, i.view, w.view, b.view(), f,
+                 WeightQuant{s.view(), z.view(), group_size, int8_inputs, tensor_cores});
         });
       },
       py::arg("out"), py::arg("input"), py::arg("weight"), py::arg("bias") = py::none(),
       py::arg("weight_format") = "dense", py::arg("scales") = py::none(), py::arg("zeros") = py::none(),
-      py::arg("group_size") = 0, py::arg("int8_inputs") = false,
+      py::arg("group_size") = 0, py::arg("int8_inputs") = false, py::arg("tensor_cores") = false,
       "out = input @ weight.T (+ bias), for small row counts (decode). weight_format 'dense': weight [N, K] "
       "contiguous in input's dtype; GGUF blocks ('q8_0', 'q4_0', 'q4_1', 'q5_0', 'q5_1', 'iq4_nl': of 32 "
       "weights; 'q3_k', 'q4_k', 'q5_k', 'q6_k': of 256): uint8 [N, K / block weights * block bytes]; "
       "'int8': int8 [N, K] with float32 scales [N]; 'int4': uint8 [N, K / 2] with float32 scales and uint8 zeros "
       "[N, K / group_size]; 'bf16_tiles': uint8 [N, K * 2] from pack_bf16_tiles (CPU). int8_inputs (GGUF "
-      "blocks, CPU): each input row is rounded to int8 per block of 32 inputs and multiplied as integers.");
+      "blocks, CPU): each input row is rounded to int8 per block of 32 inputs and multiplied as integers. "
+      "tensor_cores (CUDA, bfloat16 / float16 input): multiplied on tensor cores, up to 16 rows per read of the "
+      "weight, with the weights rounded to input's dtype (the result of dequantize's weights in that dtype).");
   ops.def(
       "dequantize",
       [](py::handle out, py::handle weight, const std::string& weight_format, py::handle scales, py::handle zeros,

@@ -129,6 +129,12 @@ struct WeightQuant {
   // (a = rint(x * 127 / m), m the block's largest |x|: llama.cpp's Q8_0 activations) and multiplies
   // integers (cpu/linear_gguf_a8.h); the result is that of x rounded so. dequantize ignores it.
   bool int8_inputs = false;
+  // CUDA, bfloat16 / float16 inputs, any weight format CUDA reads: `linear` multiplies on tensor
+  // cores, decoding each weight once per 16 input rows (Marlin's design, for decode batches of 2 to
+  // 16 and more). The weights are rounded to the inputs' dtype first, so the result is that of the
+  // weights `dequantize` writes in that dtype, not the float32 products of the default kernel.
+  // Not yet layers/linear.py's choice: it becomes so once measured faster on a GPU (issue #29).
+  bool tensor_cores = false;
 };
 
 // out = input · weightᵀ (+ bias): the dense projections of a decode step, read at memory speed.

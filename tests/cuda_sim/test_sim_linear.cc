@@ -154,6 +154,107 @@ TEST(SimLinear, TakesStridedInputAndOutput) {
     for (int64_t c = n; c < out_stride; ++c) ASSERT_EQ(gpu.get(r * out_stride + c), 0.0f) << "the gap is untouched";
 }
 
+// linear with tensor_cores (linear_mma.cu) on the GPU, or the CPU's dense kernel on the weights
+// dequantize writes in x's dtype: the product the tensor-core kernel must give.
+void run_on_tensor_cores(Tensor& out, const Tensor& x, const Weight& w, const Tensor* bias) {
+  const Weight::Views v = w.on(true);
+  octavo::WeightQuant quant = v.quant();
+  quant.tensor_cores = true;
+  const TensorView b = bias ? bias->cuda() : TensorView{};
+  octavo::linear(out.cuda(), x.cuda(), v.data, bias ? &b : nullptr, w.format, quant);
+}
+void run_on_dequantized(Tensor& out, const Tensor& x, const Weight& w, const Tensor* bias) {
+  const int64_t n = out.shape()[1], k = x.shape()[1];
+  Tensor weights({n, k}, x.dtype());
+  run_dequantize(weights, w, false);
+  const TensorView b = bias ? bias->cpu() : TensorView{};
+  octavo::linear(out.cpu(), x.cpu(), weights.cpu(), bias ? &b : nullptr);
+}
+
+const DType kMmaDTypes[] = {DType::kBFloat16, DType::kFloat16};
+
+// Every format, row counts below, at and past one 16-row tile, output features past a tile of 8,
+// and K in whole runs of the warps' blocks (1536 = 3 runs of 16), a remainder (576 = 16 + 2) and
+// less than a run (32, 96).
+TEST(SimLinear, TensorCoresGiveTheProductOfTheDequantizedWeights) {
+  std::mt19937 gen(38);
+  const std::vector<std::array<int64_t, 3>> cases = {{1, 1, 32},  {2, 7, 96},   {5, 9, 576},
+                                                     {16, 8, 1536}, {17, 33, 576}, {33, 12, 256}};
+  for (WeightFormat f : kQuantized)
+    for (DType dtype : kMmaDTypes)
+      for (auto [m, n, k32] : cases) {
+        const bool with_bias = m % 2 == 1;
+        const int64_t k = sim_test::whole_blocks(f, k32);
+        SCOPED_TRACE(name(f, dtype) + " m,n,k " + std::to_string(m) + "," + std::to_string(n) + "," +
+                     std::to_string(k) + (with_bias ? " bias" : ""));
+        const Weight w(f, n, k, gen);
+        const Tensor x = sim_test::randn({m, k}, dtype, gen), bias = sim_test::randn({n}, dtype, gen);
+        Tensor expected({m, n}, dtype), gpu({m, n}, dtype);
+        run_on_dequantized(expected, x, w, with_bias ? &bias : nullptr);
+        run_on_tensor_cores(gpu, x, w, with_bias ? &bias : nullptr);
+        sim_test::expect_matches_cpu(gpu, expected);
+      }
+}
+
+TEST(SimLinear, TensorCoresTakeDenseWeights) {
+  std::mt19937 gen(39);
+  for (DType dtype : kMmaDTypes) {
+    SCOPED_TRACE(octavo::dtype_name(dtype));
+    const int64_t m = 11, n = 20, k = 640;
+    const Tensor x = sim_test::randn({m, k}, dtype, gen), w = sim_test::randn({n, k}, dtype, gen);
+    Tensor cpu({m, n}, dtype), gpu({m, n}, dtype);
+    octavo::linear(cpu.cpu(), x.cpu(), w.cpu(), nullptr);
+    octavo::WeightQuant quant;
+    quant.tensor_cores = true;
+    octavo::linear(gpu.cuda(), x.cuda(), w.cuda(), nullptr, WeightFormat::kDense, quant);
+    sim_test::expect_matches_cpu(gpu, cpu);
+  }
+}
+
+// A row's output is the same bits whatever the batch: alone, in part of one 16-row tile, in a
+// whole one, and in the second tile of a batch.
+TEST(SimLinear, TensorCoreRowsDoNotDependOnTheBatch) {
+  std::mt19937 gen(40);
+  for (WeightFormat f : {WeightFormat::kQ4_K, WeightFormat::kInt4, WeightFormat::kFp8})
+    for (DType dtype : kMmaDTypes) {
+      SCOPED_TRACE(name(f, dtype));
+      const int64_t n = 10, k = 1024, batch = 21;
+      const Weight w(f, n, k, gen);
+      const Tensor x = sim_test::randn({batch, k}, dtype, gen);
+      auto run = [&](int64_t first, int64_t m, Tensor& out) {
+        Tensor rows({m, k}, dtype);
+        const size_t row_bytes = static_cast<size_t>(k) * octavo::dtype_size(dtype);
+        std::memcpy(rows.data(), static_cast<const char*>(x.data()) + first * row_bytes, m * row_bytes);
+        run_on_tensor_cores(out, rows, w, nullptr);
+      };
+      Tensor all({batch, n}, dtype);
+      run(0, batch, all);
+      const size_t out_row = static_cast<size_t>(n) * octavo::dtype_size(dtype);
+      for (auto [first, m] : std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {0, 5}, {0, 16}, {16, 5}, {19, 1}}) {
+        Tensor some({m, n}, dtype);
+        run(first, m, some);
+        EXPECT_EQ(std::memcmp(some.data(), static_cast<const char*>(all.data()) + first * out_row, m * out_row), 0)
+            << "rows " << first << ".." << first + m - 1;
+      }
+    }
+}
+
+TEST(SimLinear, TensorCoresRefuseWhatTheyCannotTake) {
+  std::mt19937 gen(41);
+  const Weight w(WeightFormat::kInt4, 3, 64, gen);
+  const Weight::Views on_gpu = w.on(true), on_cpu = w.on(false);
+  octavo::WeightQuant gpu_quant = on_gpu.quant(), cpu_quant = on_cpu.quant();
+  gpu_quant.tensor_cores = cpu_quant.tensor_cores = true;
+  const Tensor floats = sim_test::randn({2, 64}, DType::kFloat32, gen);
+  Tensor out({2, 3}, DType::kFloat32);
+  expect_refusal([&] { octavo::linear(out.cuda(), floats.cuda(), on_gpu.data, nullptr, w.format, gpu_quant); },
+                 "bfloat16 or float16 inputs, got float32");
+  const Tensor halves = sim_test::randn({2, 64}, DType::kFloat16, gen);
+  Tensor half_out({2, 3}, DType::kFloat16);
+  expect_refusal([&] { octavo::linear(half_out.cpu(), halves.cpu(), on_cpu.data, nullptr, w.format, cpu_quant); },
+                 "tensor_cores (linear on tensor cores) is for CUDA only");
+}
+
 TEST(SimLinear, WhatCudaCannotReadIsRefusedByName) {
   std::mt19937 gen(37);
   const Tensor x = sim_test::randn({2, 100}, DType::kFloat32, gen), w = sim_test::randn({3, 100}, DType::kFloat32, gen);

@@ -203,6 +203,83 @@ def test_linear_rows_do_not_depend_on_the_batch(fmt):
         assert torch.equal(out, outs[0][:out.shape[0]])
 
 
+@pytest.mark.parametrize("m,n,k", [(1, 7, 64), (5, 33, 576), (16, 4096, 4096), (17, 130, 1536), (40, 9, 256)])
+@pytest.mark.parametrize("fmt", QUANTIZED + ["dense"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_linear_on_tensor_cores_is_the_product_of_the_dequantized_weights(dtype, fmt, m, n, k):
+    """tensor_cores=True (linear_mma.cu) against the CPU's dense kernel on the weights dequantize
+    writes in the activations' dtype, with a bias."""
+    weight = torch.randn(n, k).to(dtype) if fmt == "dense" else random_quantized(fmt, n, k)
+    k = weight.shape[1]  # whole blocks of the format
+    x, b = torch.randn(m, k).to(dtype), torch.randn(n).to(dtype)
+    rounded = weight if fmt == "dense" else weight.dequantize(dtype)
+    expected = torch.empty(m, n, dtype=dtype)
+    _C.ops.linear(expected, x, rounded, b)
+    w = weight.to("cuda")
+    data, args = (w, {}) if fmt == "dense" else (w.qweight, w.kernel_args())
+    out = torch.empty(m, n, dtype=dtype, device="cuda")
+    _C.ops.linear(out, x.cuda(), data, b.cuda(), **args, tensor_cores=True)
+    assert_matches_cpu(out, expected)
+
+
+def test_linear_on_tensor_cores_rows_do_not_depend_on_the_batch():
+    weight = random_quantized("int4", 100, 1536).to("cuda")
+    x = torch.randn(33, 1536, device="cuda", dtype=torch.bfloat16)
+    outs = {(first, m): torch.empty(m, 100, device="cuda", dtype=torch.bfloat16)
+            for first, m in ((0, 33), (0, 1), (0, 16), (16, 3), (32, 1))}
+    for (first, m), out in outs.items():
+        _C.ops.linear(out, x[first:first + m], weight.qweight, None, **weight.kernel_args(), tensor_cores=True)
+    for (first, m), out in outs.items():
+        assert torch.equal(out, outs[0, 33][first:first + m])
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "int4"])
+def test_layer_takes_tensor_cores_up_to_their_row_limit(fmt, monkeypatch):
+    """With CUDA_TENSOR_CORE_MAX_ROWS set, layers.linear sends 16-bit products of up to that many
+    rows to the tensor-core kernel (float32 ones keep the GEMV), and more rows to the GEMM."""
+    from octavo.layers import linear as layer
+
+    monkeypatch.setattr(layer, "CUDA_TENSOR_CORE_MAX_ROWS", 16)
+    calls = []
+    linear_op = _C.ops.linear
+    monkeypatch.setattr(layer._C.ops, "linear", lambda *args: calls.append(args[-1]) or linear_op(*args))
+    weight = random_quantized(fmt, 300, 512).to("cuda")
+    for m, dtype, expected_calls in ((1, torch.bfloat16, [True]), (16, torch.float16, [True]),
+                                     (4, torch.float32, [False]), (17, torch.bfloat16, [])):
+        calls.clear()
+        x = torch.randn(m, weight.shape[1], device="cuda").to(dtype)
+        got = layer.linear(x, weight)
+        expected = torch.nn.functional.linear(x.double(), weight.dequantize(dtype).double())
+        tolerance = {torch.float32: 1e-4, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+        assert calls == expected_calls and got.dtype == dtype
+        torch.testing.assert_close(got.double(), expected, rtol=tolerance,
+                                   atol=tolerance * expected.abs().max().item())
+
+
+def test_layer_takes_fp8_tensor_cores_from_their_row_count(monkeypatch):
+    """With CUDA_FP8_GEMM_FROM_ROWS set, bfloat16 products of a per-row fp8 weight from that many
+    rows run W8A8 (fp8_gemm: each row rounded to E4M3 at its own scale), against that formula in
+    float64; fewer rows, float16 rows and block-wise scales keep the weight-only paths."""
+    from octavo.layers import linear as layer
+    from octavo.layers.quantize import quantize_fp8
+    from test_fp8_weights import assert_rows_close, block_weight, w8a8_reference
+
+    monkeypatch.setattr(layer, "CUDA_FP8_GEMM_FROM_ROWS", 16)
+    per_row = quantize_fp8(torch.randn(256, 512) * torch.logspace(-2, 1, 256)[:, None])
+    for weight, m, dtype, w8a8 in ((per_row, 16, torch.bfloat16, True), (per_row, 300, torch.bfloat16, True),
+                                   (per_row, 15, torch.bfloat16, False), (per_row, 40, torch.float16, False),
+                                   (block_weight(256, 512, 128), 40, torch.bfloat16, False)):
+        x = (torch.randn(m, 512) * torch.logspace(-3, 2, m)[:, None]).to(dtype)
+        got = layer.linear(x.cuda(), weight.to("cuda")).cpu()
+        assert got.dtype == dtype
+        if w8a8:
+            assert_rows_close(got, w8a8_reference(x, weight))
+        else:
+            expected = x.double() @ weight.dequantize().double().T
+            tolerance = {torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+            assert ((got.double() - expected).abs() <= tolerance * expected.abs().amax(dim=1, keepdim=True)).all()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("fmt", ["q4_1", "int4"])
 def test_layer_takes_the_kernel_for_few_rows_and_dequantized_gemm_for_many(fmt, dtype, monkeypatch):

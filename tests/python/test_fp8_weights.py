@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from octavo import _C, LLM, SamplingParams
-from octavo.layers.linear import QuantizedWeight
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from octavo.layers.linear import QuantizedWeight, fp8_gemm, fp8_gemm_takes
 from octavo.layers.quantize import quantize_fp8
 from test_elementwise_ops import DTYPE_IDS, DTYPES
 from test_linear import assert_close, reference
@@ -62,6 +65,75 @@ def test_linear_equals_the_dense_kernel_on_dequantized_weights(isa, dtype, group
         _C.ops.linear(dense, x, w, b)
         assert torch.equal(out, dense)
     assert_close(out, reference(x, w, b), dtype)
+
+
+def w8a8_reference(x: torch.Tensor, qw: QuantizedWeight) -> torch.Tensor:
+    """fp8_gemm's product in float64: each row of x rounded to E4M3 at scale max |x| / 448, times
+    the dequantized weight."""
+    scale = (x.float().abs().amax(dim=1, keepdim=True) / 448).clamp(min=torch.finfo(torch.float32).tiny)
+    rounded = (x.float() / scale).clamp(-448, 448).to(FP8).double() * scale.double()
+    return rounded @ qw.dequantize().double().T
+
+
+def assert_rows_close(got: torch.Tensor, expected: torch.Tensor):
+    """Each bfloat16 row within one rounding of its own largest value (rows differ in scale by
+    orders of magnitude); a row of zeros exactly zeros."""
+    size = expected.abs().amax(dim=1, keepdim=True)
+    assert ((got.double() - expected).abs() <= size * 2.0 ** -7).all()
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 16, 64), (5, 48, 256), (33, 32, 576)])
+def test_fp8_gemm_rounds_each_row_to_e4m3_then_multiplies(m, n, k):
+    """W8A8 (layers.linear.fp8_gemm, for bfloat16 activations on FP8 tensor cores) against its
+    formula, with a bias; and within E4M3's rounding of the weight-only product."""
+    qw = quantize_fp8(torch.randn(n, k) * torch.logspace(-2, 1, n)[:, None])
+    x = (torch.randn(m, k) * torch.logspace(-3, 2, m)[:, None]).bfloat16()
+    got = fp8_gemm(x, qw, None)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+    assert_rows_close(got, w8a8_reference(x, qw))
+    weight_only = x.double() @ qw.dequantize().double().T
+    assert ((got.double() - weight_only).abs() <= weight_only.abs().amax(dim=1, keepdim=True) / 8).all()
+    bias = torch.randn(n).bfloat16()
+    assert torch.equal(fp8_gemm(x, qw, bias), got + bias)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.sampled_from([0.0, -0.0, 1e-40, -9e-41, 1e-38, 3.0e38, -3.3e38, 1.0, -448.0, 65504.0]) |
+                st.floats(-1e6, 1e6, allow_nan=False, width=32), min_size=32, max_size=32))
+def test_fp8_gemm_takes_rows_at_bfloat16s_limits(values):
+    """A row of zeros, subnormals or values near bfloat16's largest gives its product at its own
+    scale: the scale is a float32 normal, and no quotient passes 448 (small weights keep the
+    products inside bfloat16's range)."""
+    qw = quantize_fp8(torch.randn(16, 32) * 1e-3)
+    x = torch.tensor([values, [0.0] * 32, [1.0] * 32]).bfloat16()
+    got = fp8_gemm(x, qw, None)
+    assert torch.isfinite(got).all()
+    assert_rows_close(got, w8a8_reference(x, qw))
+    assert torch.equal(got[1], torch.zeros(16, dtype=torch.bfloat16))
+
+
+def test_fp8_gemm_takes_bfloat16_rows_and_per_row_scales_only():
+    x = torch.randn(4, 256).bfloat16()
+    per_row = quantize_fp8(torch.randn(32, 256))
+    assert fp8_gemm_takes(x, per_row)
+    assert not fp8_gemm_takes(x.half(), per_row) and not fp8_gemm_takes(x.float(), per_row)
+    assert not fp8_gemm_takes(x, block_weight(32, 256, 128))  # block-wise scales
+    assert not fp8_gemm_takes(x, quantize_fp8(torch.randn(24, 256)))  # N not in 16s
+    from octavo.layers.quantize import quantize_int8
+    assert not fp8_gemm_takes(x, quantize_int8(torch.randn(32, 256)))
+
+
+def test_the_layer_keeps_fp8_weight_only_off_cuda(monkeypatch):
+    """CUDA_FP8_GEMM_FROM_ROWS routes CUDA products only: a CPU product of any size stays the
+    weight-only kernel's (the dense kernel on the dequantized weights, bit for bit)."""
+    from octavo.layers import linear as layer
+
+    monkeypatch.setattr(layer, "CUDA_FP8_GEMM_FROM_ROWS", 1)
+    qw = quantize_fp8(torch.randn(32, 256))
+    x = torch.randn(40, 256)
+    dense = torch.empty(40, 32)
+    _C.ops.linear(dense, x, qw.dequantize(), None)
+    assert torch.equal(layer.linear(x, qw), dense)
 
 
 def test_bad_fp8_arguments_are_named():

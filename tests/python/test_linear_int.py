@@ -129,6 +129,8 @@ def test_bad_quantization_arguments_are_named():
         _C.ops.linear(out, x, qw.qweight, None, weight_format="int8", scales=torch.ones(8))
     with pytest.raises(ValueError, match="unsupported quantization method 'fp6'"):
         quantize_model(torch.nn.Module(), "fp6")
+    with pytest.raises(ValueError, match=r"tensor_cores \(linear on tensor cores\) is for CUDA only"):
+        _C.ops.linear(out.bfloat16(), x.bfloat16(), qw.qweight, None, **qw.kernel_args(), tensor_cores=True)
 
 
 def test_quantize_model_replaces_the_projections():

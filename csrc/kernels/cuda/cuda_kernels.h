@@ -48,6 +48,8 @@ void reserve_sample_workspaces(int64_t max_rows, int64_t vocab_size);
 // from torch is), and dense weights in rows of a multiple of 32 inputs. dequantize: out in any
 // float dtype (p.dtype).
 void linear(const LinearParams& p);
+// linear with p.tensor_cores (linear_mma.cu): 16-bit inputs only.
+void linear_mma(const LinearParams& p);
 void dequantize(const LinearParams& p);
 // Mixture of experts (moe.cu). Ids outside [0, num_experts) count as -1 (skipped); fused_moe
 // takes every format linear does but the CPU's bf16 tiles, with hidden and intermediate sizes in

@@ -154,20 +154,16 @@ void launch_linear(const LinearParams& p) {
   check_launch("linear");
 }
 
-// Calls fn(Row{}) with the row decoder of p's quantized format.
+// Calls fn(Row*) with the row decoder of p's quantized format.
 template <typename Fn>
 void dispatch_quantized(const LinearParams& p, Fn&& fn) {
-  if (dispatch_gguf(p.weight_format, fn)) return;
-  switch (p.weight_format) {
-    case WeightFormat::kInt8:
-    case WeightFormat::kInt8A8: return fn(static_cast<Int8Row*>(nullptr));  // int8_a8: dequantize only
-    case WeightFormat::kInt4:
-    case WeightFormat::kInt4A8: return fn(static_cast<Int4Row*>(nullptr));  // int4_a8: dequantize only
-    case WeightFormat::kFp8: return fn(static_cast<Fp8Row*>(nullptr));
-    case WeightFormat::kBf16Tiles: break;  // refused before launch (ops/linear.cc): CPU only
-    default: break;                        // dense
-  }
-  OCTAVO_CHECK(false, "not a quantized weight format on CUDA");
+  // int4_a8 and int8_a8: linear refuses them on CUDA (ops/linear.cc), dequantize reads their weights
+  const WeightFormat format = p.weight_format == WeightFormat::kInt8A8   ? WeightFormat::kInt8
+                              : p.weight_format == WeightFormat::kInt4A8 ? WeightFormat::kInt4
+                                                                         : p.weight_format;
+  // bf16_tiles: refused before launch (ops/linear.cc), CPU only
+  OCTAVO_CHECK(format != WeightFormat::kDense && dispatch_rows<float>(format, fn),
+               "not a quantized weight format on CUDA");
 }
 
 template <typename T>
@@ -222,6 +218,7 @@ void launch_dequantize(const LinearParams& p) {
 }  // namespace
 
 void linear(const LinearParams& p) {
+  if (p.tensor_cores) return linear_mma(p);
   if (p.rows == 0 || p.out_features == 0) return;
   dispatch_float(p.dtype, "linear", [&](auto t) { run_linear<decltype(t)>(p); });
 }

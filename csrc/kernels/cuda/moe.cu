@@ -650,17 +650,10 @@ void launch_pass(const ExpertPass& pass) {
 
 // Calls fn(Row*) with the row decoder of a stack's format (dense: of T).
 template <typename T, typename Fn>
-void dispatch_rows(const ExpertStack& w, Fn&& fn) {
-  if (dispatch_gguf(w.format, fn)) return;
-  switch (w.format) {
-    case WeightFormat::kDense: return fn(static_cast<DenseRow<T>*>(nullptr));
-    case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr));
-    case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr));
-    case WeightFormat::kFp8: return fn(static_cast<Fp8Row*>(nullptr));
-    default: break;  // int4_a8, int8_a8, bf16_tiles: refused before launch (ops/moe.cc), CPU only
-  }
-  OCTAVO_CHECK(false, "fused_moe on CUDA: experts in " << weight_format_name(w.format)
-                                                       << " (a CPU layout) are not read on CUDA");
+void dispatch_stack(const ExpertStack& w, Fn&& fn) {
+  // int4_a8, int8_a8, bf16_tiles: refused before launch (ops/moe.cc), CPU only
+  OCTAVO_CHECK(dispatch_rows<T>(w.format, fn), "fused_moe on CUDA: experts in " << weight_format_name(w.format)
+                                                   << " (a CPU layout) are not read on CUDA");
 }
 
 // Whether a chunk of `pairs` with 16-bit activations takes the tensor-core kernels: enough pairs
@@ -687,10 +680,10 @@ void run_chunk(const FusedMoeParams& p, int64_t t0, int64_t t1) {
   const int64_t blocks = s.capacity / block;
   const ExpertPass up{p.w13, p.hidden, p.intermediate, hidden, p.in_stride, s.act, s.sorted, s.expert_ids,
                       blocks, pairs, p.top_k};
-  dispatch_rows<T>(p.w13, [&](auto* row) { launch_pass<T, std::remove_pointer_t<decltype(row)>, true, kMma>(up); });
+  dispatch_stack<T>(p.w13, [&](auto* row) { launch_pass<T, std::remove_pointer_t<decltype(row)>, true, kMma>(up); });
   const ExpertPass down{p.w2, p.intermediate, p.hidden, s.act, p.intermediate, s.y, s.sorted, s.expert_ids,
                         blocks, pairs, p.top_k};
-  dispatch_rows<T>(p.w2,
+  dispatch_stack<T>(p.w2,
                    [&](auto* row) { launch_pass<Act, std::remove_pointer_t<decltype(row)>, false, kMma>(down); });
   const CombineParams c{static_cast<T*>(p.out) + t0 * p.out_stride, s.y, p.topk_weights + t0 * p.top_k,
                         p.topk_ids + t0 * p.top_k, s.pair_rows, p.hidden, p.top_k, p.out_stride, p.num_experts};

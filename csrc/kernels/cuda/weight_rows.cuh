@@ -328,6 +328,20 @@ bool dispatch_gguf(WeightFormat format, Fn&& fn) {
   }
 }
 
+// Calls fn(static_cast<Row*>(nullptr)) with the row decoder of `format` (dense: of T) and returns
+// true; false for the formats CUDA does not read (the CPU's bf16 tiles and int8-input formats).
+template <typename T, typename Fn>
+bool dispatch_rows(WeightFormat format, Fn&& fn) {
+  if (dispatch_gguf(format, fn)) return true;
+  switch (format) {
+    case WeightFormat::kDense: return fn(static_cast<DenseRow<T>*>(nullptr)), true;
+    case WeightFormat::kInt8: return fn(static_cast<Int8Row*>(nullptr)), true;
+    case WeightFormat::kInt4: return fn(static_cast<Int4Row*>(nullptr)), true;
+    case WeightFormat::kFp8: return fn(static_cast<Fp8Row*>(nullptr)), true;
+    default: return false;
+  }
+}
+
 // The kR x kC dot products of weight rows w with input rows x over in_features, as linear_kernel
 // and fused_moe's expert_gemv_kernel compute them: the block's kThreads threads walk the blocks
 // of 32 weights, kParts threads per block (part q decodes weights 4q.. and 16 + 4q..), and each

@@ -37,6 +37,7 @@ int64_t check_weight(const TensorView& weight, WeightFormat format, const Weight
   p.weight = weight.data;
   p.weight_format = format;
   p.int8_inputs = quant.int8_inputs;
+  p.tensor_cores = quant.tensor_cores;
   OCTAVO_CHECK(!quant.int8_inputs || is_gguf_format(format),
                "int8_inputs needs a GGUF block format, got " << weight_format_name(format));
   const int64_t n = weight.shape[0];
@@ -188,6 +189,7 @@ void linear(const TensorView& out, const TensorView& input, const TensorView& we
   OCTAVO_CHECK(!cuda || !quant.int8_inputs, "int8_inputs (int8 activations) is for the CPU only");
   OCTAVO_CHECK(!cuda || format != WeightFormat::kInt8A8,
                "weight format int8_a8 (int8 inputs) is for the CPU only; CUDA multiplies int8");
+  OCTAVO_CHECK(cuda || !quant.tensor_cores, "tensor_cores (linear on tensor cores) is for CUDA only");
   if (cuda) cuda::linear(p);
   else cpu_dispatch(linear, p);
 }

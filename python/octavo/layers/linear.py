@@ -41,6 +41,18 @@ M = 8 for int4 and Q4_0 (bench_cuda.py's table, bench/RESULTS.md). Either side o
 differ: the kernel multiplies the float32 weights, the GEMM
 them rounded to the activations' dtype, as a bfloat16 checkpoint's weights would be. On a GPU
 rows are not batch-invariant anyway (cuBLAS picks its algorithm by shape).
+
+A third CUDA path waits for its measurement: ``tensor_cores=True`` runs linear_mma.cu's kernel
+(bfloat16 / float16 activations), which decodes each weight once per 16 rows into tensor-core
+fragments (Marlin's design), so its time should stay near the M = 1 time up to 16 rows. It
+multiplies the weights rounded to the activations' dtype, as the GEMM path does. Quantized
+products of up to ``CUDA_TENSOR_CORE_MAX_ROWS`` rows take it; 0 until bench_cuda.py's table shows
+where it wins.
+
+FP8 weights with one scale per output row can also run W8A8 on a Hopper GPU, as vLLM runs FP8
+checkpoints there: ``fp8_gemm`` rounds each input row to E4M3 with a scale of its own and
+multiplies on the FP8 tensor cores (torch._scaled_mm). Products of bfloat16 rows from
+``CUDA_FP8_GEMM_FROM_ROWS`` rows on would take it; inf, none, until measured on a GPU.
 """
 
 from __future__ import annotations
@@ -63,6 +75,13 @@ CUDA_KERNEL_MAX_ROWS = 8
 # float32 takes the quantized formats' kernel, even with cuBLAS at M = 1 and ahead to M = 8).
 CUDA_DENSE_KERNEL_MAX_ROWS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1}
 DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
+# On CUDA, the most rows of 16-bit activations a quantized weight's product runs on tensor cores
+# (see above): 0, none, until measured on a GPU (issue #29).
+CUDA_TENSOR_CORE_MAX_ROWS = 0
+# On CUDA, the fewest rows of bfloat16 activations whose product with an fp8 weight of one scale
+# per row runs W8A8 on FP8 tensor cores (fp8_gemm): inf, never, until measured on a GPU (issue #29).
+CUDA_FP8_GEMM_FROM_ROWS = math.inf
+FP8_MAX = 448.0  # E4M3's largest finite value
 # On the CPU, 16-bit activations of a quantized product with fewer rows than this are multiplied
 # as float32 (see linear); from 16 rows float32 runs on other kernels than 16-bit inputs do.
 FLOAT_INPUT_MAX_ROWS = 16
@@ -231,9 +250,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):
         qweight, weight_format, scales, zeros, group_size, n, input_order, int8_inputs = weight.bound
+        if x.device.type == "cuda" and x.shape[0] >= CUDA_FP8_GEMM_FROM_ROWS and fp8_gemm_takes(x, weight):
+            return _into(out, fp8_gemm(x, weight, bias))
         if input_order is not None:
             x = x.index_select(-1, input_order)
-        if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS:
+        tensor_cores = x.device.type == "cuda" and x.dtype != torch.float32 and \
+            x.shape[0] <= CUDA_TENSOR_CORE_MAX_ROWS
+        if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS and not tensor_cores:
             return _into(out, _gemm_on_dequantized(x, weight, bias))
         dtype = x.dtype
         if x.device.type == "cpu" and dtype != torch.float32 and weight_format != "bf16_tiles":
@@ -249,10 +272,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
                 # type; the int8 tiles multiply bfloat16 ones.)
                 x, bias = x.float(), None if bias is None else bias.float()
         if out is not None and out.dtype == x.dtype:
-            _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs)
+            _C.ops.linear(out, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs, tensor_cores)
             return out
         result = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-        _C.ops.linear(result, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs)
+        _C.ops.linear(result, x, qweight, bias, weight_format, scales, zeros, group_size, int8_inputs, tensor_cores)
         return _into(out, result.to(dtype))
     if not _dense_kernel_takes(x, weight):
         return F.linear(x, weight, bias)
@@ -282,6 +305,27 @@ def _dense_kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return x.shape[0] < TORCH_FROM_ROWS.get(x.dtype, 0)
     return (x.device.type == "cuda" and x.shape[0] <= CUDA_DENSE_KERNEL_MAX_ROWS.get(x.dtype, 0)
             and weight.shape[1] % 32 == 0 and x.stride(0) % 4 == 0 and x.data_ptr() % (4 * x.element_size()) == 0)
+
+
+def fp8_gemm_takes(x: torch.Tensor, weight: QuantizedWeight) -> bool:
+    """Whether fp8_gemm multiplies x by weight: bfloat16 rows, an fp8 weight with one scale per
+    output row (per-channel or per-tensor checkpoints; block-wise scales are not rows'), and in and
+    out features in whole 16s (torch._scaled_mm's)."""
+    n, k = weight.shape
+    return (x.dtype == torch.bfloat16 and weight.weight_format == "fp8" and weight.scales.shape[1] == 1
+            and n % 16 == 0 and k % 16 == 0)
+
+
+def fp8_gemm(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
+    """W8A8: each row of x (bfloat16) rounded to E4M3 with its own scale s = max |x| / 448 (vLLM's
+    dynamic per-token scale; at least float32's smallest normal, so a row of zeros stays zeros),
+    times the E4M3 weight on FP8 tensor cores, the float32 sums scaled by both rows' scales ->
+    [M, N] bfloat16."""
+    scale = (x.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_(min=torch.finfo(torch.float32).tiny)
+    q = (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)  # past 448 the cast gives NaN
+    out = torch._scaled_mm(q, weight.qweight.t(), scale_a=scale, scale_b=weight.scales.reshape(1, -1),
+                           out_dtype=x.dtype)
+    return out if bias is None else out.add_(bias)
 
 
 def _gemm_on_dequantized(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:

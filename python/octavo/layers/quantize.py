@@ -39,7 +39,7 @@ from typing import Callable, Iterable, Iterator
 
 import torch
 
-from .linear import QuantizedWeight
+from .linear import FP8_MAX, QuantizedWeight
 
 METHODS = ("int8", "int4", "q4_1", "w4a8", "w8a8", "fp8")
 GGUF_A8 = "gguf_a8"  # not a weight format: int8 inputs for the blocks a GGUF file holds
@@ -56,7 +56,6 @@ def quantize_int8(w: torch.Tensor, weight_format: str = "int8") -> QuantizedWeig
     return QuantizedWeight(q, weight_format, w.shape[1], scales=scales)
 
 
-FP8_MAX = 448.0  # E4M3's largest finite value
 
 
 def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:

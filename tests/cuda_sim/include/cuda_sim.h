@@ -53,6 +53,10 @@ struct dim3 {
 struct alignas(16) uint4 {
   unsigned x, y, z, w;
 };
+struct alignas(8) uint2 {
+  unsigned x, y;
+};
+inline uint2 make_uint2(unsigned x, unsigned y) { return uint2{x, y}; }
 inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return uint4{x, y, z, w}; }
 // Rounded, never contracted into an FMA with a neighbour (cuda_sim's kernels build with
 // -ffp-contract=off, as nvcc leaves these alone).
