@@ -253,6 +253,13 @@ TEST(SimLinear, TensorCoresRefuseWhatTheyCannotTake) {
   Tensor half_out({2, 3}, DType::kFloat16);
   expect_refusal([&] { octavo::linear(half_out.cpu(), halves.cpu(), on_cpu.data, nullptr, w.format, cpu_quant); },
                  "tensor_cores (linear on tensor cores) is for CUDA only");
+  // Rows 68 elements apart: at 4-element boundaries (the GEMV's loads), not at 16-byte ones.
+  const Tensor wide = sim_test::randn({2, 68}, DType::kFloat16, gen);
+  TensorView rows = wide.cuda();
+  rows.shape[1] = 64;
+  expect_refusal([&] { octavo::linear(half_out.cuda(), rows, on_gpu.data, nullptr, w.format, gpu_quant); },
+                 "input rows must start at 16-byte boundaries");
+  octavo::linear(half_out.cuda(), rows, on_gpu.data, nullptr, w.format, on_gpu.quant());
 }
 
 TEST(SimLinear, WhatCudaCannotReadIsRefusedByName) {

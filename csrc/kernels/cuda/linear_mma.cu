@@ -5,16 +5,19 @@
 // 16 rows for the price of one; the weight is decoded once, in registers, straight into the B
 // fragments, and the kernel stays bound by the weight's bytes up to M = 16.
 //
-// Work split: a CUDA block computes kTileRows (8, the mma's N) output features for 16 input rows
-// (the mma's M; rows past M are zeros, computed and not stored). Its kWarps warps split K: each
-// walks runs of kUnroll consecutive blocks of 32 weights, the block's warps side by side, so that
-// a row's bytes are read contiguously kWarps * kUnroll blocks at a time. Lane (g, t) = (lane / 4,
-// lane % 4) decodes part t of weight row n0 + g with the formats' row decoders (weight_rows.cuh):
-// weights 4t..4t+3 and 16+4t..16+4t+3 of each block, which are B's elements for its 16-wide K
-// slices once K is renumbered within a slice (logical 2t + j <-> stored 4t + j, logical 8 + 2t + j
-// <-> stored 4t + 2 + j). A's elements take the same renumbering, which makes them two 4-element
-// loads of each input row. A dot product does not depend on the order of its terms' indices, only
-// of its sums, so the product is that of the weight as stored.
+// Work split: a CUDA block computes kBlockRows output features (kTiles n-tiles of 8, the mma's
+// N) for 16 input rows (the mma's M; rows past M are zeros, computed and not stored). Its kWarps
+// warps split K: a warp's step takes 4 consecutive blocks of 32 weights, the warps' steps side by
+// side, so the block reads a run of 4 * kWarps blocks of each row at a time.
+//
+// Lane (g, t) = (lane / 4, lane % 4) decodes block `step + t` of rows n0 + 8j + g (n-tile j)
+// whole (decode_block: one 16-byte load for int4, two for int8 / fp8), so the four lanes of a row
+// read 64 (int4) or 128 contiguous bytes. The mma does not need a lane's B elements to be the
+// K indices the PTX layout names: lane t's elements of logical columns 2t, 2t + 1, 2t + 8, 2t + 9
+// of k-slice i are weights 4i .. 4i + 3 of its own block, and A's elements of the same logical
+// columns are the same weights' inputs, which makes them one 8-byte load per input row. (A dot
+// product does not depend on how its terms are numbered, only on the order of its sums.) Each A
+// fragment serves the kTiles n-tiles, each B fragment the 16 input rows.
 //
 // The decoded floats are rounded to the inputs' type before they are multiplied: the result is
 // that of the weights `dequantize` writes in that type, as torch's GEMM on them gives above
@@ -30,71 +33,83 @@
 namespace octavo::cuda {
 namespace {
 
-constexpr int kWarps = 4;     // K is split over a block's warps
-constexpr int kUnroll = 4;    // blocks of 32 weights a warp decodes per step, their loads in flight together
-constexpr int kTileRows = 8;  // output features per CUDA block: the mma's N
+// Not yet measured on a GPU: kWarps and kTiles are the knobs (ptxas: 134-180 registers a thread
+// for the 4-bit and 8-bit formats at sm_90, so one 256-thread block per SM, each lane with 4
+// weight loads of 16 bytes and 8 input loads in flight).
+constexpr int kWarps = 8;        // K is split over a block's warps
+constexpr int kTiles = 4;        // n-tiles of 8 output features per CUDA block, each A fragment used once per tile
+constexpr int kBlockRows = 8 * kTiles;
 constexpr int kTileInputs = 16;  // input rows per CUDA block: the mma's M
+constexpr int kStepBlocks = 4;   // blocks of 32 weights in a warp's step: one per lane of a quad
 
-// Elements 4t..4t+3 of an input row (two A registers' pairs), or zeros for a row past M.
+// The 32 inputs of block blk of an input row as 16 pairs (pair i: inputs 2i, 2i + 1), from four
+// 16-byte loads; zeros for a row past M or a block past K.
 template <typename T>
-__device__ __forceinline__ uint2 input_quad(const T* row, int64_t k) {
-  return row != nullptr ? *reinterpret_cast<const uint2*>(row + k) : make_uint2(0u, 0u);
+__device__ __forceinline__ void load_inputs(const T* row, int64_t blk, bool real, uint32_t (&pairs)[16]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 v = real ? reinterpret_cast<const uint4*>(row + blk * kBlockWeights)[i] : make_uint4(0u, 0u, 0u, 0u);
+    pairs[4 * i] = v.x, pairs[4 * i + 1] = v.y, pairs[4 * i + 2] = v.z, pairs[4 * i + 3] = v.w;
+  }
 }
 
-// c += the product of kSteps consecutive blocks from `blk` on: all of their loads first, then the
-// mma of each 16-wide slice.
-template <typename T, typename Row, int kSteps>
-__device__ __forceinline__ void multiply_blocks(const Row& w, const T* x_lo, const T* x_hi, int64_t blk, int t,
-                                                float (&c)[4]) {
-  float v[kSteps][8];
-  uint2 lo[kSteps][2], hi[kSteps][2];
+// c[j] += the products of the lane's block `blk` (its quad's step) for n-tile j: every row's
+// block decoded first, so that all of the lane's loads are in flight together, then 8 k-slices
+// of 4 weights each.
+template <typename T, typename Row>
+__device__ __forceinline__ void multiply_step(const Row (&w)[kTiles], const T* x_lo, const T* x_hi, int64_t blk,
+                                              bool real, float (&c)[kTiles][4]) {
+  uint32_t b[kTiles][16];  // pair i of row j's block: weights 2i, 2i + 1 in T
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s) {
-    w.decode(blk + s, t, v[s]);
+  for (int j = 0; j < kTiles; ++j) {
+    float v[kBlockWeights] = {};
+    if (real) decode_block(w[j], blk, v);
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int64_t k = (blk + s) * kBlockWeights + 16 * h + 4 * t;
-      lo[s][h] = input_quad(x_lo, k);
-      hi[s][h] = input_quad(x_hi, k);
-    }
+    for (int i = 0; i < 16; ++i) b[j][i] = pack_pair<T>(v[2 * i], v[2 * i + 1]);
   }
+  uint32_t lo[16], hi[16];
+  load_inputs(x_lo, blk, real && x_lo != nullptr, lo);
+  load_inputs(x_hi, blk, real && x_hi != nullptr, hi);
 #pragma unroll
-  for (int s = 0; s < kSteps; ++s)
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t a[4] = {lo[2 * i], hi[2 * i], lo[2 * i + 1], hi[2 * i + 1]};
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const uint32_t a[4] = {lo[s][h].x, hi[s][h].x, lo[s][h].y, hi[s][h].y};
-      mma_16x8x16<T>(c, a, pack_pair<T>(v[s][4 * h], v[s][4 * h + 1]), pack_pair<T>(v[s][4 * h + 2], v[s][4 * h + 3]));
-    }
+    for (int j = 0; j < kTiles; ++j) mma_16x8x16<T>(c[j], a, b[j][2 * i], b[j][2 * i + 1]);
+  }
 }
 
 // Blocks are numbered input-row tile fastest, as linear_kernel's: above 16 rows the tiles of one
 // weight tile run at about the same time, and the weight comes from memory about once.
 template <typename T, typename Row>
 __global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(LinearParams p) {
-  __shared__ float partial[kWarps][32][4];
+  __shared__ float partial[kWarps][kTiles][32][4];
   const int64_t tiles = ceil_div(p.rows, kTileInputs);
-  const int64_t m0 = blockIdx.x % tiles * kTileInputs, n0 = blockIdx.x / tiles * kTileRows;
+  const int64_t m0 = blockIdx.x % tiles * kTileInputs, n0 = blockIdx.x / tiles * kBlockRows;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const Row w(p, min64(n0 + g, p.out_features - 1));  // rows past N repeat the last: not stored
+  static_assert(kTiles == 4, "w's initializer lists the tiles");
+  const Row w[kTiles] = {Row(p, min64(n0 + g, p.out_features - 1)), Row(p, min64(n0 + 8 + g, p.out_features - 1)),
+                         Row(p, min64(n0 + 16 + g, p.out_features - 1)),
+                         Row(p, min64(n0 + 24 + g, p.out_features - 1))};  // rows past N repeat the last: not stored
   const T* input = static_cast<const T*>(p.input);
   const T* x_lo = m0 + g < p.rows ? input + (m0 + g) * p.in_stride : nullptr;
   const T* x_hi = m0 + g + 8 < p.rows ? input + (m0 + g + 8) * p.in_stride : nullptr;
-  float c[4] = {};
-  constexpr int kRun = kWarps * kUnroll;
-  const int64_t blocks = p.in_features / kBlockWeights, whole = blocks / kRun * kRun;
-  for (int64_t blk = warp * kUnroll; blk < whole; blk += kRun) multiply_blocks<T, Row, kUnroll>(w, x_lo, x_hi, blk, t, c);
-  for (int64_t blk = whole + warp; blk < blocks; blk += kWarps) multiply_blocks<T, Row, 1>(w, x_lo, x_hi, blk, t, c);
+  float c[kTiles][4] = {};
+  const int64_t blocks = p.in_features / kBlockWeights;
+  for (int64_t step = warp * kStepBlocks; step < blocks; step += kWarps * kStepBlocks)
+    multiply_step<T, Row>(w, x_lo, x_hi, step + t, step + t < blocks, c);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) partial[warp][lane][i] = c[i];
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][j][lane][i] = c[j][i];
   __syncthreads();
-  if (warp != 0) return;
-  // C fragment: c[i] is input row g (i < 2) or g + 8, feature 2t + i % 2.
+  if (warp >= kTiles) return;
+  // Warp j stores n-tile j. C fragment: element i is input row g (i < 2) or g + 8, feature 2t + i % 2.
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const int64_t m = m0 + g + 8 * (i / 2), n = n0 + 2 * t + i % 2;
+    const int64_t m = m0 + g + 8 * (i / 2), n = n0 + 8 * warp + 2 * t + i % 2;
     if (m >= p.rows || n >= p.out_features) continue;
-    float sum = partial[0][lane][i];
-    for (int j = 1; j < kWarps; ++j) sum += partial[j][lane][i];
+    float sum = partial[0][warp][lane][i];
+    for (int k = 1; k < kWarps; ++k) sum += partial[k][warp][lane][i];
     if (p.bias != nullptr) sum += to_float(static_cast<const T*>(p.bias)[n]);
     static_cast<T*>(p.out)[m * p.out_stride + n] = from_float<T>(sum);
   }
@@ -102,11 +117,12 @@ __global__ void __launch_bounds__(kWarps * 32) mma_linear_kernel(LinearParams p)
 
 template <typename T, typename Row>
 void launch_mma_linear(const LinearParams& p) {
-  OCTAVO_CHECK(aligned(p.weight, Row::kAlign), "linear on CUDA: the weight must start at a " << Row::kAlign
-                                                   << "-byte boundary");
-  OCTAVO_CHECK(aligned(p.input, 4 * sizeof(T)) && p.in_stride % 4 == 0,
-               "linear on CUDA: input rows must start at 4-element boundaries (a contiguous input does)");
-  const int64_t blocks = ceil_div(p.rows, kTileInputs) * ceil_div(p.out_features, kTileRows);
+  constexpr int kAlign = block_align<Row>();
+  OCTAVO_CHECK(aligned(p.weight, kAlign), "linear on tensor cores: the weight must start at a " << kAlign
+                                              << "-byte boundary");
+  OCTAVO_CHECK(aligned(p.input, 16) && p.in_stride % (16 / sizeof(T)) == 0,
+               "linear on tensor cores: input rows must start at 16-byte boundaries (a contiguous input does)");
+  const int64_t blocks = ceil_div(p.rows, kTileInputs) * ceil_div(p.out_features, kBlockRows);
   OCTAVO_CHECK(blocks < (int64_t{1} << 31), "linear on CUDA: " << p.rows << " x " << p.out_features
                                                                  << " outputs are more than one launch covers");
   launch_kernel(mma_linear_kernel<T, Row>, dim3(static_cast<unsigned>(blocks)), kWarps * 32, 0, p);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "gguf_scales.h"
@@ -83,16 +84,38 @@ __device__ __forceinline__ void nibbles(uint32_t bytes, float offset, float scal
   }
 }
 
+// Part q's 8 weights (v, as decode gives them) in their places of the whole block's 32.
+__device__ __forceinline__ void place_part(int q, const float v[8], float out[32]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[4 * q + i] = v[i];
+    out[16 + 4 * q + i] = v[4 + i];
+  }
+}
+
+// The four 32-bit words of 16 bytes.
+__device__ __forceinline__ void words_of(const uint4& b, uint32_t (&w)[4]) { w[0] = b.x, w[1] = b.y, w[2] = b.z, w[3] = b.w; }
+
 // One row n of the weight, per format: Row(p, n), then decode(blk, q, w) for each block.
-// kAlign: the byte alignment its loads need of the weight's start.
+// kAlign: the byte alignment its loads need of the weight's start. Formats whose blocks are
+// aligned runs of 16 or 32 bytes also have decode_block(blk, w), all 32 weights of a block from
+// 16-byte loads, which need kBlockAlign (16) of the weight's start (see decode_block below).
 template <typename T>
 struct DenseRow {
-  static constexpr int kAlign = 4 * sizeof(T);
+  static constexpr int kAlign = 4 * sizeof(T), kBlockAlign = 16;
   const T* w;
   __device__ DenseRow(const LinearParams& p, int64_t n) : w(static_cast<const T*>(p.weight) + n * p.in_features) {}
   __device__ void decode(int64_t blk, int q, float out[8]) const {
     load4(w + blk * kBlockWeights + 4 * q, out);
     load4(w + blk * kBlockWeights + 16 + 4 * q, out + 4);
+  }
+  __device__ void decode_block(int64_t blk, float out[32]) const {
+#pragma unroll
+    for (int i = 0; i < kBlockWeights; i += Pack<T>::kSize) {
+      const Pack<T> pack = load_pack(w + blk * kBlockWeights + i);
+#pragma unroll
+      for (int e = 0; e < Pack<T>::kSize; ++e) out[i + e] = to_float(pack.v[e]);
+    }
   }
 };
 
@@ -259,7 +282,7 @@ struct Q3_KRow : SuperRow<110> {
 // Octavo's load-time formats (ops.h): int8, w = q * s per row; int4, w = (q - z) * s per row and
 // group of group_size inputs, nibbles ordered as GGUF's.
 struct Int8Row {
-  static constexpr int kAlign = 4;
+  static constexpr int kAlign = 4, kBlockAlign = 16;
   const int8_t* w;
   float scale;
   __device__ Int8Row(const LinearParams& p, int64_t n)
@@ -268,9 +291,21 @@ struct Int8Row {
     const uint8_t* b = reinterpret_cast<const uint8_t*>(w + blk * kBlockWeights);
     signed_bytes(load_u32(b + 4 * q), load_u32(b + 16 + 4 * q), scale, out);
   }
+  __device__ void decode_block(int64_t blk, float out[32]) const {
+    const uint4* b = reinterpret_cast<const uint4*>(w + blk * kBlockWeights);
+    uint32_t lo[4], hi[4];
+    words_of(b[0], lo);
+    words_of(b[1], hi);
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      float v[8];
+      signed_bytes(lo[q], hi[q], scale, v);
+      place_part(q, v, out);
+    }
+  }
 };
 struct Int4Row {
-  static constexpr int kAlign = 4;
+  static constexpr int kAlign = 4, kBlockAlign = 16;
   const uint8_t* w;
   const float* scales;
   const uint8_t* zeros;
@@ -285,11 +320,23 @@ struct Int4Row {
     nibbles<false>(load_u32(w + blk * (kBlockWeights / 2) + 4 * q), static_cast<float>(zeros[g]), scales[g], 0.0f,
                    out);
   }
+  __device__ void decode_block(int64_t blk, float out[32]) const {
+    uint32_t words[4];
+    words_of(*reinterpret_cast<const uint4*>(w + blk * (kBlockWeights / 2)), words);
+    const int32_t g = static_cast<int32_t>(blk) / blocks_per_group;
+    const float zero = static_cast<float>(zeros[g]), scale = scales[g];
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      float v[8];
+      nibbles<false>(words[q], zero, scale, 0.0f, v);
+      place_part(q, v, out);
+    }
+  }
 };
 
 // fp8: FP8 checkpoints' E4M3 weights, w = q * s per row and group of group_size inputs.
 struct Fp8Row {
-  static constexpr int kAlign = 4;
+  static constexpr int kAlign = 4, kBlockAlign = 16;
   const uint8_t* w;
   const float* scales;
   int32_t blocks_per_group;
@@ -297,17 +344,63 @@ struct Fp8Row {
       : w(static_cast<const uint8_t*>(p.weight) + n * p.in_features),
         scales(p.scales + n * (p.in_features / p.group_size)),
         blocks_per_group(static_cast<int32_t>(p.group_size / kBlockWeights)) {}
-  __device__ void decode(int64_t blk, int q, float out[8]) const {
-    const float scale = scales[static_cast<int32_t>(blk) / blocks_per_group];  // 32-bit divide, as Int4Row
-    const uint8_t* b = w + blk * kBlockWeights;
-    const uint32_t lo = load_u32(b + 4 * q), hi = load_u32(b + 16 + 4 * q);
+  __device__ float scale(int64_t blk) const {
+    return scales[static_cast<int32_t>(blk) / blocks_per_group];  // 32-bit divide, as Int4Row
+  }
+  // Codes lo (weights 4q..) and hi (16 + 4q..) times scale.
+  __device__ static void part(uint32_t lo, uint32_t hi, float scale, float out[8]) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       out[i] = __fmul_rn(fp8_e4m3_to_float(static_cast<uint8_t>(lo >> (8 * i))), scale);
       out[4 + i] = __fmul_rn(fp8_e4m3_to_float(static_cast<uint8_t>(hi >> (8 * i))), scale);
     }
   }
+  __device__ void decode(int64_t blk, int q, float out[8]) const {
+    const uint8_t* b = w + blk * kBlockWeights;
+    part(load_u32(b + 4 * q), load_u32(b + 16 + 4 * q), scale(blk), out);
+  }
+  __device__ void decode_block(int64_t blk, float out[32]) const {
+    const uint4* b = reinterpret_cast<const uint4*>(w + blk * kBlockWeights);
+    uint32_t lo[4], hi[4];
+    words_of(b[0], lo);
+    words_of(b[1], hi);
+    const float s = scale(blk);
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      float v[8];
+      part(lo[q], hi[q], s, v);
+      place_part(q, v, out);
+    }
+  }
 };
+
+// Whether Row has decode_block (16-byte loads of whole blocks), and the alignment of the weight's
+// start that decode_block below needs.
+template <typename Row, typename = void>
+struct HasBlockLoads : std::false_type {};
+template <typename Row>
+struct HasBlockLoads<Row, std::void_t<decltype(Row::kBlockAlign)>> : std::true_type {};
+template <typename Row>
+constexpr int block_align() {
+  if constexpr (HasBlockLoads<Row>::value) return Row::kBlockAlign;
+  else return Row::kAlign;
+}
+
+// All 32 weights of block blk, out[i] = weight i: the same floats as decode's parts, in one or two
+// 16-byte loads where the format has them (a GGUF block's fields are not 16-byte aligned).
+template <typename Row>
+__device__ __forceinline__ void decode_block(const Row& w, int64_t blk, float out[32]) {
+  if constexpr (HasBlockLoads<Row>::value) {
+    w.decode_block(blk, out);
+  } else {
+#pragma unroll
+    for (int q = 0; q < kParts; ++q) {
+      float v[8];
+      w.decode(blk, q, v);
+      place_part(q, v, out);
+    }
+  }
+}
 
 // Calls fn(static_cast<Row*>(nullptr)) with the row decoder of a GGUF format and returns true;
 // false for the other formats.
