@@ -211,12 +211,14 @@ TEST(SimElementwise, ReshapeAndCacheWritesTheSameSlots) {
 }
 
 // An fp8 cache (kv_cache_dtype="fp8") holds value / scale in E4M3: the CUDA kernel writes the
-// bytes the CPU kernel writes, saturated values (|x| / scale past 448) and subnormals included.
+// bytes the CPU kernel writes, saturated values (|x| / scale past 448) and subnormals included, in
+// packs of 16 (head size 64) and one value at a time (40, not whole packs).
 TEST(SimElementwise, ReshapeAndCacheWritesTheSameFp8Bytes) {
   std::mt19937 gen(13);
-  const int64_t num_blocks = 3, kv_heads = 2, block_size = 16, head_size = 64, tokens = 9;
+  const int64_t num_blocks = 3, kv_heads = 2, block_size = 16, tokens = 9;
+  for (int64_t head_size : {64, 40})
   for (DType dtype : sim_test::kFloatDTypes) {
-    SCOPED_TRACE(name(dtype));
+    SCOPED_TRACE(name(dtype) + " head size " + std::to_string(head_size));
     const Tensor key = sim_test::randn({tokens, kv_heads, head_size}, dtype, gen, 30.0);
     const Tensor value = sim_test::randn({tokens, kv_heads, head_size}, dtype, gen, 0.01);
     Tensor slots({tokens}, DType::kInt32);

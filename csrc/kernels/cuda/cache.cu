@@ -42,28 +42,58 @@ __global__ void cache_write_kernel(CacheWriteParams p) {
   }
 }
 
-// The same into an fp8 cache, a value per thread and step: a token's row is a few KiB.
+// 16 values of src (16-byte aligned) divided by scale and rounded to E4M3: one 16-byte store.
 template <typename T>
+__device__ __forceinline__ Pack<uint8_t> fp8_pack(const T* src, float scale) {
+  Pack<uint8_t> out;
+#pragma unroll
+  for (int i = 0; i < 16; i += Pack<T>::kSize) {
+    const Pack<T> in = load_pack(src + i);
+#pragma unroll
+    for (int e = 0; e < Pack<T>::kSize; ++e) out.v[i + e] = fp8_e4m3_from_float(to_float(in.v[e]) / scale);
+  }
+  return out;
+}
+
+// The same into an fp8 cache: with kPacked, 16 values a thread and step (16-byte loads, one
+// 16-byte store), else one.
+template <typename T, bool kPacked>
 __global__ void cache_write_fp8_kernel(CacheWriteParams p) {
+  constexpr int kStep = kPacked ? 16 : 1;
   const int64_t token = blockIdx.x;
   const int64_t slot = token_slot(p, token);
   if (slot < 0) return;
   const int64_t block = slot / p.block_size, offset = slot % p.block_size;
   const T* key = static_cast<const T*>(p.key) + token * p.key_stride;
   const T* value = static_cast<const T*>(p.value) + token * p.value_stride;
-  for (int64_t e = threadIdx.x; e < p.num_kv_heads * p.head_size; e += blockDim.x) {
+  for (int64_t e = threadIdx.x * kStep; e < p.num_kv_heads * p.head_size; e += blockDim.x * kStep) {
     const int64_t h = e / p.head_size, d = e % p.head_size;
     const int64_t at = ((block * p.num_kv_heads + h) * p.block_size + offset) * p.head_size + d;
-    static_cast<uint8_t*>(p.key_cache)[at] = fp8_e4m3_from_float(to_float(key[e]) / p.k_scale);
-    static_cast<uint8_t*>(p.value_cache)[at] = fp8_e4m3_from_float(to_float(value[e]) / p.v_scale);
+    auto* key_cache = static_cast<uint8_t*>(p.key_cache);
+    auto* value_cache = static_cast<uint8_t*>(p.value_cache);
+    if constexpr (kPacked) {
+      store_pack(key_cache + at, fp8_pack(key + e, p.k_scale));
+      store_pack(value_cache + at, fp8_pack(value + e, p.v_scale));
+    } else {
+      key_cache[at] = fp8_e4m3_from_float(to_float(key[e]) / p.k_scale);
+      value_cache[at] = fp8_e4m3_from_float(to_float(value[e]) / p.v_scale);
+    }
   }
 }
 
 template <typename T>
 void launch(const CacheWriteParams& p) {
   if (p.cache_dtype == DType::kFloat8E4M3) {
-    const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(p.num_kv_heads * p.head_size, 32) * 32));
-    launch_kernel(cache_write_fp8_kernel<T>, p.num_tokens, threads, 0, p);
+    // 16 values a thread where each head's row is whole packs of the input and of the cache
+    const bool packed = p.head_size % 16 == 0 && packs_fit<T>(p.key, p.head_size, p.key_stride) &&
+                        packs_fit<T>(p.value, p.head_size, p.value_stride) &&
+                        packs_fit<uint8_t>(p.key_cache, p.head_size, 0) &&
+                        packs_fit<uint8_t>(p.value_cache, p.head_size, 0);
+    const int64_t per_thread = packed ? 16 : 1;
+    const int64_t steps = p.num_kv_heads * p.head_size / per_thread;
+    const int threads = static_cast<int>(std::min(kMaxThreads, ceil_div(steps, 32) * 32));
+    if (packed) launch_kernel(cache_write_fp8_kernel<T, true>, p.num_tokens, threads, 0, p);
+    else launch_kernel(cache_write_fp8_kernel<T, false>, p.num_tokens, threads, 0, p);
     check_launch("reshape_and_cache");
     return;
   }
