@@ -4,7 +4,10 @@
 # tests, then the benchmarks. Logs go to $OUT, which the device tool brings back.
 #
 #   bash bench/gpu_session.sh [PART[,PART...]] [--quick]
-#   PART: tests, kernels (with moe), moe, e2e, bench (= kernels,e2e) or all (the default)
+#   PART: tests, kernels (with moe), moe, e2e, bench (= kernels,e2e), candidates or all (the default)
+#   candidates: end to end with the paths that wait for a measurement to become defaults
+#   (layers/linear.py's CUDA_TENSOR_CORE_MAX_ROWS and CUDA_FP8_GEMM_FROM_ROWS), each beside
+#   today's default in the same call. Not in `all`.
 #
 # The build uses the machine's own compiler ($CXX; on the lent machines a GCC build that links
 # libstdc++ statically into the module); OCTAVO_CXX=g++ builds with the distribution's instead.
@@ -20,7 +23,7 @@ OUT=${OUT:-/tmp/octavo-gpu}
 mkdir -p "$OUT"
 what=${1:-all}
 quick=${2:-}
-part() { [[ $what == all || ,$what, == *,$1,* || ($1 == moe && ,$what, == *,kernels,*) ||
+part() { [[ ($what == all && $1 != candidates) || ,$what, == *,$1,* || ($1 == moe && ,$what, == *,kernels,*) ||
             ($what == bench && ($1 == kernels || $1 == moe || $1 == e2e)) ]]; }
 if compgen -G ".whl/*.whl" > /dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -102,4 +105,25 @@ if part e2e; then
       | tail -5 | tee -a "$OUT/latency.log"
     python3 bench/python/profile_step.py --batch 1 64 2>&1 | grep -v "^USDT\|^STAGE" | tee "$OUT/profile.log" | head -60
   fi
+fi
+if part candidates; then
+  # `bench latency` / `throughput` in this process with one module constant set ("" = today's
+  # default): int4 decode with linear on tensor cores up to 16 / 64 rows, fp8 weights W8A8 from
+  # 256 rows (prefill chunks) against weight-only.
+  candidate() {  # NAME VALUE ARGS...
+    local name=$1 value=$2; shift 2
+    timeout 200 python3 -c "import sys, octavo.layers.linear as l
+if '$value': setattr(l, '$name', float('$value') if '$value' == 'inf' else int('$value'))
+from octavo.entrypoints.cli import main
+main(sys.argv[1:])" "$@" 2>&1 | grep -v "it/s]" | tail -3 | sed "s/^/$name=${value:-default} $2: /" \
+      | tee -a "$OUT/candidates.log"
+  }
+  shape="--device cuda --dummy-shape llama-3-8b"
+  for rows in "" 16; do candidate CUDA_TENSOR_CORE_MAX_ROWS "$rows" bench latency $shape --dtype bfloat16 \
+    --quantization int4; done
+  requests="--dtype bfloat16 --input-len 512 --output-len 128 --num-requests 64 --baseline-batch"
+  for rows in "" 64; do candidate CUDA_TENSOR_CORE_MAX_ROWS "$rows" bench throughput $shape --quantization int4 \
+    $requests; done
+  for rows in "" 256; do candidate CUDA_FP8_GEMM_FROM_ROWS "$rows" bench throughput $shape --quantization fp8 \
+    $requests; done
 fi
