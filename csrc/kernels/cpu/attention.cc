@@ -11,7 +11,9 @@
 // at a time (attention_amx.h). The caches may hold another float dtype than the query (an engine's
 // kv_cache_dtype: a float32 model over a float16 cache streams half the bytes): K and V are read as
 // float32, so the arithmetic is the query's float32 (or bf16 x bf16 for two bfloat16s). An fp8
-// cache's scales come in as factors: k_scale of the softmax scale, v_scale of the output.
+// cache's scales come in as factors: k_scale of the softmax scale, v_scale of the output, each
+// times 256, since its values are read as 2^-8 times themselves (vec.h's fp8_256: float16 bits;
+// the same bits of result, as powers of two cancel exactly).
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -481,12 +483,18 @@ bool tile_job(const Geometry& g, int64_t rows) {
 }
 
 // One cache block of keys [kbase + j0, kbase + j1) for every row of the job.
+// An fp8 cache's block whose keys [j0, j1) hold no NaN code takes fp8_256_finite's cheaper loads.
 template <typename Q, typename T>
 void attend_block(const PagedAttentionParams& p, const Geometry& g, const Job& job, int64_t kblock, int64_t j0,
                   int64_t j1, int64_t rows, const Prefetch& next, const JobScratch& js) {
   const int64_t offset = block_offset(p, g, job, kblock);
   const T* kblk = static_cast<const T*>(p.key_cache) + offset;
   const T* vblk = static_cast<const T*>(p.value_cache) + offset;
+  if constexpr (std::is_same<T, fp8_256>::value) {
+    const int64_t first = j0 * g.head_size, n = (j1 - j0) * g.head_size;
+    if (!holds_nan_code(&kblk[first].bits, n) && !holds_nan_code(&vblk[first].bits, n))
+      return attend_block<Q, fp8_256_finite>(p, g, job, kblock, j0, j1, rows, next, js);
+  }
   if (rows >= kTransposeRows) {
     transpose_keys(kblk, g, j0, j1, js.kt);
     scores_transposed(js.q, rows, g, js.kt, js.s);
@@ -776,6 +784,10 @@ template <typename Q, typename T>
 void attention(const PagedAttentionParams& params) {
   PagedAttentionParams p = params;
   p.scale *= p.k_scale;  // q . (k_scale k) = k_scale (q . k)
+  if constexpr (std::is_same<T, fp8_256>::value) {  // it reads 2^-8 times each value: exact powers of two
+    p.scale *= 256.0f;
+    p.v_scale *= 256.0f;
+  }
   Geometry g{};
   g.group = p.num_heads / p.num_kv_heads;
   g.head_size = p.head_size;
@@ -798,7 +810,7 @@ void attention_on(const PagedAttentionParams& p) {
   switch (p.cache_dtype) {
     case DType::kFloat32: return attention<Q, float>(p);
     case DType::kBFloat16: return attention<Q, bf16>(p);
-    case DType::kFloat8E4M3: return attention<Q, fp8e4m3>(p);
+    case DType::kFloat8E4M3: return attention<Q, fp8_256>(p);
     default: return attention<Q, f16>(p);
   }
 }

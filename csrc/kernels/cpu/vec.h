@@ -84,6 +84,35 @@ struct fp8e4m3 {
 inline float to_float(fp8e4m3 x) { return fp8_e4m3_to_float(x.bits); }
 template <>
 inline fp8e4m3 from_float<fp8e4m3>(float f) { return fp8e4m3{fp8_e4m3_from_float(f)}; }
+
+// An fp8 cache's E4M3 codes as the attention kernel reads them: 2^-8 times their values (exact;
+// the kernel folds the 256 into its scales), which makes a load float16 bits and one conversion.
+// fp8_256 reads NaN codes as NaN; fp8_256_finite is for blocks the kernel has seen hold none, and
+// loads in three integer operations where fp8_256 takes eight (VecF::load_fp8_weight's way).
+struct fp8_256 {
+  uint8_t bits;
+};
+struct fp8_256_finite {
+  uint8_t bits;
+};
+inline float to_float(fp8_256 x) { return fp8_e4m3_to_float(x.bits) * (1.0f / 256.0f); }
+inline float to_float(fp8_256_finite x) { return fp8_e4m3_to_float(x.bits) * (1.0f / 256.0f); }
+
+// Whether any of n E4M3 codes holds NaN (magnitude 0x7f), eight bytes at a time: a byte's
+// magnitude plus one reaches 0x80 at 0x7f only, with no carry into the next byte.
+inline bool holds_nan_code(const uint8_t* p, int64_t n) {
+  constexpr uint64_t kMagnitudes = 0x7f7f7f7f7f7f7f7full, kOnes = 0x0101010101010101ull;
+  uint64_t hits = 0;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    uint64_t w;
+    std::memcpy(&w, p + i, 8);
+    hits |= (w & kMagnitudes) + kOnes;
+  }
+  for (; i < n; ++i)
+    if ((p[i] & 0x7f) == 0x7f) return true;
+  return (hits & 0x8080808080808080ull) != 0;
+}
 // 2^-8 times an E4M3 weight, NaN codes read as +-1.875 (+-480 / 256): VecF::load_fp8_weight's
 // scalar form.
 inline float fp8_weight_over_256(uint8_t b) {
@@ -125,10 +154,11 @@ struct VecF {
   static VecF load(const f16* p) {
     return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
   }
-  static VecF load(const fp8e4m3* p) {
+  static VecF load(const fp8_256* p) {
     const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-    return {_mm512_mul_ps(_mm512_cvtph_ps(fp8_half_bits(b)), _mm512_set1_ps(256.0f))};
+    return {_mm512_cvtph_ps(fp8_half_bits(b))};
   }
+  static VecF load(const fp8_256_finite* p) { return load_fp8_weight(reinterpret_cast<const uint8_t*>(p)); }
   // kWidth FP8 weights times 2^-8 (the caller's scale carries the 256), NaN codes read as +-480 / 256
   // (weights hold none: the loaders refuse them). Three integer operations where load takes eight:
   // the bytes sign-extended to 16 bits and shifted up 7 put the sign at bit 15 and exponent and
@@ -243,10 +273,11 @@ struct VecF {
     return {_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16))};
   }
   static VecF load(const f16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
-  static VecF load(const fp8e4m3* p) {
+  static VecF load(const fp8_256* p) {
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-    return {_mm256_mul_ps(_mm256_cvtph_ps(fp8_half_bits(b)), _mm256_set1_ps(256.0f))};
+    return {_mm256_cvtph_ps(fp8_half_bits(b))};
   }
+  static VecF load(const fp8_256_finite* p) { return load_fp8_weight(reinterpret_cast<const uint8_t*>(p)); }
   static VecF load_fp8_weight(const uint8_t* p) {  // as the AVX-512 level's
     const __m128i x = _mm_cvtepi8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
     return {_mm256_cvtph_ps(_mm_and_si128(_mm_slli_epi16(x, 7), _mm_set1_epi16(int16_t(0xBF80))))};
