@@ -15,9 +15,10 @@
 // read 64 (int4) or 128 contiguous bytes. The mma does not need a lane's B elements to be the
 // K indices the PTX layout names: lane t's elements of logical columns 2t, 2t + 1, 2t + 8, 2t + 9
 // of k-slice i are weights 4i .. 4i + 3 of its own block, and A's elements of the same logical
-// columns are the same weights' inputs, which makes them one 8-byte load per input row. (A dot
-// product does not depend on how its terms are numbered, only on the order of its sums.) Each A
-// fragment serves the kTiles n-tiles, each B fragment the 16 input rows.
+// columns are the same weights' inputs: the lane reads its block's 32 inputs of rows g and g + 8
+// (four 16-byte loads each) and has every k-slice's A registers. (A dot product does not depend
+// on how its terms are numbered, only on the order of its sums.) Each A fragment serves the
+// kTiles n-tiles, each B fragment the 16 input rows.
 //
 // The decoded floats are rounded to the inputs' type before they are multiplied: the result is
 // that of the weights `dequantize` writes in that type, as torch's GEMM on them gives above

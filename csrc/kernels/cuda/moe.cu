@@ -684,7 +684,7 @@ void run_chunk(const FusedMoeParams& p, int64_t t0, int64_t t1) {
   const ExpertPass down{p.w2, p.intermediate, p.hidden, s.act, p.intermediate, s.y, s.sorted, s.expert_ids,
                         blocks, pairs, p.top_k};
   dispatch_stack<T>(p.w2,
-                   [&](auto* row) { launch_pass<Act, std::remove_pointer_t<decltype(row)>, false, kMma>(down); });
+                    [&](auto* row) { launch_pass<Act, std::remove_pointer_t<decltype(row)>, false, kMma>(down); });
   const CombineParams c{static_cast<T*>(p.out) + t0 * p.out_stride, s.y, p.topk_weights + t0 * p.top_k,
                         p.topk_ids + t0 * p.top_k, s.pair_rows, p.hidden, p.top_k, p.out_stride, p.num_experts};
   const dim3 grid(static_cast<unsigned>(t1 - t0), static_cast<unsigned>(ceil_div(p.hidden, kCombineColumns)));

@@ -94,7 +94,9 @@ __device__ __forceinline__ void place_part(int q, const float v[8], float out[32
 }
 
 // The four 32-bit words of 16 bytes.
-__device__ __forceinline__ void words_of(const uint4& b, uint32_t (&w)[4]) { w[0] = b.x, w[1] = b.y, w[2] = b.z, w[3] = b.w; }
+__device__ __forceinline__ void words_of(const uint4& b, uint32_t (&w)[4]) {
+  w[0] = b.x, w[1] = b.y, w[2] = b.z, w[3] = b.w;
+}
 
 // One row n of the weight, per format: Row(p, n), then decode(blk, q, w) for each block.
 // kAlign: the byte alignment its loads need of the weight's start. Formats whose blocks are

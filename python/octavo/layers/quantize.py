@@ -56,8 +56,6 @@ def quantize_int8(w: torch.Tensor, weight_format: str = "int8") -> QuantizedWeig
     return QuantizedWeight(q, weight_format, w.shape[1], scales=scales)
 
 
-
-
 def quantize_fp8(w: torch.Tensor) -> QuantizedWeight:
     """E4M3 weights with one float32 scale per output row (per channel: vLLM's quantization="fp8"
     takes one per tensor, which a row's scale can only match or beat): q = w / s rounded to the
