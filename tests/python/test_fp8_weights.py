@@ -9,11 +9,10 @@ import shutil
 
 import pytest
 import torch
-
-from octavo import _C, LLM, SamplingParams
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from octavo import _C, LLM, SamplingParams
 from octavo.layers.linear import QuantizedWeight, fp8_gemm, fp8_gemm_takes
 from octavo.layers.quantize import quantize_fp8
 from test_elementwise_ops import DTYPE_IDS, DTYPES
