@@ -133,7 +133,7 @@ struct WeightQuant {
   // cores, decoding each weight once per 16 input rows (Marlin's design, for decode batches of 2 to
   // 16 and more). The weights are rounded to the inputs' dtype first, so the result is that of the
   // weights `dequantize` writes in that dtype, not the float32 products of the default kernel.
-  // Not yet layers/linear.py's choice: it becomes so once measured faster on a GPU (issue #29).
+  // Not yet layers/linear.py's choice: it becomes so once a GPU measures it faster.
   bool tensor_cores = false;
 };
 

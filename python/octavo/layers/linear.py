@@ -76,10 +76,10 @@ CUDA_KERNEL_MAX_ROWS = 8
 CUDA_DENSE_KERNEL_MAX_ROWS = {torch.float32: 8, torch.float16: 1, torch.bfloat16: 1}
 DEQUANTIZE_SLAB_WEIGHTS = 1 << 25
 # On CUDA, the most rows of 16-bit activations a quantized weight's product runs on tensor cores
-# (see above): 0, none, until measured on a GPU (issue #29).
+# (see above): 0, none, until a GPU measures where it wins.
 CUDA_TENSOR_CORE_MAX_ROWS = 0
 # On CUDA, the fewest rows of bfloat16 activations whose product with an fp8 weight of one scale
-# per row runs W8A8 on FP8 tensor cores (fp8_gemm): inf, never, until measured on a GPU (issue #29).
+# per row runs W8A8 on FP8 tensor cores (fp8_gemm): inf, never, until a GPU measures where it wins.
 CUDA_FP8_GEMM_FROM_ROWS = math.inf
 FP8_MAX = 448.0  # E4M3's largest finite value
 # On the CPU, 16-bit activations of a quantized product with fewer rows than this are multiplied
