@@ -315,8 +315,9 @@ def fp8_gemm_rows(quick: bool) -> None:
             weight_only = cuda_ms(lambda: layer._gemm_on_dequantized(x, w, None), repeats=10)
             tflops = 2 * m * n * k / 1e12
             print(f"  fp8 W8A8 {name:>7} M={m:5d}: fp8_gemm {w8a8 * 1e3:8.1f} us "
-                  f"({tflops / (w8a8 / 1e3):5.0f} TFLOP/s, {bf16 / w8a8:.2f}x bf16), _scaled_mm {mm * 1e3:8.1f} us ({bf16 / mm:.2f}x), cuBLAS bf16 "
-                  f"{bf16 * 1e3:8.1f} us, weight-only {weight_only * 1e3:8.1f} us")
+                  f"({tflops / (w8a8 / 1e3):5.0f} TFLOP/s, {bf16 / w8a8:.2f}x bf16), "
+                  f"_scaled_mm {mm * 1e3:8.1f} us ({bf16 / mm:.2f}x), cuBLAS bf16 {bf16 * 1e3:8.1f} us, "
+                  f"weight-only {weight_only * 1e3:8.1f} us")
 
 
 def main() -> None:
