@@ -113,6 +113,7 @@ inline bool holds_nan_code(const uint8_t* p, int64_t n) {
     if ((p[i] & 0x7f) == 0x7f) return true;
   return (hits & 0x8080808080808080ull) != 0;
 }
+
 // 2^-8 times an E4M3 weight, NaN codes read as +-1.875 (+-480 / 256): VecF::load_fp8_weight's
 // scalar form.
 inline float fp8_weight_over_256(uint8_t b) {

@@ -250,13 +250,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         return weight.linear(x, bias)
     if isinstance(weight, QuantizedWeight):
         qweight, weight_format, scales, zeros, group_size, n, input_order, int8_inputs = weight.bound
-        if x.device.type == "cuda" and x.shape[0] >= CUDA_FP8_GEMM_FROM_ROWS and fp8_gemm_takes(x, weight):
+        cuda = x.device.type == "cuda"
+        if cuda and x.shape[0] >= CUDA_FP8_GEMM_FROM_ROWS and fp8_gemm_takes(x, weight):
             return _into(out, fp8_gemm(x, weight, bias))
         if input_order is not None:
             x = x.index_select(-1, input_order)
-        tensor_cores = x.device.type == "cuda" and x.dtype != torch.float32 and \
-            x.shape[0] <= CUDA_TENSOR_CORE_MAX_ROWS
-        if x.device.type == "cuda" and x.shape[0] > CUDA_KERNEL_MAX_ROWS and not tensor_cores:
+        tensor_cores = cuda and x.dtype != torch.float32 and x.shape[0] <= CUDA_TENSOR_CORE_MAX_ROWS
+        if cuda and x.shape[0] > CUDA_KERNEL_MAX_ROWS and not tensor_cores:
             return _into(out, _gemm_on_dequantized(x, weight, bias))
         dtype = x.dtype
         if x.device.type == "cpu" and dtype != torch.float32 and weight_format != "bf16_tiles":
